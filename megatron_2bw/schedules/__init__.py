@@ -1,0 +1,87 @@
+"""Pipeline schedules as data: build, lower, validate, simulate, draw.
+
+`build_schedule(name, num_stages, num_microbatches, num_minibatches)` is the one entry
+point; it returns a validated `Schedule` (a dict stage -> list[Action]) whose actions
+the executor runs and the simulator and planner read.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .actions import ALL_KINDS, Action, Schedule  # noqa: F401
+from .builders import build_2bw, build_flush, build_gpipe
+from .passes import add_communication, add_grad_sync
+from .simulate import Costs, DeadlockError, Timeline, simulate  # noqa: F401
+from .validate import ScheduleError, validate  # noqa: F401
+
+Builder = Callable[[int, int, int, int], dict[int, list[Action]]]
+
+_BUILDERS: dict[str, Builder] = {"gpipe": build_gpipe, "flush": build_flush, "2bw": build_2bw}
+ALIASES = {"pipedream-flush": "flush", "1f1b": "flush", "pipedream-2bw": "2bw"}
+SCHEDULE_NAMES = tuple(_BUILDERS) + tuple(ALIASES)
+
+
+def canonical_name(name: str) -> str:
+    """Resolve an alias; raise ValueError naming the valid schedules otherwise."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in _BUILDERS:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: "
+                         + ", ".join(SCHEDULE_NAMES))
+    return key
+
+
+def declared_weight_versions(name: str) -> int:
+    """Weight buffers per stage the schedule needs (2BW: two; flush, gpipe: one)."""
+    return 2 if canonical_name(name) == "2bw" else 1
+
+
+def declared_stash_limit(name: str, num_stages: int, num_microbatches: int,
+                         num_minibatches: int = 1) -> tuple[int, ...]:
+    """Most microbatches each stage holds activations for (DeepSpeed's num_pipe_buffers)."""
+    key = canonical_name(name)
+    if key == "gpipe":
+        return tuple(num_microbatches for _ in range(num_stages))
+    total = num_microbatches * (num_minibatches if key == "2bw" else 1)
+    return tuple(min(num_stages - s, total) for s in range(num_stages))
+
+
+def build_schedule(name: str, num_stages: int, num_microbatches: int, num_minibatches: int = 1,
+                   *, first_minibatch: int = 0, defer_step: bool | None = None,
+                   check: bool = True) -> Schedule:
+    """Build, lower and validate a schedule.
+
+    Args:
+        name: "gpipe", "flush" ("pipedream-flush", "1f1b") or "2bw" ("pipedream-2bw").
+        num_stages: pipeline depth d.
+        num_microbatches: microbatches per minibatch m (2BW needs m >= d).
+        num_minibatches: minibatches run back to back (2BW: without flushes between).
+        first_minibatch: global index of the first minibatch, so a run can be cut into
+            segments (at checkpoints) with global microbatch indices and versions.
+        defer_step: place minibatch k's optimizer step where version k + 1 is first
+            needed, overlapping its data-parallel all-reduce with minibatch k + 1.
+            Default: on for 2BW, meaningless (a flush) for the others.
+        check: validate the result (off only for tests of the validator itself).
+    """
+    key = canonical_name(name)
+    for label, value, low in (("num_stages", num_stages, 1), ("num_microbatches",
+                              num_microbatches, 1), ("num_minibatches", num_minibatches, 1),
+                              ("first_minibatch", first_minibatch, 0)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{label} must be an integer >= {low}, got {value!r}")
+    if key == "2bw" and num_microbatches < num_stages:
+        raise ValueError(f"2bw needs num_microbatches (m={num_microbatches}) to be at least "
+                         f"num_stages (d={num_stages}): m must be at least d")
+    defer = key == "2bw" if defer_step is None else (defer_step and key == "2bw")
+    plan = _BUILDERS[key](num_stages, num_microbatches, num_minibatches, first_minibatch)
+    plan = add_communication(plan, num_stages)
+    plan = add_grad_sync(plan, num_microbatches, defer_step=defer)
+    schedule = Schedule(plan, name=key, num_stages=num_stages,
+                        num_microbatches=num_microbatches, num_minibatches=num_minibatches,
+                        first_minibatch=first_minibatch,
+                        weight_versions=declared_weight_versions(key),
+                        grad_buffers=2 if defer else 1,
+                        stash_limit=declared_stash_limit(key, num_stages, num_microbatches,
+                                                         num_minibatches))
+    if check:
+        validate(schedule)
+    return schedule

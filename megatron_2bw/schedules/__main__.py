@@ -1,0 +1,45 @@
+"""`python -m megatron_2bw.schedules`: print (and draw) a schedule's timeline."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import SCHEDULE_NAMES, Costs, build_schedule, simulate
+from .render import format_grid, plot_timeline
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_2bw.schedules",
+                                     description=__doc__)
+    parser.add_argument("--schedule", default="2bw", help="one of: " + ", ".join(SCHEDULE_NAMES))
+    parser.add_argument("--stages", type=int, default=4, help="pipeline depth d")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per minibatch m")
+    parser.add_argument("--minibatches", type=int, default=2, help="minibatches to run")
+    parser.add_argument("--forward-cost", type=float, default=1.0)
+    parser.add_argument("--backward-cost", type=float, default=2.0)
+    parser.add_argument("--width", type=int, default=16, help="time slots per grid block")
+    parser.add_argument("--output", help="draw the timeline to FILE.png or FILE.svg")
+    args = parser.parse_args(argv)
+    try:
+        schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.minibatches)
+    except ValueError as err:
+        parser.error(str(err).splitlines()[0])
+    timeline = simulate(schedule, Costs(forward=args.forward_cost, backward=args.backward_cost))
+    out = sys.stdout
+    out.write(f"{schedule.name}: d={args.stages} m={args.microbatches} "
+              f"minibatches={args.minibatches} (cells: F/B, microbatch, v = weight version)\n\n")
+    out.write(format_grid(timeline, width=args.width) + "\n\n")
+    out.write(f"makespan {timeline.makespan:g}  bubble fraction {timeline.bubble_fraction:.3f}\n")
+    for stage in sorted(timeline.events):
+        out.write(f"stage {stage}: peak stashed microbatches {timeline.peak_stashes[stage]}, "
+                  f"peak live weight versions {timeline.peak_versions[stage]}\n")
+    if args.output:
+        plot_timeline(timeline, args.output,
+                      title=f"{schedule.name} d={args.stages} m={args.microbatches}: "
+                            f"bubble {timeline.bubble_fraction:.1%}")
+        out.write(f"timeline written to {args.output}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Pictures of schedules: the action order, the stage x time grid, a timeline image."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from .actions import BACKWARD, FORWARD, Action
+
+CELL = 7
+
+
+def format_order(schedule: Mapping[int, list[Action]], marks: Mapping[int, int] | None = None,
+                 compute_only: bool = False) -> str:
+    """Each stage's actions in order, one row per stage; `marks` puts >< around a step."""
+    marks = marks or {}
+    rows = []
+    for stage, actions in sorted(schedule.items()):
+        cells = []
+        for idx, a in enumerate(actions):
+            if compute_only and a.kind not in (FORWARD, BACKWARD):
+                continue
+            text = str(a)
+            cells.append(f">{text}<" if marks.get(stage) == idx else text)
+        rows.append(f"stage {stage}: " + " ".join(cells))
+    return "\n".join(rows)
+
+
+def format_grid(timeline, width: int = 16) -> str:
+    """Stage x time grid of F/B cells (`F5v0` = forward of microbatch 5 on version 0).
+
+    Time is cut into slots of the shortest compute action; `.` is idle. The grid is
+    wrapped every `width` slots so it stays readable.
+    """
+    compute = [(a, s, e) for ev in timeline.events.values() for a, s, e in ev
+               if a.kind in (FORWARD, BACKWARD)]
+    if not compute:
+        return "(empty schedule)"
+    slot = min(e - s for _, s, e in compute) or 1.0
+    slots = int(round(timeline.makespan / slot))
+    grid = {stage: ["."] * slots for stage in timeline.events}
+    for a, start, end in compute:
+        first, last = int(round(start / slot)), int(round(end / slot))
+        for t in range(first, last):
+            grid[a.stage][t] = f"{a.kind}{a.microbatch}v{a.version}" if t == first else "~"
+    blocks = []
+    for lo in range(0, slots, width):
+        header = "time    " + "".join(f"{t:<{CELL}}" for t in range(lo, min(lo + width, slots)))
+        lines = [header] + [f"stage {s:<2}" + "".join(f"{c:<{CELL}}" for c in row[lo:lo + width])
+                            for s, row in sorted(grid.items())]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def plot_timeline(timeline, path: str, title: str = "") -> None:
+    """Draw the timeline (PNG or SVG by extension): forwards light, backwards dark,
+    colour by weight version."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = sorted(timeline.events)
+    fig, ax = plt.subplots(figsize=(max(8.0, timeline.makespan * 0.12), 0.6 * len(stages) + 1.5))
+    cmap = plt.get_cmap("tab10")
+    for stage in stages:
+        for a, start, end in timeline.events[stage]:
+            if a.kind not in (FORWARD, BACKWARD) or end <= start:
+                continue
+            colour = cmap(a.version % 10)
+            alpha = 0.45 if a.kind == FORWARD else 0.95
+            ax.broken_barh([(start, end - start)], (stage - 0.4, 0.8), facecolors=colour,
+                           alpha=alpha, edgecolor="black", linewidth=0.4)
+            ax.text((start + end) / 2, stage, f"{a.kind}{a.microbatch}", ha="center",
+                    va="center", fontsize=6)
+    ax.set_yticks(stages)
+    ax.set_yticklabels([f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (forward = 1)")
+    ax.set_title(title or f"bubble {timeline.bubble_fraction:.1%}; colour = weight version, "
+                          "light = forward, dark = backward")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,181 @@
+"""Run a schedule on paper: timeline, makespan, bubble, peak stashes and weight versions.
+
+The same pass also proves the schedule cannot deadlock under the executor's
+communication model, so the validator calls it:
+- sends are asynchronous: a SEND never waits;
+- a RECV waits for the matching SEND (per channel, first-in first-out);
+- R(k) starts the data-parallel all-reduce in the background; it finishes `allreduce`
+  time units after it starts (one reduction at a time per stage);
+- S(k) is a collective over all stages (global gradient norm, inf/NaN flag, tied
+  embeddings): it starts when every stage has reached it and its own R(k) has finished.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
+                      REDUCE_GRADS, SEND_BACKWARD, SEND_FORWARD, Action, Schedule)
+
+PerStage = Union[float, Sequence[float]]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-action costs in any time unit. A sequence gives one value per stage."""
+
+    forward: PerStage = 1.0
+    backward: PerStage = 2.0
+    p2p: float = 0.0        # transfer time of one boundary tensor, either direction
+    allreduce: PerStage = 0.0  # data-parallel all-reduce of one stage's gradients
+    step: PerStage = 0.0    # optimizer step
+
+    def of(self, name: str, stage: int) -> float:
+        value = getattr(self, name)
+        return float(value if isinstance(value, (int, float)) else value[stage])
+
+
+@dataclass
+class Timeline:
+    """What `simulate` returns. `events[stage]` holds (action, start, end) in order."""
+
+    events: dict[int, list[tuple[Action, float, float]]]
+    makespan: float
+    busy: dict[int, float]
+    peak_stashes: dict[int, int]
+    peak_versions: dict[int, int]
+    step_wait: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of stage-time spent idle (not in F or B) over the makespan."""
+        if self.makespan <= 0:
+            return 0.0
+        stages = len(self.busy)
+        return 1.0 - sum(self.busy.values()) / (stages * self.makespan)
+
+
+class DeadlockError(RuntimeError):
+    """No stage can make progress: carries the stuck positions for the grid."""
+
+    def __init__(self, message: str, stuck: dict[int, int]):
+        super().__init__(message)
+        self.stuck = stuck
+
+
+_CHANNEL_OF_RECV = {RECV_FORWARD: (SEND_FORWARD, -1), RECV_BACKWARD: (SEND_BACKWARD, +1)}
+
+
+class _Sim:
+    """Mutable state of one simulation; `run` advances stages until all are done."""
+
+    def __init__(self, schedule: Schedule, costs: Costs):
+        self.sched, self.costs = schedule, costs
+        self.pc = {s: 0 for s in schedule}
+        self.clock = {s: 0.0 for s in schedule}
+        self.arrivals: dict[tuple[str, int, int], float] = {}  # (send kind, from stage, mb)
+        self.reduce_done: dict[tuple[int, int], float] = {}
+        self.comm_free = {s: 0.0 for s in schedule}
+        self.events: dict[int, list[tuple[Action, float, float]]] = {s: [] for s in schedule}
+        self.busy = {s: 0.0 for s in schedule}
+        self.step_wait = {s: 0.0 for s in schedule}
+        self.stash = {s: 0 for s in schedule}
+        self.peak_stash = {s: 0 for s in schedule}
+
+    def ready_time(self, a: Action) -> float | None:
+        """When `a` may start, or None if it cannot start yet."""
+        s = a.stage
+        if a.kind in _CHANNEL_OF_RECV:
+            send_kind, delta = _CHANNEL_OF_RECV[a.kind]
+            arrival = self.arrivals.get((send_kind, s + delta, a.microbatch))
+            return None if arrival is None else max(self.clock[s], arrival)
+        if a.kind == OPTIMIZER_STEP:
+            waiting = [self._current(t) for t in self.sched]
+            if any(w is None or w.kind != OPTIMIZER_STEP or w.minibatch != a.minibatch
+                   for w in waiting):
+                return None
+            start = max(self.clock.values())
+            return max(start, self.reduce_done.get((s, a.minibatch), 0.0))
+        return self.clock[s]
+
+    def _current(self, stage: int) -> Action | None:
+        actions = self.sched[stage]
+        return actions[self.pc[stage]] if self.pc[stage] < len(actions) else None
+
+    def execute(self, a: Action, start: float) -> None:
+        s, c = a.stage, self.costs
+        duration = {FORWARD: c.of("forward", s), BACKWARD: c.of("backward", s),
+                    OPTIMIZER_STEP: c.of("step", s)}.get(a.kind, 0.0)
+        end = start + duration
+        if a.kind in (SEND_FORWARD, SEND_BACKWARD):
+            self.arrivals[(a.kind, s, a.microbatch)] = end + c.p2p
+        elif a.kind == REDUCE_GRADS:
+            begin = max(end, self.comm_free[s])
+            self.comm_free[s] = self.reduce_done[(s, a.minibatch)] = begin + c.of("allreduce", s)
+        elif a.kind in (FORWARD, BACKWARD):
+            self.busy[s] += duration
+            self.stash[s] += 1 if a.kind == FORWARD else -1
+            self.peak_stash[s] = max(self.peak_stash[s], self.stash[s])
+        if a.kind == OPTIMIZER_STEP:
+            self.step_wait[s] += start - self.clock[s]
+        self.events[s].append((a, start, end))
+        self.clock[s] = end
+        self.pc[s] += 1
+
+    def run(self) -> None:
+        progressed = True
+        while progressed:
+            progressed = False
+            for s in self.sched:
+                while (a := self._current(s)) is not None and a.kind != OPTIMIZER_STEP:
+                    start = self.ready_time(a)
+                    if start is None:
+                        break
+                    self.execute(a, start)
+                    progressed = True
+            waiting = [self._current(s) for s in self.sched]
+            if all(w is not None and w.kind == OPTIMIZER_STEP for w in waiting):
+                starts = [self.ready_time(w) for w in waiting]
+                if all(t is not None for t in starts):  # the collective meets
+                    for w, t in zip(waiting, starts):
+                        self.execute(w, t)
+                    progressed = True
+        if any(self._current(s) is not None for s in self.sched):
+            stuck = {s: self.pc[s] for s in self.sched if self._current(s) is not None}
+            raise DeadlockError("schedule deadlocks: stages "
+                                + ", ".join(f"{s} at {self._current(s)}" for s in stuck), stuck)
+
+
+def peak_live_versions(actions: Sequence[Action], weight_versions_at_start: int = 1) -> int:
+    """Most weight versions a stage must keep at once.
+
+    A version is live from its creation (initial, or by S) until the last F/B that uses
+    it, and the newest version is always live (new forwards need it).
+    """
+    last_use: dict[int, int] = {}
+    created: dict[int, int] = {}
+    for idx, a in enumerate(actions):
+        if a.kind in (FORWARD, BACKWARD):
+            last_use[a.version] = idx
+            created.setdefault(a.version, -1)
+        elif a.kind == OPTIMIZER_STEP:
+            created[a.version] = idx
+    peak = weight_versions_at_start
+    newest = min(created, default=-1)
+    for idx in range(len(actions)):
+        step = actions[idx]
+        if step.kind == OPTIMIZER_STEP:
+            newest = step.version
+        live = {v for v, c in created.items() if c <= idx and (last_use.get(v, -1) >= idx
+                                                                 or v == newest)}
+        peak = max(peak, len(live))
+    return peak
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Simulate `schedule` under `costs` (default F=1, B=2, free communication)."""
+    sim = _Sim(schedule, costs or Costs())
+    sim.run()
+    makespan = max((ev[-1][2] for ev in sim.events.values() if ev), default=0.0)
+    versions = {s: peak_live_versions(schedule[s]) for s in schedule}
+    return Timeline(sim.events, makespan, sim.busy, sim.peak_stash, versions, sim.step_wait)
