@@ -1,0 +1,58 @@
+"""Any `torch.optim` optimizer as a weight-version updater.
+
+The optimizer is built once over "slot" parameters, so it holds one optimizer state
+whatever the number of weight buffers. Each step points the slots at the target
+buffer (after copying the newest weights there when it is a different buffer) and at
+the minibatch's reduced gradient, then calls `optimizer.step()`: the new version is
+written in place, with no third copy of the weights.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class TorchOptimizerUpdater:
+    """fp32 weights, no loss scaling: W(target) = step(W(newest), grad)."""
+
+    loss_scale = 1.0
+
+    def __init__(self, params: list[torch.Tensor], make_optimizer: OptimizerFactory,
+                 lr_at: Optional[Callable[[int], float]] = None):
+        self.slots = [_alias(p) for p in params]
+        self.optimizer = make_optimizer(self.slots)
+        self.lr_at = lr_at
+
+    def step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
+             newest: list[torch.Tensor], target: list[torch.Tensor], grad_scale: float
+             ) -> dict[str, float]:
+        with torch.no_grad():
+            if target[0] is not newest[0]:
+                torch._foreach_copy_(target, newest)
+            if grad_scale != 1.0:
+                flat_grad.div_(grad_scale)
+        for slot, weight, grad in zip(self.slots, target, grads):
+            slot.data = weight.data
+            slot.grad = grad
+        if self.lr_at is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_at(minibatch)
+        self.optimizer.step()
+        for slot in self.slots:
+            slot.grad = None
+        return {"lr": self.optimizer.param_groups[0]["lr"]}
+
+
+def _alias(param: torch.Tensor) -> nn.Parameter:
+    """A Parameter sharing `param`'s storage but with its own autograd version counter.
+
+    (`param.detach()` would share the counter, and an update of the other weight
+    buffer through this slot would then look like a change of `param` to autograd.)
+    """
+    slot = nn.Parameter(param.new_empty(0))
+    slot.data = param.data
+    return slot

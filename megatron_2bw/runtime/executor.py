@@ -1,0 +1,172 @@
+"""Run one stage's action list in one process.
+
+The executor knows nothing about which schedule it runs: it looks each action's kind up
+in a dispatch table and calls a short handler. A new schedule is a new builder in
+`megatron_2bw.schedules`, never a branch here.
+
+A stage is an `nn.Module` called as `module(input_tensor, batch)`: `input_tensor` is
+None on the first stage, the previous stage's output otherwise; the last stage
+returns the microbatch's scalar loss, the others their boundary activation.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..schedules.actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD,
+                                 RECV_FORWARD, REDUCE_GRADS, SEND_BACKWARD, SEND_FORWARD,
+                                 Action, Schedule)
+from .grad_sync import GradReducer
+from .p2p import P2P, StageLinks
+from .versions import WeightStore
+
+logger = logging.getLogger(__name__)
+
+
+class Updater(Protocol):
+    """The numerics of an optimizer step (see megatron_2bw.optim)."""
+
+    loss_scale: float
+
+    def step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
+             newest: list[torch.Tensor], target: list[torch.Tensor], grad_scale: float
+             ) -> dict[str, float]:
+        """Write the next weights into `target` from `newest` and the gradients.
+
+        `grad_scale` is the loss scale the minibatch's backward passes used (it travels
+        with the weight version they used, so every stage agrees on it).
+        """
+
+
+@dataclass
+class RunResult:
+    """What one `run` produced on this stage."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # minibatch -> mean loss (last stage)
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # per minibatch
+    steps: dict[int, dict[str, float]] = field(default_factory=dict)  # minibatch -> step info
+    peak_stashes: int = 0
+
+
+StepCallback = Callable[[int, RunResult], None]
+
+
+class PipelineExecutor:
+    """Executes schedules for one pipeline stage; weights persist across `run` calls."""
+
+    def __init__(self, module: nn.Module, links: StageLinks, updater: Updater, *,
+                 weight_versions: int, grad_buffers: int,
+                 dp_group: Optional[dist.ProcessGroup] = None, first_version: int = 0):
+        self.links = links
+        self.weights = WeightStore(module, weight_versions, grad_buffers, first_version)
+        self.weights.loss_scale_of[first_version] = updater.loss_scale
+        self.p2p = P2P(links)
+        self.reducer = GradReducer(dp_group)
+        self.updater = updater
+        self._handlers: dict[str, Callable[[Action], None]] = {
+            FORWARD: self._forward, BACKWARD: self._backward,
+            RECV_FORWARD: self._recv_forward, SEND_FORWARD: self._send_forward,
+            RECV_BACKWARD: self._recv_backward, SEND_BACKWARD: self._send_backward,
+            REDUCE_GRADS: self._reduce_grads, OPTIMIZER_STEP: self._optimizer_step,
+        }
+
+    # --- driver ---------------------------------------------------------------------
+    def run(self, schedule: Schedule, data: Iterator[dict], on_step: StepCallback | None = None
+            ) -> RunResult:
+        """Run this stage's actions of `schedule`, pulling one batch per forward."""
+        if schedule.weight_versions != self.weights.num_buffers:
+            raise ValueError(f"schedule {schedule.name} needs {schedule.weight_versions} weight "
+                             f"buffers, this executor holds {self.weights.num_buffers}")
+        self._m = schedule.num_microbatches
+        self._data, self._on_step = data, on_step
+        self._stash: dict[int, tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
+        self._inbox: dict[int, torch.Tensor] = {}
+        self._outbox: dict[int, torch.Tensor] = {}
+        self._micro_losses: dict[int, list[torch.Tensor]] = {}
+        self._micro_metrics: dict[int, list[dict]] = {}
+        self._grad_version: dict[int, int] = {}
+        self._result = RunResult()
+        for action in schedule[self.links.stage]:
+            self._handlers[action.kind](action)
+        self.p2p.wait_all()
+        return self._result
+
+    # --- compute --------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        inp = self._inbox.pop(a.microbatch, None)
+        if inp is not None:
+            inp.requires_grad_()
+        batch = next(self._data)
+        self.weights.acquire(a.version)
+        out = self.weights.module_for(a.version)(inp, batch)
+        if self.links.is_last:
+            self._record_loss(a, out)
+            out = out * (self.weights.loss_scale_of[a.version] / self._m)
+        else:
+            self._outbox[a.microbatch] = out
+        self._stash[a.microbatch] = (inp, out, a.version)
+        self._result.peak_stashes = max(self._result.peak_stashes, len(self._stash))
+
+    def _record_loss(self, a: Action, loss: torch.Tensor) -> None:
+        k = a.microbatch // self._m
+        self._micro_losses.setdefault(k, []).append(loss.detach())
+        module = self.weights.module_for(a.version)
+        extra = getattr(module, "last_metrics", None)
+        if extra:
+            self._micro_metrics.setdefault(k, []).append(dict(extra))
+
+    def _backward(self, a: Action) -> None:
+        inp, out, version = self._stash.pop(a.microbatch)
+        grad = None if self.links.is_last else self._inbox.pop(-1 - a.microbatch)
+        self.weights.bind_grads(version, a.microbatch // self._m)
+        self._grad_version[a.microbatch // self._m] = version
+        torch.autograd.backward(out, grad_tensors=grad)
+        self.weights.release(version)
+        if inp is not None:
+            self._outbox[-1 - a.microbatch] = inp.grad
+
+    # --- communication (gradients use key -1 - microbatch) ---------------------------
+    def _recv_forward(self, a: Action) -> None:
+        self._inbox[a.microbatch] = self.p2p.recv_activation()
+
+    def _send_forward(self, a: Action) -> None:
+        self.p2p.send_activation(self._outbox.pop(a.microbatch))
+
+    def _recv_backward(self, a: Action) -> None:
+        self._inbox[-1 - a.microbatch] = self.p2p.recv_gradient()
+
+    def _send_backward(self, a: Action) -> None:
+        self.p2p.send_gradient(self._outbox.pop(-1 - a.microbatch))
+
+    # --- gradient reduction and the new weight version ------------------------------
+    def _reduce_grads(self, a: Action) -> None:
+        flat, _ = self.weights.grads(a.minibatch)
+        self.reducer.start(a.minibatch, flat)
+        self._finish_losses(a.minibatch)
+
+    def _finish_losses(self, k: int) -> None:
+        losses = self._micro_losses.pop(k, None)
+        if losses:
+            self._result.losses[k] = torch.stack(losses).mean().item()
+        metrics = self._micro_metrics.pop(k, None)
+        if metrics:
+            self._result.metrics[k] = {name: torch.stack([m[name] for m in metrics]).mean().item()
+                                       for name in metrics[0]}
+
+    def _optimizer_step(self, a: Action) -> None:
+        flat = self.reducer.wait(a.minibatch)
+        _, views = self.weights.grads(a.minibatch)
+        grad_scale = self.weights.loss_scale_of[self._grad_version.pop(a.minibatch)]
+        newest, target = self.weights.publish(a.version)
+        info = self.updater.step(a.minibatch, flat, views, newest, target, grad_scale)
+        self.weights.loss_scale_of[a.version] = self.updater.loss_scale
+        self.weights.loss_scale_of.pop(a.version - self.weights.num_buffers - 1, None)
+        self.weights.clear_grads(a.minibatch)
+        self._result.steps[a.minibatch] = info
+        if self._on_step is not None:
+            self._on_step(a.minibatch, self._result)

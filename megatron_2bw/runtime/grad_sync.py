@@ -1,0 +1,37 @@
+"""Data-parallel gradient reduction of one stage across its w replicas.
+
+One asynchronous all-reduce of the stage's flat gradient buffer per minibatch. 2BW
+starts it after minibatch k's last backward and waits only at the optimizer step,
+which its schedule places where version k + 1 is first needed, so the reduction
+overlaps minibatch k + 1's compute.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class GradReducer:
+    """Averages gradients over the data-parallel group (mean, as Megatron-LM)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]):
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self._pending: dict[int, tuple[Optional[dist.Work], torch.Tensor]] = {}
+
+    def start(self, minibatch: int, flat_grad: torch.Tensor) -> None:
+        if minibatch in self._pending:
+            raise RuntimeError(f"gradient reduction of minibatch {minibatch} started twice")
+        work = None
+        if self.size > 1:
+            work = dist.all_reduce(flat_grad, group=self.group, async_op=True)
+        self._pending[minibatch] = (work, flat_grad)
+
+    def wait(self, minibatch: int) -> torch.Tensor:
+        work, flat_grad = self._pending.pop(minibatch)
+        if work is not None:
+            work.wait()
+            flat_grad.div_(self.size)
+        return flat_grad
