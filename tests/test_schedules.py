@@ -112,14 +112,13 @@ def test_validator_catches_backward_before_forward() -> None:
 def test_validator_catches_deadlock_and_draws_grid() -> None:
     good = build_schedule("flush", 2, 2, check=False)
 
-    def recv_too_early(actions):  # stage 1 waits for a microbatch stage 0 sends later
-        idx = next(i for i, a in enumerate(actions) if a.kind == RECV_FORWARD)
-        actions.insert(0, actions.pop(next(i for i, a in enumerate(actions)
-                                           if a.kind == RECV_FORWARD and i > idx)))
+    def recv_too_early(actions):  # stage 0 waits for a gradient before sending forward
+        rb = next(i for i, a in enumerate(actions) if a.kind == "RB")
+        actions.insert(0, actions.pop(rb))
         return actions
     with pytest.raises(ScheduleError) as err:
-        validate(_broken(good, 1, recv_too_early))
-    assert "stage 1:" in str(err.value) and ">" in str(err.value)
+        validate(_broken(good, 0, recv_too_early))
+    assert "deadlocks" in str(err.value) and ">0RB0<" in str(err.value)
 
 
 def test_validator_catches_version_mismatch_and_third_version() -> None:
