@@ -23,7 +23,7 @@ class TorchOptimizerUpdater:
 
     def __init__(self, params: list[torch.Tensor], make_optimizer: OptimizerFactory,
                  lr_at: Optional[Callable[[int], float]] = None):
-        self.slots = [_alias(p) for p in params]
+        self.slots = [alias_parameter(p) for p in params]
         self.optimizer = make_optimizer(self.slots)
         self.lr_at = lr_at
 
@@ -47,7 +47,7 @@ class TorchOptimizerUpdater:
         return {"lr": self.optimizer.param_groups[0]["lr"]}
 
 
-def _alias(param: torch.Tensor) -> nn.Parameter:
+def alias_parameter(param: torch.Tensor) -> nn.Parameter:
     """A Parameter sharing `param`'s storage but with its own autograd version counter.
 
     (`param.detach()` would share the counter, and an update of the other weight
