@@ -61,9 +61,11 @@ class PipelineExecutor:
 
     def __init__(self, module: nn.Module, links: StageLinks, updater: Updater, *,
                  weight_versions: int, grad_buffers: int,
-                 dp_group: Optional[dist.ProcessGroup] = None, first_version: int = 0):
+                 dp_group: Optional[dist.ProcessGroup] = None, first_version: int = 0,
+                 make_copy: Optional[Callable[[], nn.Module]] = None):
         self.links = links
-        self.weights = WeightStore(module, weight_versions, grad_buffers, first_version)
+        self.weights = WeightStore(module, weight_versions, grad_buffers, first_version,
+                                   make_copy)
         self.weights.loss_scale_of[first_version] = updater.loss_scale
         self.p2p = P2P(links)
         self.reducer = GradReducer(dp_group)

@@ -14,6 +14,7 @@ next minibatch's backward passes, else one.
 from __future__ import annotations
 
 import copy
+from typing import Callable, Optional
 import torch
 from torch import nn
 
@@ -26,11 +27,13 @@ class WeightStore:
     """The stage's weight buffers, gradient buffers and version bookkeeping."""
 
     def __init__(self, module: nn.Module, num_buffers: int, num_grad_buffers: int,
-                 first_version: int = 0):
+                 first_version: int = 0, make_copy: Optional[Callable[[], nn.Module]] = None):
         if num_buffers not in (1, 2):
             raise ValueError(f"num_buffers must be 1 or 2, got {num_buffers}")
-        self.modules: list[nn.Module] = [module] + [copy.deepcopy(module)
-                                                   for _ in range(num_buffers - 1)]
+        make_copy = make_copy or (lambda: copy.deepcopy(module))
+        self.modules: list[nn.Module] = [module] + [make_copy() for _ in range(num_buffers - 1)]
+        for extra in self.modules[1:]:
+            extra.load_state_dict(module.state_dict())
         self.params = [[p for p in m.parameters() if p.requires_grad] for m in self.modules]
         numel = sum(p.numel() for p in self.params[0])
         device = self.params[0][0].device if self.params[0] else torch.device("cpu")
@@ -41,6 +44,8 @@ class WeightStore:
         self._hooks = self._install_fp32_accumulation()
         self.newest = first_version
         self.valid = {first_version}     # versions whose weights are in a buffer
+        if num_buffers == 2 and first_version > 0:  # resumed 2BW: the shadow is held too
+            self.valid.add(first_version - 1)
         self.in_use: dict[int, int] = {}  # version -> microbatches holding it
         self.peak_live = 1
         self.loss_scale_of: dict[int, float] = {}

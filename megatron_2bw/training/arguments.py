@@ -1,0 +1,209 @@
+"""Megatron-LM's command-line flags, parsed once into typed configs.
+
+Flag names and meanings follow Megatron-LM (megatron/training/arguments.py). New:
+`--pipeline-schedule {gpipe,flush,2bw}` (default flush, Megatron's semantics), with the
+PipeDream-2BW authors' spellings `--pipeline-no-flushes` (= 2bw) and `--gpipe`.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+import torch
+
+from ..models.config import ModelConfig, pad_vocab_size
+from ..optim.loss_scale import LossScaleConfig
+from ..optim.updater import OptimizerConfig
+from ..schedules import SCHEDULE_NAMES, canonical_name
+from .config import DataConfig, ParallelConfig, RunConfig, TrainConfig
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, required=True, help="hidden width")
+    g.add_argument("--ffn-hidden-size", type=int, help="MLP inner width (default 4 x hidden)")
+    g.add_argument("--num-attention-heads", type=int, required=True, help="attention heads")
+    g.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    g.add_argument("--max-position-embeddings", type=int, help="position table size "
+                   "(default --seq-length)")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal init")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="dropout after attention/MLP")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="attention dropout")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer instead of the tied word embedding")
+    g.add_argument("--bert-no-binary-head", action="store_true",
+                   help="BERT: no sentence-order head")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="recompute every transformer layer in backward (= granularity full)")
+    g.add_argument("--recompute-granularity", choices=["full"],
+                   help="full: recompute each layer (selective is not supported yet)")
+    g.add_argument("--recompute-method", choices=["uniform"], default="uniform",
+                   help="uniform (one layer per recompute chunk)")
+
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True, help="samples per microbatch")
+    g.add_argument("--global-batch-size", type=int, help="samples per step (default: "
+                   "micro batch x data-parallel size)")
+    g.add_argument("--train-iters", type=int, required=True, help="optimizer steps to run")
+    g.add_argument("--seed", type=int, default=1234, help="random seed")
+    g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
+    g.add_argument("--eval-interval", type=int, default=1000, help="iterations between "
+                   "validation runs")
+    g.add_argument("--eval-iters", type=int, default=100, help="validation iterations per run")
+    g.add_argument("--save", help="checkpoint directory to save to")
+    g.add_argument("--load", help="checkpoint directory to resume from")
+    g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
+    g.add_argument("--exit-interval", type=int, help="stop at this iteration (after saving)")
+    g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
+    g.add_argument("--metrics-file", help="append one JSON object per iteration to this file")
+
+
+def _optimizer_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=["adam"], default="adam", help="adam (AdamW)")
+    g.add_argument("--lr", type=float, required=True, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="final learning rate")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"],
+                   default="linear", help="decay after warm-up")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="warm-up iterations")
+    g.add_argument("--lr-warmup-fraction", type=float, help="warm-up as a fraction of decay")
+    g.add_argument("--lr-decay-iters", type=int, help="decay iterations (default --train-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global-norm clip (0 = off)")
+    g.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
+    g.add_argument("--bf16", action="store_true", help="bf16 (fp32 master weights)")
+    g.add_argument("--loss-scale", type=float, help="fp16: a constant loss scale")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _parallel_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-schedule", default=None,
+                   help="pipeline schedule: " + ", ".join(SCHEDULE_NAMES) + " (default flush)")
+    g.add_argument("--pipeline-no-flushes", action="store_true",
+                   help="the PipeDream-2BW authors' spelling of --pipeline-schedule 2bw")
+    g.add_argument("--gpipe", action="store_true", help="= --pipeline-schedule gpipe")
+
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=[], help="[weight] prefix ... (blend)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
+    g.add_argument("--mock-data", action="store_true", help="synthetic data (benchmarks)")
+    g.add_argument("--tokenizer-type", help="GPT2BPETokenizer, HuggingFaceTokenizer, "
+                   "SentencePieceTokenizer, BertWordPieceLowerCase, BertWordPieceCase, "
+                   "NullTokenizer")
+    g.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer, mock data)")
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--mask-prob", type=float, default=0.15, help="BERT masking probability")
+
+
+def build_parser(model: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"pretrain_{model}.py",
+        description=f"Pretrain {model.upper()} with megatron-2bw (Megatron-LM flags).")
+    for add in (_model_flags, _train_flags, _optimizer_flags, _parallel_flags, _data_flags):
+        add(parser)
+    return parser
+
+
+def _schedule(args: argparse.Namespace) -> str:
+    chosen = [n for n, on in (("2bw", args.pipeline_no_flushes), ("gpipe", args.gpipe)) if on]
+    if args.pipeline_schedule:
+        chosen.append(canonical_name(args.pipeline_schedule))
+    if len(set(chosen)) > 1:
+        raise ValueError(f"conflicting pipeline schedules: {sorted(set(chosen))}")
+    return chosen[0] if chosen else "flush"
+
+
+def _precision(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    if args.fp16 and args.bf16:
+        raise ValueError("--fp16 and --bf16 are exclusive")
+    if args.fp16:
+        return "fp16", torch.float16
+    return ("bf16", torch.bfloat16) if args.bf16 else ("fp32", torch.float32)
+
+
+def _model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfig:
+    recompute = "full" if (args.recompute_activations or args.recompute_granularity) else None
+    return ModelConfig(
+        model=model, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+        vocab_size=vocab, max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        recompute_granularity=recompute, params_dtype=dtype,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        bert_binary_head=not args.bert_no_binary_head, seed=args.seed)
+
+
+def _optimizer_config(args, gbs: int, precision: str) -> OptimizerConfig:
+    decay_iters = args.lr_decay_iters or args.train_iters
+    warmup_iters = (int(args.lr_warmup_fraction * decay_iters) if args.lr_warmup_fraction
+                    is not None else args.lr_warmup_iters)
+    scale = LossScaleConfig(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                            min_loss_scale=args.min_loss_scale,
+                            loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+                            enabled=precision == "fp16")
+    return OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                           adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+                           lr_decay_style=args.lr_decay_style,
+                           lr_warmup_samples=warmup_iters * gbs,
+                           lr_decay_samples=decay_iters * gbs, global_batch_size=gbs,
+                           loss_scale=scale)
+
+
+def config_from_args(args: argparse.Namespace, model: str, world_size: int,
+                     vocab_size: int) -> RunConfig:
+    """Turn parsed flags into a RunConfig; ValueError (naming the flag) when they clash."""
+    parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
+                              args.pipeline_model_parallel_size, _schedule(args))
+    per_step = args.micro_batch_size * parallel.data_parallel
+    gbs = args.global_batch_size or per_step
+    if gbs % per_step:
+        raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+                         f"x data-parallel size = {per_step}")
+    m = gbs // per_step
+    if parallel.schedule == "2bw" and m < parallel.pipeline_parallel:
+        raise ValueError(f"--pipeline-schedule 2bw needs at least as many microbatches "
+                         f"({m} = global batch / (micro batch x data parallel)) as pipeline "
+                         f"stages ({parallel.pipeline_parallel}): raise --global-batch-size")
+    if args.num_layers % parallel.pipeline_parallel:
+        raise ValueError(f"--num-layers {args.num_layers} is not divisible by "
+                         f"--pipeline-model-parallel-size {parallel.pipeline_parallel}")
+    precision, dtype = _precision(args)
+    padded = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, parallel.tensor_parallel)
+    data = DataConfig(data_path=tuple(args.data_path), split=args.split, mock_data=args.mock_data,
+                      tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                      vocab_size=args.vocab_size,
+                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                      seq_length=args.seq_length, seed=args.seed, mask_prob=args.mask_prob)
+    train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=gbs,
+                        train_iters=args.train_iters, log_interval=args.log_interval,
+                        eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+                        save=args.save, load=args.load, save_interval=args.save_interval,
+                        metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
+                        seed=args.seed, exit_interval=args.exit_interval)
+    return RunConfig(model=_model_config(args, model, dtype, padded), parallel=parallel,
+                     optimizer=_optimizer_config(args, gbs, precision), data=data, train=train,
+                     precision=precision, flags=vars(args))
+
+
+def parse_args(model: str, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    return build_parser(model).parse_args(argv)

@@ -1,0 +1,90 @@
+"""Typed configuration, built once from the flags (arguments.py) and passed down narrow.
+
+Nothing below the training layer reads flags: the model gets a ModelConfig, the
+optimizer an OptimizerConfig, the loop the ParallelConfig / TrainConfig / DataConfig.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..models.config import ModelConfig
+from ..optim.updater import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The TP x PP x DP grid. The data-parallel size is derived, as in Megatron-LM."""
+
+    world_size: int
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    schedule: str = "flush"
+
+    def __post_init__(self) -> None:
+        grid = self.tensor_parallel * self.pipeline_parallel
+        if self.world_size % grid:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
+                f"({self.tensor_parallel}) x --pipeline-model-parallel-size "
+                f"({self.pipeline_parallel}) = {grid}")
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the samples come from."""
+
+    data_path: tuple[str, ...] = ()      # --data-path (Megatron blend syntax)
+    split: str = "969,30,1"              # --split
+    mock_data: bool = False              # --mock-data
+    tokenizer_type: Optional[str] = None  # --tokenizer-type
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None     # --vocab-size (NullTokenizer / mock data)
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 1024
+    seed: int = 1234
+    mask_prob: float = 0.15              # BERT masking
+    short_seq_prob: float = 0.1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop: batch sizes, length, logging, evaluation and checkpoints."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    metrics_file: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
+    seed: int = 1234
+    exit_interval: Optional[int] = None   # --exit-interval: stop (after saving) at this iteration
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs, grouped."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    train: TrainConfig
+    precision: str = "fp32"               # fp32 | bf16 | fp16
+    flags: dict = field(default_factory=dict)  # the parsed flags, saved in checkpoints
+
+    @property
+    def num_microbatches(self) -> int:
+        per_replica = self.train.micro_batch_size * self.parallel.data_parallel
+        return self.train.global_batch_size // per_replica

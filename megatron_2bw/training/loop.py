@@ -1,0 +1,159 @@
+"""The training loop: build the stage, the updater and the executor, run segments.
+
+A segment is one schedule of consecutive minibatches. Flush and GPipe drain after
+every minibatch anyway; 2BW runs one uninterrupted schedule per segment and drains
+only where the pipeline must be empty: at checkpoints, validation and the end.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from ..models import apply_cpu_shims, build_stage, model_parallel_manual_seed
+from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
+from ..runtime import PipelineExecutor, RunResult
+from ..runtime.topology import data_parallel_group, stage_links
+from ..schedules import build_schedule
+from .checkpointing import read_checkpoint, restore, save_checkpoint
+from .config import RunConfig
+from .distributed import DistEnv
+from .metrics import MetricsSink, transformer_flops
+
+logger = logging.getLogger("megatron_2bw.train")
+
+# (run config, first sample index of this rank's stream, dp rank) -> microbatches
+BatchSource = Callable[[RunConfig, int, int], Iterator[dict]]
+
+
+def _param_infos(module, tp_rank: int) -> list[ParamInfo]:
+    tied = module.shared_embedding_weight()
+    last_copy = tied is not None and module.is_last and not module.is_first
+    infos = []
+    for name, p in module.named_parameters():
+        is_tied = tied is not None and p is tied
+        tp_dup = not getattr(p, "tensor_model_parallel", False) and tp_rank != 0
+        infos.append(ParamInfo(name=name, decay=p.dim() > 1 and not name.endswith(".bias"),
+                               counts_in_norm=not tp_dup and not (is_tied and last_copy),
+                               tied=is_tied))
+    return infos
+
+
+class Trainer:
+    """One process's part of a run."""
+
+    def __init__(self, run: RunConfig, env: DistEnv, batches: BatchSource):
+        self.run, self.env, self.batches = run, env, batches
+        par = run.parallel
+        ps.initialize_model_parallel(tensor_model_parallel_size=par.tensor_parallel,
+                                     pipeline_model_parallel_size=par.pipeline_parallel)
+        if env.device.type == "cpu":
+            apply_cpu_shims("cpu")
+        model_parallel_manual_seed(run.train.seed)
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        loaded = read_checkpoint(run.train.load) if run.train.load else None
+        self.iteration = loaded.iteration if loaded else 0
+        self.executor, self.updater = self._build()
+        if loaded:
+            restore(loaded, self.executor, self.updater)
+            logger.info(f"resumed from {run.train.load} at iteration {self.iteration}")
+        is_logger = env.rank == env.world_size - 1
+        self.sink = MetricsSink(is_logger, run.train.metrics_file, run.train.tensorboard_dir,
+                                run.train.log_interval, run.train.train_iters)
+        self.history: dict[int, dict] = {}
+
+    def _build(self) -> tuple[PipelineExecutor, MegatronUpdater]:
+        run, par = self.run, self.run.parallel
+        module = build_stage(run.model, self.stage, par.pipeline_parallel).to(self.env.device)
+        infos = _param_infos(module, ps.get_tensor_model_parallel_rank())
+        params = [p for p in module.parameters() if p.requires_grad]
+        groups = StepGroups(model_parallel=ps.get_model_parallel_group(),
+                            embedding=ps.get_embedding_group() if module.shared_embedding_weight()
+                            is not None and par.pipeline_parallel > 1 else None)
+        updater = MegatronUpdater(params, infos, run.optimizer, groups)
+        links = stage_links(module.boundary_shape(run.train.micro_batch_size),
+                            module.boundary_dtype, self.env.device)
+        versions = 2 if par.schedule == "2bw" else 1
+        grad_buffers = 2 if par.schedule == "2bw" and par.data_parallel > 1 else 1
+        executor = PipelineExecutor(
+            module, links, updater, weight_versions=versions, grad_buffers=grad_buffers,
+            dp_group=data_parallel_group(), first_version=self.iteration,
+            make_copy=lambda: build_stage(run.model, self.stage, par.pipeline_parallel
+                                          ).to(self.env.device))
+        return executor, updater
+
+    def _schedule(self, count: int):
+        par = self.run.parallel
+        return build_schedule(par.schedule, par.pipeline_parallel, self.run.num_microbatches,
+                              count, first_minibatch=self.iteration,
+                              defer_step=par.schedule == "2bw" and par.data_parallel > 1)
+
+    def _segment_end(self) -> int:
+        t = self.run.train
+        ends = [t.train_iters]
+        for interval in (t.save_interval if t.save else None, t.exit_interval):
+            if interval:
+                ends.append((self.iteration // interval + 1) * interval)
+        return min(ends)
+
+    def train(self) -> dict[int, dict]:
+        t = self.run.train
+        while self.iteration < min(t.train_iters, t.exit_interval or t.train_iters):
+            end = self._segment_end()
+            schedule = self._schedule(end - self.iteration)
+            first_sample = self.iteration * t.global_batch_size
+            data = self.batches(self.run, first_sample, self.dp_rank)
+            self._last_time = time.monotonic()
+            self.executor.run(schedule, data, on_step=self._on_step)
+            self.iteration = end
+            if t.save and (end % (t.save_interval or t.train_iters) == 0
+                           or end == t.train_iters or end == t.exit_interval):
+                save_checkpoint(t.save, end, self.executor, self.updater, self.run.flags,
+                                self.run.parallel.schedule)
+        self.sink.close()
+        return self.history
+
+    def _on_step(self, k: int, result: RunResult) -> None:
+        """After minibatch k's step on this stage: average its loss over DP and record."""
+        if not self.executor.links.is_last:
+            return
+        values = [result.losses[k]] + list(result.metrics.get(k, {}).values())
+        stats = torch.tensor(values, dtype=torch.float64)
+        group = data_parallel_group()
+        if group is not None:
+            dist.all_reduce(stats, group=group)
+            stats /= dist.get_world_size(group)
+        now = time.monotonic()
+        elapsed, self._last_time = now - self._last_time, now
+        rec = self._record(k, stats.tolist(), list(result.metrics.get(k, {})),
+                           result.steps[k], elapsed)
+        self.history[k + 1] = rec
+        self.sink.record(rec)
+
+    def _record(self, k: int, stats: list[float], names: list[str], step: dict,
+                elapsed: float) -> dict:
+        t, m = self.run.train, self.run.model
+        gbs = t.global_batch_size
+        rec = {"iteration": k + 1, "loss": stats[0], **dict(zip(names, stats[1:])),
+               "lr": step["lr"], "grad_norm": step["grad_norm"], "loss_scale": step["loss_scale"],
+               "skipped": int(step["skipped"]), "iteration_time_s": elapsed,
+               "samples_per_s": gbs / elapsed, "tokens_per_s": gbs * m.seq_length / elapsed,
+               "consumed_samples": (k + 1) * gbs}
+        flops = transformer_flops(gbs, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
+                                  m.recompute_granularity is not None)
+        rec["tflops"] = flops / elapsed / self.env.world_size / 1e12
+        return rec
+
+
+def pretrain(run: RunConfig, env: DistEnv, batches: BatchSource) -> dict[int, dict]:
+    """Train as the flags say; returns {iteration: record} on the logging rank."""
+    trainer = Trainer(run, env, batches)
+    try:
+        return trainer.train()
+    finally:
+        ps.destroy_model_parallel()

@@ -1,0 +1,84 @@
+"""Progress lines, a JSON-lines metrics file and TensorBoard, from one rank."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Optional
+
+logger = logging.getLogger("megatron_2bw.train")
+
+# Megatron-LM's TensorBoard tag names
+TB_TAGS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
+           "loss_scale": "loss-scale", "iteration_time_s": "iteration-time",
+           "samples_per_s": "samples per second", "val_loss": "lm loss validation"}
+
+
+def transformer_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int,
+                      recompute: bool) -> float:
+    """FLOPs of one training step of a GPT-style model.
+
+    Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters"
+    (SC21), eq. 3: 72 B s l h^2 (1 + s/6h + V/12lh) without recomputation (96 with it).
+    """
+    factor = 96 if recompute else 72
+    return factor * batch * seq * layers * hidden ** 2 * (
+        1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+class MetricsSink:
+    """Writes each iteration's record where the flags asked (only on the logging rank)."""
+
+    def __init__(self, enabled: bool, metrics_file: Optional[str], tensorboard_dir: Optional[str],
+                 log_interval: int, train_iters: int):
+        self.enabled, self.log_interval, self.train_iters = enabled, log_interval, train_iters
+        self._file = open(metrics_file, "a") if enabled and metrics_file else None
+        self._tb = None
+        if enabled and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        self._start = time.monotonic()
+        self._first_iteration: Optional[int] = None
+
+    def record(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        it = rec["iteration"]
+        self._first_iteration = self._first_iteration or it
+        if self._file:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+        if self._tb:
+            for key, tag in TB_TAGS.items():
+                if rec.get(key) is not None:
+                    self._tb.add_scalar(tag, rec[key], it)
+        if it % self.log_interval == 0 or it == self.train_iters:
+            logger.info(self._line(rec))
+
+    def _line(self, rec: dict) -> str:
+        it = rec["iteration"]
+        done = it - self._first_iteration + 1
+        eta = (time.monotonic() - self._start) / done * (self.train_iters - it)
+        extra = "".join(f" {k}: {rec[k]:.6E} |" for k in ("lm_loss", "sop_loss") if k in rec)
+        return (f" iteration {it:8d}/{self.train_iters:8d} | consumed samples: "
+                f"{rec['consumed_samples']:12d} | elapsed time per iteration (ms): "
+                f"{rec['iteration_time_s'] * 1000:.1f} | learning rate: {rec['lr']:.6E} | "
+                f"loss: {rec['loss']:.6E} |{extra} loss scale: {rec['loss_scale']:.1f} | "
+                f"grad norm: {rec['grad_norm']:.3f} | skipped: {int(rec['skipped'])} | "
+                f"samples/s: {rec['samples_per_s']:.1f} | TFLOP/s/GPU: {rec['tflops']:.3f} | "
+                f"ETA: {_hms(eta)}")
+
+    def scalar(self, tag: str, value: float, iteration: int) -> None:
+        if self._tb:
+            self._tb.add_scalar(tag, value, iteration)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+        if self._tb:
+            self._tb.close()
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
