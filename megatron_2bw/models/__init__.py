@@ -1,0 +1,22 @@
+"""megatron-core GPT and BERT models cut into pipeline stages, with CPU shims.
+
+- `ModelConfig`, `pad_vocab_size`: the narrow model configuration (config.py).
+- `build_stage`, `PipelineStage`: one pipeline stage, `stage_module(input_tensor, batch)`
+  (stages.py), deterministically initialized from split-independent global
+  parameter names (init.py).
+- `apply_cpu_shims`, `model_parallel_manual_seed`: the megatron-core CPU compatibility
+  layer (compat.py).
+"""
+from megatron_2bw.models.compat import apply_cpu_shims, model_parallel_manual_seed
+from megatron_2bw.models.config import ModelConfig, pad_vocab_size
+from megatron_2bw.models.stages import PipelineStage, build_stage, global_parameter_names
+
+__all__ = [
+    "ModelConfig",
+    "PipelineStage",
+    "apply_cpu_shims",
+    "build_stage",
+    "global_parameter_names",
+    "model_parallel_manual_seed",
+    "pad_vocab_size",
+]

@@ -1,0 +1,227 @@
+"""CPU shims for megatron-core 0.16.1: the one place where megatron-core is patched.
+
+megatron-core builds and trains GPT/BERT on CPU over gloo once a handful of spots that
+hard-code CUDA are replaced. Each shim below names the megatron-core function it
+replaces and why; `apply_cpu_shims()` installs them all, only when no CUDA device is in
+use, and is idempotent. Nothing else in this project monkey-patches megatron-core.
+
+What is deliberately *not* shimmed: megatron-core's pipeline schedules and
+`p2p_communication` (this project has its own executor), sequence parallelism,
+gradient-accumulation fusion, Transformer Engine and apex paths.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import operator
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core import utils as mcore_utils
+from megatron.core.fusions import fused_softmax
+from megatron.core.models.common.language_module import language_module
+from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer import utils as transformer_utils
+
+logger = logging.getLogger(__name__)
+
+_APPLIED = False
+
+
+def cpu_shims_applied() -> bool:
+    """Whether `apply_cpu_shims` has patched megatron-core in this process."""
+    return _APPLIED
+
+
+def apply_cpu_shims(device: Optional[str] = None) -> bool:
+    """Patch megatron-core so GPT/BERT forward, backward and recomputation run on CPU.
+
+    Applied when `device == "cpu"`, or when `device` is None and CUDA is unavailable;
+    a CUDA run keeps megatron-core untouched. Safe to call repeatedly and before or
+    after `parallel_state.initialize_model_parallel`. Returns whether shims are active.
+    """
+    global _APPLIED
+    wants_cpu = device == "cpu" or (device is None and not torch.cuda.is_available())
+    if not wants_cpu or _APPLIED:
+        return _APPLIED
+    mcore_utils.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
+    _install_cpu_rng_tracker()
+    mcore_random._get_all_rng_states = _cpu_get_all_rng_states
+    mcore_random._set_all_rng_states = _cpu_set_all_rng_states
+    transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    _wrap_setup_embeddings()
+    _APPLIED = True
+    logger.info("megatron-core CPU shims applied")
+    return True
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """Seed the default generator and megatron-core's RNG tracker, on CPU or CUDA.
+
+    Equivalent of Megatron-LM's `torch.manual_seed(seed)` followed by
+    `model_parallel_cuda_manual_seed(seed)`; with the shims the tracker states are CPU
+    generator states (the tensor-parallel stream is offset by the TP rank, as upstream).
+    """
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# --- GlobalMemoryBuffer -------------------------------------------------------------
+
+
+def _cpu_get_tensor(
+    self: mcore_utils.GlobalMemoryBuffer,
+    tensor_shape: tuple,
+    dtype: torch.dtype,
+    name: str,
+    mem_alloc_context: Optional[Callable] = None,
+) -> torch.Tensor:
+    """`GlobalMemoryBuffer.get_tensor`, allocating on CPU.
+
+    Why: `DotProductAttention` takes its `baddbmm` scratch buffer from this global
+    buffer, which upstream allocates on `torch.cuda.current_device()`.
+    """
+    del mem_alloc_context  # only meaningful for CUDA memory pools
+    required_len = functools.reduce(operator.mul, tensor_shape, 1)
+    buffer = self.buffer.get((name, dtype))
+    if buffer is None or buffer.numel() < required_len:
+        buffer = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
+        self.buffer[(name, dtype)] = buffer
+    return buffer[0:required_len].view(*tensor_shape)
+
+
+# --- RNG tracker --------------------------------------------------------------------
+
+
+class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+    """megatron-core's RNG-states tracker with CPU generator states.
+
+    Why: attention dropout runs inside `get_cuda_rng_tracker().fork()` so that TP ranks
+    draw different masks; upstream `add` seeds and `fork` swaps the *CUDA* generator,
+    which fails without a GPU ("cuda rng state model-parallel-rng is not added", then
+    CUDA calls). On CPU, dropout draws from the default CPU generator, so `fork`
+    swaps that generator's state in and out.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(use_cudagraphable_rng=False, is_inference_rng_tracker=False)
+
+    def add(self, name: str, seed: int) -> None:
+        """Track a CPU generator state seeded with `seed`, without touching the default one."""
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"cpu rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator(device="cpu").manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        """Run the block with the default CPU generator set to the tracked state `name`."""
+        if name not in self.states_:
+            raise Exception(f"cpu rng state {name} is not added")
+        outer_state = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            # A fresh tensor, so snapshots taken by get_states() stay unchanged.
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer_state)
+
+
+def _install_cpu_rng_tracker() -> None:
+    """Make megatron-core's tracker factory build `CpuRNGStatesTracker`s.
+
+    Why: `get_cuda_rng_tracker()` and `model_parallel_cuda_manual_seed()` create the
+    tracker through `initialize_rng_tracker`, which would build a CUDA one.
+    """
+
+    def initialize_cpu_rng_tracker(*args, force_reset: bool = False, **kwargs) -> None:
+        current = mcore_random._CUDA_RNG_STATE_TRACKER
+        if force_reset or not isinstance(current, CpuRNGStatesTracker):
+            mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    mcore_random.initialize_rng_tracker = initialize_cpu_rng_tracker
+    initialize_cpu_rng_tracker()
+
+
+def _cpu_get_all_rng_states() -> tuple:
+    """`random._get_all_rng_states` without the CUDA generator.
+
+    Why: full activation recomputation (`tensor_parallel.checkpoint`) snapshots the
+    CPU, CUDA and tracker RNG states in forward and restores them before recomputing,
+    so dropout masks repeat; upstream reads the CUDA state, which fails on CPU.
+    """
+    tracker = mcore_random.get_cuda_rng_tracker()
+    return torch.get_rng_state(), None, tracker.get_states()
+
+
+def _cpu_set_all_rng_states(
+    cpu_state: torch.Tensor, cuda_state: None, tracker_states: dict
+) -> None:
+    """`random._set_all_rng_states` without the CUDA generator (see `_cpu_get_all_rng_states`)."""
+    del cuda_state
+    torch.set_rng_state(cpu_state)
+    mcore_random.get_cuda_rng_tracker().set_states(tracker_states)
+
+
+# --- causal mask --------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """`transformer.utils.get_default_causal_mask` on CPU (True = masked out).
+
+    Why: the local softmax builds the causal mask itself when GPT passes
+    `attention_mask=None`, and upstream creates it with `device="cuda"`.
+    """
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+# --- tied embeddings ----------------------------------------------------------------
+
+
+def _wrap_setup_embeddings() -> None:
+    """Make `LanguageModule.setup_embeddings_and_output_layer` work on CPU.
+
+    Why: with tied embeddings and PP > 1 the last stage zeroes its copy of the word
+    embedding and all-reduces it over the embedding group so both copies start equal;
+    upstream first moves the weight with `weight.data.cuda()`. The wrapper hides the
+    embedding group from the original method (skipping that all-reduce) and then runs
+    the same all-reduce on the CPU tensor.
+    """
+    original = language_module.LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "_cpu_shim", False):
+        return
+
+    def setup_embeddings_and_output_layer(self: language_module.LanguageModule) -> None:
+        group = self.embd_group
+        self.embd_group = None
+        try:
+            original(self)
+        finally:
+            self.embd_group = group
+        if _needs_embedding_sync(self) and self._is_in_embd_group():
+            weight = self.shared_embedding_or_output_weight()
+            torch.distributed.all_reduce(weight.data, group=group)
+
+    setup_embeddings_and_output_layer._cpu_shim = True
+    module_class = language_module.LanguageModule
+    module_class.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+def _needs_embedding_sync(module: language_module.LanguageModule) -> bool:
+    """The condition under which upstream all-reduces the tied embedding at build time."""
+    tied = module.share_embeddings_and_output_weights or getattr(module.config, "mtp_num_layers", 0)
+    return bool(
+        tied
+        and module.config.pipeline_model_parallel_size > 1
+        and torch.distributed.is_initialized()
+    )

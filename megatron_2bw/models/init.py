@@ -1,0 +1,121 @@
+"""Split-independent parameter names and initialization.
+
+megatron-core initializes parameters in construction order from a shared generator, so
+a stage of a PP=2 model does not start from the same weights as the same layers of a
+PP=1 model, and TP=2 shards are not slices of the TP=1 tensors. For pipelined runs to
+be checked against a single-device reference, every parameter is re-initialized here
+from its own generator, seeded by (seed, global name): the full, unsharded tensor is
+drawn with Megatron's init rules and this tensor-parallel rank keeps its slice.
+
+Global names are megatron-core's module names with local layer indices replaced by
+global ones (`decoder.layers.5.` on stage 1 of a 2 x 3-layer split). A tied output
+layer on the last stage carries the word embedding's name, since it is the same
+logical parameter (its gradient must be summed with the first stage's).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.core.models.common.language_module.language_module import LanguageModule
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+TIED_OUTPUT = "output_layer.weight"
+# Row-parallel output projections get Megatron's scaled_init_method_normal.
+SCALED_INIT_MODULES = ("linear_proj", "linear_fc2")
+_LAYER_RE = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
+NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+
+
+def transformer_block(model: LanguageModule) -> nn.Module:
+    """The TransformerBlock of a GPTModel (`decoder`) or BertModel (`encoder`)."""
+    return model.decoder if hasattr(model, "decoder") else model.encoder
+
+
+def global_name(model: LanguageModule, local_name: str) -> str:
+    """Map a megatron-core parameter name on this stage to its split-independent name."""
+    match = _LAYER_RE.match(local_name)
+    if match:
+        block_name, index, rest = match.groups()
+        layer = transformer_block(model).layers[int(index)]
+        return f"{block_name}.layers.{layer.layer_number - 1}.{rest}"
+    if local_name == TIED_OUTPUT and model.share_embeddings_and_output_weights:
+        return WORD_EMBEDDING
+    return local_name
+
+
+def named_global_parameters(model: LanguageModule) -> Iterator[tuple[str, nn.Parameter]]:
+    """Yield (global name, parameter) for every parameter of a stage's megatron model."""
+    for name, param in model.named_parameters():
+        yield global_name(model, name), param
+
+
+def _param_seed(seed: int, name: str) -> int:
+    """A stable 63-bit generator seed from (seed, global name); Python's hash() is salted."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _init_rule(module_name: str, module: nn.Module, param_name: str, std: float, num_layers: int):
+    """Megatron's rule for one parameter: ("normal", std) / ("ones", None) / ("zeros", None)."""
+    if isinstance(module, NORM_TYPES):
+        return ("ones", None) if param_name == "weight" else ("zeros", None)
+    if param_name == "bias":
+        return ("zeros", None)
+    if param_name != "weight":
+        raise ValueError(f"no init rule for parameter {module_name}.{param_name}")
+    if module_name.rsplit(".", 1)[-1] in SCALED_INIT_MODULES:
+        return ("normal", std / math.sqrt(2.0 * num_layers))
+    return ("normal", std)
+
+
+def _full_shape(param: nn.Parameter, tp_size: int) -> tuple[int, tuple[int, ...]]:
+    """(partition dim or -1, the unsharded shape) of a possibly tensor-parallel parameter."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return -1, tuple(param.shape)
+    if getattr(param, "partition_stride", 1) != 1:
+        raise ValueError("strided tensor-parallel partitions are not supported")
+    dim = param.partition_dim
+    shape = list(param.shape)
+    shape[dim] *= tp_size
+    return dim, tuple(shape)
+
+
+def _draw(rule: tuple, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full fp32 tensor for a rule; normals come from a generator private to the param."""
+    kind, std = rule
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind == "zeros":
+        return torch.zeros(shape)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def deterministic_init_(model: LanguageModule, seed: int, std: float, num_layers: int) -> None:
+    """Overwrite every parameter with its split-independent initial value (in place).
+
+    Column-parallel QKV / fc1 / vocab tensors are split contiguously along
+    `partition_dim`, as megatron-core lays them out: QKV rows are grouped per query
+    group ([q, k, v] of group 0, then group 1, ...), so contiguous TP shards of the full
+    TP=1 tensor are exactly the TP>1 parameters. Gated (SwiGLU) fc1 would interleave
+    and is rejected by the stage builder.
+    """
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            local = f"{module_name}.{param_name}" if module_name else param_name
+            name = global_name(model, local)
+            rule = _init_rule(module_name, module, param_name, std, num_layers)
+            dim, shape = _full_shape(param, tp_size)
+            full = _draw(rule, shape, _param_seed(seed, name))
+            shard = full if dim < 0 else full.chunk(tp_size, dim=dim)[tp_rank]
+            param.data.copy_(shard.to(dtype=param.dtype, device=param.device))

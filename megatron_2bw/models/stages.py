@@ -1,0 +1,312 @@
+"""megatron-core GPT and BERT cut into pipeline stages.
+
+`build_stage(config, stage, num_stages)` builds the megatron-core `GPTModel` /
+`BertModel` piece that pipeline stage `stage` owns (embedding on the first stage,
+output layer and loss on the last, `num_layers / num_stages` transformer layers each)
+and wraps it in a `PipelineStage` with the one interface the executor uses:
+
+    output = stage_module(input_tensor, batch)
+
+`input_tensor` is None on the first stage and the previous stage's output
+([seq, micro_batch, hidden]) otherwise. Non-last stages return their hidden states;
+the last stage returns the scalar loss of the microbatch and records detached metrics
+in `stage_module.last_metrics`.
+
+Batch keys (every stage receives the whole dict; only first / last read most of it):
+
+GPT (as Megatron-LM's GPT dataset gives them):
+    tokens [b, s] int64, labels [b, s] int64, loss_mask [b, s] float,
+    position_ids [b, s] int64 (optional: arange), attention_mask (optional: None
+    means causal; otherwise a bool [1 or b, 1, s, s] mask, True = masked out).
+BERT (as Megatron-LM's BERT dataset gives them):
+    text (or tokens) [b, s] int64, types [b, s] int64, labels [b, s] int64 (-1 where
+    not predicted), loss_mask [b, s] float, padding_mask [b, s] (1 = real token),
+    is_random [b] int64 (sentence-order label, read when bert_binary_head).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_2bw.models.compat import apply_cpu_shims
+from megatron_2bw.models.config import ModelConfig
+from megatron_2bw.models.init import deterministic_init_, named_global_parameters
+
+logger = logging.getLogger(__name__)
+
+
+class PipelineStage(nn.Module):
+    """One pipeline stage of a GPT or BERT model: `stage_module(input_tensor, batch)`."""
+
+    def __init__(self, config: ModelConfig, stage: int, num_stages: int, model: LanguageModule):
+        super().__init__()
+        self.config = config
+        self.stage = stage
+        self.num_stages = num_stages
+        self.model = model
+        self.last_metrics: dict[str, Tensor] = {}
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this stage owns the embedding and reads tokens from the batch."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this stage owns the output layer and returns the loss."""
+        return self.stage == self.num_stages - 1
+
+    @property
+    def boundary_dtype(self) -> torch.dtype:
+        """Dtype of the activation sent to the next stage (and of its gradient)."""
+        return self.config.params_dtype
+
+    def boundary_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
+        """Shape [seq, micro_batch, hidden] of the activation sent to the next stage."""
+        return (self.config.seq_length, micro_batch_size, self.config.hidden_size)
+
+    def forward(self, input_tensor: Optional[Tensor], batch: Mapping[str, Tensor]) -> Tensor:
+        """Hidden states [s, b, h] on non-last stages, the microbatch's scalar loss on the last."""
+        if self.is_first != (input_tensor is None):
+            raise ValueError(
+                f"stage {self.stage}: input_tensor must be None exactly on the first stage"
+            )
+        if input_tensor is not None and self.training and not input_tensor.requires_grad:
+            # Reentrant recomputation only propagates gradients into the layers when its
+            # input requires grad; the executor reads input_tensor.grad anyway.
+            input_tensor.requires_grad_(True)
+        self.model.set_input_tensor(input_tensor)
+        if self.config.model == "gpt":
+            return self._gpt_forward(batch)
+        return self._bert_forward(batch)
+
+    def _gpt_forward(self, batch: Mapping[str, Tensor]) -> Tensor:
+        tokens = batch["tokens"]
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        output = self.model(
+            input_ids=tokens,
+            position_ids=position_ids,
+            attention_mask=batch.get("attention_mask"),
+            labels=batch["labels"] if self.is_last else None,
+        )
+        if not self.is_last:
+            return output
+        lm_loss = masked_mean(output, batch["loss_mask"])
+        self.last_metrics = {"lm_loss": lm_loss.detach()}
+        return lm_loss
+
+    def _bert_forward(self, batch: Mapping[str, Tensor]) -> Tensor:
+        tokens = batch["text"] if "text" in batch else batch["tokens"]
+        types = batch["types"] if self.config.bert_binary_head else None
+        output = self.model(
+            input_ids=tokens,
+            attention_mask=batch["padding_mask"],
+            tokentype_ids=types,
+            lm_labels=batch["labels"] if self.is_last else None,
+        )
+        if not self.is_last:
+            return output
+        token_loss, sop_logits = output
+        lm_loss = masked_mean(token_loss, batch["loss_mask"])
+        self.last_metrics = {"lm_loss": lm_loss.detach()}
+        if sop_logits is None:
+            return lm_loss
+        sop_loss = F.cross_entropy(
+            sop_logits.view(-1, 2).float(), batch["is_random"].view(-1).long(), ignore_index=-1
+        )
+        self.last_metrics["sop_loss"] = sop_loss.detach()
+        return lm_loss + sop_loss
+
+    def shared_embedding_weight(self) -> Optional[nn.Parameter]:
+        """The tied word-embedding / output weight on the first and last stage, else None.
+
+        With PP > 1 the first and last stage each hold a copy; their gradients must be
+        all-reduced over `parallel_state.get_embedding_group()` before every optimizer
+        step (Megatron's `_allreduce_word_embedding_grads`). With PP = 1 it is a single
+        shared parameter and needs nothing extra.
+        """
+        if not self.config.tie_embeddings or not (self.is_first or self.is_last):
+            return None
+        return self.model.shared_embedding_or_output_weight()
+
+    def named_global_parameters(self) -> dict[str, nn.Parameter]:
+        """{global name: parameter}; names are comparable across PP / TP splits."""
+        return dict(named_global_parameters(self.model))
+
+
+def global_parameter_names(stage_module: PipelineStage) -> dict[str, nn.Parameter]:
+    """{global name: parameter} of a stage (see `megatron_2bw.models.init`)."""
+    return stage_module.named_global_parameters()
+
+
+def masked_mean(token_loss: Tensor, loss_mask: Tensor) -> Tensor:
+    """sum(loss * mask) / sum(mask) in fp32, as Megatron-LM's GPT/BERT loss_func."""
+    mask = loss_mask.reshape(-1).float()
+    return torch.sum(token_loss.reshape(-1).float() * mask) / mask.sum()
+
+
+def build_stage(
+    config: ModelConfig, stage: int, num_stages: int, device: Optional[torch.device] = None
+) -> PipelineStage:
+    """Build pipeline stage `stage` of `num_stages`, deterministically initialized.
+
+    Needs torch.distributed and `parallel_state.initialize_model_parallel(tp, pp)` with
+    pp == num_stages and this process on pipeline rank `stage` (megatron-core reads the
+    pipeline rank from parallel_state for layer numbering and BERT's first-stage logic).
+    On a machine without CUDA the megatron-core CPU shims are applied.
+    """
+    _check_split(config, stage, num_stages)
+    tp = _check_parallel_state(config, stage, num_stages)
+    target = _target_device(device)
+    apply_cpu_shims(target.type)
+    _ensure_rng_tracker(config.seed)
+    model = _build_model(
+        config,
+        transformer_config(config, tp, num_stages),
+        pre_process=stage == 0,
+        post_process=stage == num_stages - 1,
+    )
+    # Torch-native pieces (position / token-type embeddings, LayerNorms, BERT heads) are
+    # built in fp32 whatever params_dtype says; Megatron-LM's Float16Module casts them.
+    model.to(dtype=config.params_dtype)
+    deterministic_init_(model, config.seed, config.init_method_std, config.num_layers)
+    model.to(target)
+    logger.debug("built %s stage %d/%d (tp=%d) on %s", config.model, stage, num_stages, tp, target)
+    return PipelineStage(config, stage, num_stages, model)
+
+
+def _target_device(device: Optional[torch.device]) -> torch.device:
+    """The device asked for, else the current CUDA device, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_split(config: ModelConfig, stage: int, num_stages: int) -> None:
+    """Reject a split megatron-core cannot build evenly, naming the values."""
+    if num_stages <= 0 or not 0 <= stage < num_stages:
+        raise ValueError(f"stage={stage} is not in range(num_stages={num_stages})")
+    if config.num_layers % num_stages:
+        raise ValueError(
+            f"num_layers={config.num_layers} is not divisible by num_stages={num_stages}; "
+            "layers are split evenly across pipeline stages"
+        )
+
+
+def _check_parallel_state(config: ModelConfig, stage: int, num_stages: int) -> int:
+    """Check parallel_state agrees with (stage, num_stages); return the TP size."""
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_stage needs torch.distributed and "
+            "parallel_state.initialize_model_parallel(tp, pp) to be initialized"
+        )
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if (pp_size, pp_rank) != (num_stages, stage):
+        raise ValueError(
+            f"build_stage(stage={stage}, num_stages={num_stages}) but parallel_state has "
+            f"pipeline rank {pp_rank} of {pp_size}"
+        )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for name, value in (
+        ("vocab_size", config.vocab_size),
+        ("num_attention_heads", config.num_attention_heads),
+        ("ffn_hidden_size", config.ffn_size),
+    ):
+        if value % tp:
+            raise ValueError(f"{name}={value} is not divisible by tensor parallel size {tp}")
+    return tp
+
+
+def _ensure_rng_tracker(seed: int) -> None:
+    """Seed megatron-core's RNG tracker if nobody did (attention dropout forks it).
+
+    The training entry point should seed it like Megatron-LM (see
+    `compat.model_parallel_manual_seed`); this fallback leaves the default generator alone.
+    """
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if "model-parallel-rng" not in tracker.get_states():
+        logger.info("RNG tracker not seeded; seeding it with %d", seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(config: ModelConfig, tp: int, num_stages: int) -> TransformerConfig:
+    """The megatron-core TransformerConfig for this model and split (local, unfused kernels)."""
+    recompute = config.recompute_granularity == "full"
+    return TransformerConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_size,
+        num_attention_heads=config.num_attention_heads,
+        hidden_dropout=config.hidden_dropout,
+        attention_dropout=config.attention_dropout,
+        init_method_std=config.init_method_std,
+        layernorm_epsilon=config.layernorm_epsilon,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=num_stages,
+        pipeline_dtype=config.params_dtype,
+        params_dtype=config.params_dtype,
+        fp16=config.fp16,
+        bf16=config.bf16,
+        use_cpu_initialization=True,
+        # True although deterministic_init_ overwrites every parameter: with False,
+        # megatron-core never sets the tensor_model_parallel / partition_dim attributes.
+        perform_initialization=True,
+        recompute_granularity=config.recompute_granularity,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        sequence_parallel=False,
+        gated_linear_unit=False,
+        attention_backend=AttnBackend.local,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _build_model(
+    config: ModelConfig, mcore_config: TransformerConfig, pre_process: bool, post_process: bool
+) -> LanguageModule:
+    """Construct the megatron-core GPTModel / BertModel piece with local layer specs."""
+    if config.model == "gpt":
+        return GPTModel(
+            config=mcore_config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=config.vocab_size,
+            max_sequence_length=config.max_positions,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=config.tie_embeddings,
+            position_embedding_type="learned_absolute",
+        )
+    return BertModel(
+        config=mcore_config,
+        num_tokentypes=2 if config.bert_binary_head else 0,
+        transformer_layer_spec=bert_layer_local_spec,
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_positions,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=config.tie_embeddings,
+        add_binary_head=config.bert_binary_head,
+    )

@@ -1,0 +1,204 @@
+"""Worker processes for tests/test_models.py: run GPT/BERT splits over gloo, save results.
+
+One spawn of two processes runs every scenario in turn, re-initializing megatron-core's
+parallel_state for each (tp, pp): importing megatron-core dominates the cost, so it is
+paid once. Each rank saves what it saw to `<out_dir>/<scenario>.rank<r>.pt`: the loss
+(last stage), metrics, and the initial weights and gradients by global parameter name,
+tensor-parallel shards gathered into full tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import warnings
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+MICRO_BATCH = 2
+BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One run: a model, a (tp, pp) split and config overrides."""
+
+    name: str
+    model: str
+    tp: int
+    pp: int
+    overrides: tuple = ()
+
+
+def scenarios() -> list[Scenario]:
+    """Every run the tests compare, in execution order (grouped by split)."""
+    runs = []
+    for model in ("gpt", "bert"):
+        no_dropout = (("hidden_dropout", 0.0), ("attention_dropout", 0.0))
+        dropout = (("hidden_dropout", 0.1), ("attention_dropout", 0.1))
+        recompute = (("recompute_granularity", "full"),)
+        bf16 = (("params_dtype", torch.bfloat16),)
+        runs += [
+            Scenario(f"{model}_ref", model, 1, 1, no_dropout),
+            Scenario(f"{model}_dropout", model, 1, 1, dropout),
+            Scenario(f"{model}_dropout_recompute", model, 1, 1, dropout + recompute),
+            Scenario(f"{model}_seed2", model, 1, 1, no_dropout + (("seed", 2),)),
+            Scenario(f"{model}_pp2", model, 1, 2, no_dropout),
+            Scenario(f"{model}_tp2", model, 2, 1, no_dropout),
+            Scenario(f"{model}_bf16_pp2", model, 1, 2, no_dropout + bf16),
+        ]
+    return sorted(runs, key=lambda s: (s.tp, s.pp))
+
+
+def make_batch(model: str, seq: int = 32, vocab: int = 1000) -> dict[str, torch.Tensor]:
+    """A fixed microbatch with the keys Megatron-LM's GPT / BERT datasets produce."""
+    g = torch.Generator().manual_seed(7)
+    b = MICRO_BATCH
+    tokens = torch.randint(0, vocab, (b, seq), generator=g)
+    loss_mask = (torch.rand(b, seq, generator=g) < 0.8).float()
+    if model == "gpt":
+        return dict(
+            tokens=tokens,
+            labels=torch.randint(0, vocab, (b, seq), generator=g),
+            loss_mask=loss_mask,
+            position_ids=torch.arange(seq).expand(b, seq),
+            attention_mask=None,
+        )
+    padding_mask = torch.ones(b, seq, dtype=torch.long)
+    padding_mask[1, seq - 5 :] = 0
+    loss_mask = (torch.rand(b, seq, generator=g) < 0.3).float() * padding_mask
+    labels = torch.where(loss_mask > 0, torch.randint(0, vocab, (b, seq), generator=g), -1)
+    types = torch.zeros(b, seq, dtype=torch.long)
+    types[:, seq // 2 :] = 1
+    return dict(
+        text=tokens, types=types, labels=labels, loss_mask=loss_mask,
+        padding_mask=padding_mask, is_random=torch.tensor([0, 1]),
+    )
+
+
+def _full(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """Gather a tensor-parallel shard into the full tensor (replicated ones pass through)."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return tensor.detach().clone()
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def _run_pipeline(stage_module, batch: dict) -> Optional[torch.Tensor]:
+    """Forward + backward of one microbatch through this rank's stage, passing boundaries."""
+    from megatron.core import parallel_state
+
+    if stage_module.num_stages == 1:
+        loss = stage_module(None, batch)
+        loss.backward()
+        return loss
+    if stage_module.is_first:
+        out = stage_module(None, batch)
+        nxt = parallel_state.get_pipeline_model_parallel_next_rank()
+        dist.send(out.detach().contiguous(), dst=nxt)
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=nxt)
+        out.backward(grad)
+        return None
+    prev = parallel_state.get_pipeline_model_parallel_prev_rank()
+    inp = torch.empty(stage_module.boundary_shape(MICRO_BATCH), dtype=stage_module.boundary_dtype)
+    dist.recv(inp, src=prev)
+    inp.requires_grad_(True)
+    loss = stage_module(inp, batch)
+    loss.backward()
+    dist.send(inp.grad.contiguous(), dst=prev)
+    return loss
+
+
+@contextlib.contextmanager
+def _count_checkpoints() -> Iterator[list]:
+    """Record calls of megatron-core's activation checkpoint (proves recompute ran)."""
+    from megatron.core import tensor_parallel
+
+    calls: list = []
+    original = tensor_parallel.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    tensor_parallel.checkpoint = counting
+    try:
+        yield calls
+    finally:
+        tensor_parallel.checkpoint = original
+
+
+def _run_scenario(run: Scenario, rank: int, out_dir: str) -> None:
+    from megatron.core import parallel_state
+
+    from megatron_2bw.models import ModelConfig, build_stage, model_parallel_manual_seed
+
+    config = ModelConfig(model=run.model, **BASE, **dict(run.overrides))
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    stage_module = build_stage(config, stage, run.pp)
+    weights = {n: _full(p, p.data) for n, p in stage_module.named_global_parameters().items()}
+    model_parallel_manual_seed(1234)
+    with _count_checkpoints() as checkpoints:
+        loss = _run_pipeline(stage_module, make_batch(run.model))
+    grads = {n: _full(p, p.grad) for n, p in stage_module.named_global_parameters().items()}
+    shared = stage_module.shared_embedding_weight()
+    result = dict(
+        stage=stage,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        loss=None if loss is None else loss.detach(),
+        checkpoints=len(checkpoints),
+        metrics=dict(stage_module.last_metrics),
+        weights=weights,
+        grads=grads,
+        shared=None if shared is None else shared.detach().clone(),
+        embedding_group=dist.get_process_group_ranks(parallel_state.get_embedding_group()),
+        mismatch_error=_mismatch_error(config, stage, run.pp),
+    )
+    torch.save(result, os.path.join(out_dir, f"{run.name}.rank{rank}.pt"))
+
+
+def _mismatch_error(config, stage: int, num_stages: int) -> Optional[str]:
+    """The error build_stage raises for a stage index parallel_state disagrees with."""
+    from megatron_2bw.models import build_stage
+
+    if num_stages == 1:
+        return None
+    try:
+        build_stage(config, num_stages - 1 - stage, num_stages)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Entry point of one spawned process: run every scenario on a fresh parallel_state."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from megatron.core import parallel_state
+
+    from megatron_2bw.models import apply_cpu_shims
+
+    apply_cpu_shims()
+    current = None
+    try:
+        for run in scenarios():
+            if current != (run.tp, run.pp):
+                parallel_state.destroy_model_parallel()
+                parallel_state.initialize_model_parallel(run.tp, run.pp)
+                current = (run.tp, run.pp)
+            _run_scenario(run, rank, out_dir)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

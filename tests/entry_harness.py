@@ -1,0 +1,42 @@
+"""Run pretrain_gpt.py / pretrain_bert.py under torchrun and read their metrics."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.dist_harness import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--lr", "1e-2", "--lr-decay-style", "constant", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
+        "--log-interval", "1"]
+
+
+def launch(model: str, nproc: int, extra: list[str], metrics: str, timeout: int = 240
+           ) -> list[dict]:
+    """Run one training job; return its per-iteration records."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), os.path.join(ROOT, f"pretrain_{model}.py"),
+           *TINY, "--metrics-file", metrics, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    with open(metrics) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

@@ -1,0 +1,191 @@
+"""megatron_2bw.models: pipeline stages of megatron-core GPT/BERT match the unsplit model.
+
+The multi-process tests share one spawn of two gloo processes (tests/_models_worker.py)
+that runs every scenario and saves losses, initial weights and gradients by global
+parameter name; the tests below compare those against the PP=1, TP=1 reference.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _models_worker  # noqa: E402
+
+from megatron_2bw.models.config import ModelConfig, pad_vocab_size  # noqa: E402
+
+MODELS = ("gpt", "bert")
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _tiny_config(**overrides) -> ModelConfig:
+    fields = dict(model="gpt", num_layers=2, hidden_size=64, num_attention_heads=4)
+    fields.update(seq_length=8, vocab_size=128)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """{scenario name: [rank 0 result, rank 1 result]} from one two-process spawn."""
+    import torch.multiprocessing as mp
+
+    out_dir = tmp_path_factory.mktemp("models")
+    mp.spawn(_models_worker.worker, args=(2, _free_port(), str(out_dir)), nprocs=2, join=True)
+    return {
+        run.name: [_load(out_dir / f"{run.name}.rank{rank}.pt") for rank in (0, 1)]
+        for run in _models_worker.scenarios()
+    }
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def merged(parts: list[dict]) -> dict:
+    """One view of a split run: the loss, and weights / grads over all stages.
+
+    One tensor-parallel rank per stage is kept (shards are already gathered and data
+    parallel replicas are identical); a tied weight present on two stages gets its
+    gradients summed, as the embedding-group all-reduce would.
+    """
+    per_stage = {}
+    for part in parts:
+        if part["tp_rank"] == 0:
+            per_stage.setdefault(part["stage"], part)
+    losses = [p["loss"] for p in per_stage.values() if p["loss"] is not None]
+    assert len(losses) == 1, "exactly one stage returns the loss"
+    grads: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for part in per_stage.values():
+        for name, grad in part["grads"].items():
+            grads[name] = grads[name] + grad if name in grads else grad
+        weights.update(part["weights"])
+    last = per_stage[max(per_stage)]
+    return dict(loss=losses[0], metrics=last["metrics"], grads=grads, weights=weights)
+
+
+def assert_grads_close(actual: dict, expected: dict, rtol: float = 1e-5) -> None:
+    """Same names, and every gradient close relative to its own scale."""
+    assert set(actual) == set(expected)
+    for name, ref in expected.items():
+        assert ref.abs().max() > 0, f"{name}: reference gradient is all zeros"
+        atol = rtol * ref.abs().max().item()
+        torch.testing.assert_close(
+            actual[name], ref, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_pipeline_split_matches_unsplit(runs, model):
+    ref, split = merged(runs[f"{model}_ref"]), merged(runs[f"{model}_pp2"])
+    for name, weight in ref["weights"].items():
+        assert torch.equal(split["weights"][name], weight), name
+    torch.testing.assert_close(split["loss"], ref["loss"], rtol=1e-5, atol=0)
+    assert_grads_close(split["grads"], ref["grads"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_tensor_parallel_matches_tp1(runs, model):
+    ref, split = merged(runs[f"{model}_ref"]), merged(runs[f"{model}_tp2"])
+    for name, weight in ref["weights"].items():
+        assert torch.equal(split["weights"][name], weight), name
+    torch.testing.assert_close(split["loss"], ref["loss"], rtol=1e-5, atol=0)
+    assert_grads_close(split["grads"], ref["grads"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_full_recompute_matches_no_recompute_with_dropout(runs, model):
+    plain, recomputed = merged(runs[f"{model}_dropout"]), merged(runs[f"{model}_dropout_recompute"])
+    assert runs[f"{model}_dropout_recompute"][0]["checkpoints"] == 4, "one checkpoint per layer"
+    assert runs[f"{model}_dropout"][0]["checkpoints"] == 0
+    # Dropout is really on, so equal results need the recomputation to replay its RNG.
+    assert not torch.equal(plain["loss"], merged(runs[f"{model}_ref"])["loss"])
+    torch.testing.assert_close(recomputed["loss"], plain["loss"], rtol=1e-6, atol=0)
+    assert_grads_close(recomputed["grads"], plain["grads"], rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_tied_embeddings_start_equal_on_first_and_last_stage(runs, model):
+    first, last = sorted(runs[f"{model}_pp2"], key=lambda part: part["stage"])
+    assert (first["stage"], last["stage"]) == (0, 1)
+    assert first["shared"] is not None and last["shared"] is not None
+    assert torch.equal(first["shared"], last["shared"])
+    assert torch.equal(first["weights"][WORD_EMBEDDING], last["weights"][WORD_EMBEDDING])
+    assert first["embedding_group"] == last["embedding_group"] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_initialization_depends_on_seed(runs, model):
+    ref, other = merged(runs[f"{model}_ref"]), merged(runs[f"{model}_seed2"])
+    assert not torch.equal(ref["weights"][WORD_EMBEDDING], other["weights"][WORD_EMBEDDING])
+    assert ref["loss"] != other["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_bf16_pipeline_stays_close_to_fp32(runs, model):
+    ref, bf16 = merged(runs[f"{model}_ref"]), merged(runs[f"{model}_bf16_pp2"])
+    assert bf16["weights"][WORD_EMBEDDING].dtype == torch.bfloat16
+    torch.testing.assert_close(bf16["loss"], ref["loss"], rtol=2e-2, atol=0)
+
+
+@pytest.mark.slow
+def test_metrics_recorded_on_last_stage(runs):
+    assert set(merged(runs["gpt_pp2"])["metrics"]) == {"lm_loss"}
+    bert = merged(runs["bert_pp2"])
+    assert set(bert["metrics"]) == {"lm_loss", "sop_loss"}
+    total = bert["metrics"]["lm_loss"] + bert["metrics"]["sop_loss"]
+    torch.testing.assert_close(total, bert["loss"])
+
+
+@pytest.mark.slow
+def test_stage_index_must_match_parallel_state(runs):
+    error = runs["gpt_pp2"][0]["mismatch_error"]
+    assert "pipeline rank" in error and "num_stages=2" in error
+
+
+def test_uneven_layer_split_is_rejected():
+    from megatron_2bw.models import build_stage
+
+    config = _tiny_config(model="gpt", num_layers=3)
+    with pytest.raises(ValueError, match="num_layers=3 is not divisible by num_stages=2"):
+        build_stage(config, 0, 2)
+
+
+@pytest.mark.parametrize(
+    "orig, divisible_by, tp, expected",
+    [
+        (50257, 128, 1, 50304),
+        (50257, 128, 2, 50432),
+        (1024, 128, 1, 1024),
+        (1000, 128, 4, 1024),
+        (30522, 128, 8, 30720),
+    ],
+)
+def test_pad_vocab_size(orig, divisible_by, tp, expected):
+    assert pad_vocab_size(orig, divisible_by, tp) == expected
+
+
+def test_model_config_validation_names_the_bad_values():
+    with pytest.raises(ValueError, match="hidden_size=65 is not divisible by num_attention_heads"):
+        _tiny_config(hidden_size=65)
+    with pytest.raises(ValueError, match="model='t5'"):
+        _tiny_config(model="t5")
+    config = _tiny_config(model="bert")
+    assert (config.ffn_size, config.max_positions, config.tie_embeddings) == (256, 8, True)

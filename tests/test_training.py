@@ -1,0 +1,96 @@
+"""Through the entry points: pipelined runs equal PP=1 (flush, gpipe) or the delayed
+oracle (2bw); resume is exact; an fp16 overflow is skipped; tied embeddings stay equal."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from tests.entry_harness import launch, losses, max_rel
+
+ITERS = ["--train-iters", "5", "--global-batch-size", "8"]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ref") / "m.jsonl"
+    return losses(launch("gpt", 1, ITERS, str(path)))
+
+
+@pytest.mark.parametrize("nproc,flags", [
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush"]),
+    (2, ["--pipeline-model-parallel-size", "2", "--gpipe"]),
+    (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "flush"]),
+    (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+    (4, ["--pipeline-model-parallel-size", "2"]),  # DP = 2
+], ids=["pp2-flush", "pp2-gpipe", "pp4-flush", "tp2-pp2", "dp2-pp2"])
+def test_gpt_pipelined_equals_pp1(tmp_path, gpt_reference, nproc, flags) -> None:
+    got = losses(launch("gpt", nproc, ITERS + flags, str(tmp_path / "m.jsonl")))
+    err = max_rel(got, gpt_reference)
+    print(f"{' '.join(flags)}: max relative loss error {err:.2e}")
+    assert err < 1e-5
+
+
+def test_2bw_differs_from_flush_from_second_iteration(tmp_path, gpt_reference) -> None:
+    got = losses(launch("gpt", 2, ITERS + ["--pipeline-model-parallel-size", "2",
+                                           "--pipeline-no-flushes"], str(tmp_path / "m.jsonl")))
+    assert got[0] == pytest.approx(gpt_reference[0], rel=1e-6)
+    assert all(abs(a - b) > 1e-6 for a, b in zip(got[1:], gpt_reference[1:]))
+
+
+@pytest.mark.parametrize("nproc,flags", [
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]),
+    (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]),  # DP=2
+], ids=["2bw-pp2", "2bw-dp2-pp2"])
+def test_resume_is_exact(tmp_path, nproc, flags) -> None:
+    whole = losses(launch("gpt", nproc, ITERS + flags, str(tmp_path / "whole.jsonl")))
+    ckpt = str(tmp_path / "ckpt")
+    first = launch("gpt", nproc, ITERS + flags + ["--save", ckpt, "--save-interval", "2",
+                                                  "--exit-interval", "2"],
+                   str(tmp_path / "a.jsonl"))
+    assert [r["iteration"] for r in first] == [1, 2]
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "2"
+    rest = launch("gpt", nproc, ITERS + flags + ["--load", ckpt], str(tmp_path / "b.jsonl"))
+    assert [r["iteration"] for r in rest] == [3, 4, 5]
+    assert max_rel(losses(first) + losses(rest), whole) < 1e-6
+
+
+def _tied_pair(path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    first = torch.load(glob.glob(f"{path}/iter_*/mp_rank_00_000/model_optim_rng.pt")[0],
+                       weights_only=False)
+    last = torch.load(glob.glob(f"{path}/iter_*/mp_rank_00_001/model_optim_rng.pt")[0],
+                      weights_only=False)
+    pairs = []
+    for v, sd in first["weight_versions"].items():
+        emb = next(t for k, t in sd.items() if k.endswith("word_embeddings.weight"))
+        out = next(t for k, t in last["weight_versions"][v].items()
+                   if k.endswith("output_layer.weight"))
+        pairs.append((emb, out))
+    return pairs
+
+
+@pytest.mark.parametrize("schedule", ["flush", "2bw"])
+def test_tied_embeddings_stay_equal(tmp_path, schedule) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    launch("gpt", 2, ITERS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                              schedule, "--save", ckpt], str(tmp_path / "m.jsonl"))
+    pairs = _tied_pair(ckpt)
+    assert len(pairs) == (2 if schedule == "2bw" else 1)
+    for emb, out in pairs:
+        assert torch.equal(emb, out)
+
+
+@pytest.mark.parametrize("schedule", ["flush", "2bw"])
+def test_fp16_overflow_is_skipped_and_scale_backs_off(tmp_path, schedule) -> None:
+    records = launch("gpt", 2, ["--train-iters", "6", "--global-batch-size", "8",
+                                "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                schedule, "--fp16", "--initial-loss-scale", str(2.0 ** 100),
+                                "--hysteresis", "1"], str(tmp_path / "m.jsonl"))
+    skipped = [r["skipped"] for r in records]
+    scales = [r["loss_scale"] for r in records]
+    assert skipped[0] == 1, records[0]
+    assert scales[1] < scales[0]
+    assert skipped[-1] == 0 and all(torch.isfinite(torch.tensor(losses(records))))
