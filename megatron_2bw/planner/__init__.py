@@ -1,0 +1,19 @@
+"""Choose a parallel configuration: tensor, pipeline and data parallel sizes, microbatch
+size, recomputation and pipeline schedule (GPipe, PipeDream-Flush, PipeDream-2BW).
+
+Pure Python: no torch, no process groups (only `profile.py`, which measures layers,
+imports torch). Typical use:
+
+    cm = CostModel(model, FlopsCompute(model, hw), hw)      # or ProfiledCompute(profile, model)
+    result = search(cm, SearchSpace(num_gpus=64, global_batch_size=512))
+    result.best.config, result.best.samples_per_s, explain(cm, result)
+"""
+from __future__ import annotations
+
+from .compute import FlopsCompute, Profile, ProfiledCompute, load_profile  # noqa: F401
+from .cost_model import CostModel, Estimate, StageCost, pipeline_timing  # noqa: F401
+from .explain import explain, format_table  # noqa: F401
+from .hardware import PRESETS, Hardware, load_hardware  # noqa: F401
+from .report import launch_command, to_json  # noqa: F401
+from .search import SearchResult, SearchSpace, enumerate_configs, search  # noqa: F401
+from .spec import ModelSpec, ParallelConfig, Precision  # noqa: F401

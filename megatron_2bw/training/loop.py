@@ -53,7 +53,7 @@ class Trainer:
                                      pipeline_model_parallel_size=par.pipeline_parallel)
         if env.device.type == "cpu":
             apply_cpu_shims("cpu")
-        model_parallel_manual_seed(run.train.seed)
+        model_parallel_manual_seed(run.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         loaded = read_checkpoint(run.train.load) if run.train.load else None

@@ -1,0 +1,170 @@
+"""`python -m megatron_2bw.planner`: choose TP, PP, DP, microbatch, recomputation, schedule.
+
+Takes Megatron-LM's model flags, the batch, the device count and the cluster; prints a
+ranked table and a paragraph on why the best plan won; `--json FILE` writes
+{"best": ..., "candidates": [...]} with the command line of each plan.
+`python -m megatron_2bw.planner profile ...` measures the layers first (see profile.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from .compute import FlopsCompute, LayerModel, ProfiledCompute, load_profile
+from .cost_model import CostModel
+from .explain import format_table
+from .hardware import PRESETS, Hardware, load_hardware
+from .report import to_json
+from .search import SearchResult, SearchSpace, search
+from .spec import SCHEDULES, ModelSpec
+
+logger = logging.getLogger(__name__)
+DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
+
+
+class PlannerArgumentError(ValueError):
+    """Bad input; the message names the flag."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the flag (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise PlannerArgumentError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(_positive_int(t) for t in text.split(",") if t)
+
+
+def _schedule_list(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip().lower() for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in SCHEDULES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {bad}; valid: {', '.join(SCHEDULES)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m megatron_2bw.planner", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (Megatron-LM flags)")
+    m.add_argument("--model", choices=("gpt", "bert"), default="gpt")
+    m.add_argument("--num-layers", type=_positive_int, required=True)
+    m.add_argument("--hidden-size", type=_positive_int, required=True)
+    m.add_argument("--ffn-hidden-size", type=_positive_int, help="default 4 * hidden size")
+    m.add_argument("--num-attention-heads", type=_positive_int, required=True)
+    m.add_argument("--seq-length", type=_positive_int, required=True)
+    m.add_argument("--vocab-size", type=_positive_int,
+                   help="unpadded; default 50257 (GPT-2 BPE) or 30522 (BERT WordPiece)")
+    j = p.add_argument_group("job and cluster")
+    j.add_argument("--global-batch-size", type=_positive_int, required=True)
+    j.add_argument("--num-gpus", type=_positive_int, required=True)
+    j.add_argument("--hardware", default="p3.16xlarge",
+                   help=f"a preset ({', '.join(PRESETS)}) or FILE.json with Hardware's fields")
+    j.add_argument("--profile", help="profile JSON from `python -m megatron_2bw.planner profile`; "
+                                     "without it compute is estimated from FLOPs")
+    s = p.add_argument_group("search and output")
+    s.add_argument("--schedules", type=_schedule_list, default=SCHEDULES,
+                   help="comma-separated subset of gpipe,flush,2bw")
+    s.add_argument("--micro-batch-sizes", type=_int_list, help="only these, e.g. 1,2,4")
+    s.add_argument("--tensor-parallel-sizes", type=_int_list,
+                   help="only these, e.g. 1 for the paper's pipeline x data search")
+    s.add_argument("--exhaustive", action="store_true",
+                   help="simulate every fitting configuration (slower; same best plan)")
+    s.add_argument("--top", type=_positive_int, default=10, help="rows of the table")
+    s.add_argument("--json", metavar="FILE", help="write the plans as JSON")
+    s.add_argument("--quiet", action="store_true", help="no table or explanation on stdout")
+    return p
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    vocab = args.vocab_size or DEFAULT_VOCAB[args.model]
+    return ModelSpec(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
+                     args.seq_length, vocab, args.ffn_hidden_size)
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    try:
+        return load_hardware(args.hardware)
+    except ValueError as err:
+        raise PlannerArgumentError(f"--hardware: {err}") from None
+
+
+def _check_gpus(args: argparse.Namespace, hw: Hardware) -> None:
+    per_node = hw.devices_per_node
+    if args.num_gpus > per_node and args.num_gpus % per_node:
+        raise PlannerArgumentError(f"--num-gpus {args.num_gpus} is not a multiple of the "
+                                   f"{per_node} devices per server of {hw.name}")
+
+
+def _layers(args: argparse.Namespace, model: ModelSpec, hw: Hardware) -> LayerModel:
+    if not args.profile:
+        return FlopsCompute(model, hw)
+    try:
+        profile = load_profile(args.profile)
+    except ValueError as err:
+        raise PlannerArgumentError(f"--profile: {err}") from None
+    mismatch = profile.matches(model)
+    if mismatch:
+        raise PlannerArgumentError(f"--profile {args.profile} measured another model: "
+                                   + "; ".join(mismatch))
+    return ProfiledCompute(profile, model)
+
+
+def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
+    """Parse, validate, search. Raises PlannerArgumentError on bad input."""
+    args = build_parser().parse_args(argv)
+    try:
+        model = model_from_args(args)
+    except ValueError as err:
+        raise PlannerArgumentError(str(err)) from None
+    hw = _hardware(args)
+    _check_gpus(args, hw)
+    cm = CostModel(model, _layers(args, model, hw), hw)
+    space = SearchSpace(args.num_gpus, args.global_batch_size, schedules=args.schedules,
+                        micro_batch_sizes=args.micro_batch_sizes,
+                        tensor_parallel_sizes=args.tensor_parallel_sizes)
+    return cm, search(cm, space, keep=max(args.top, 20), exhaustive=args.exhaustive), args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cm, result, args = plan(argv)
+    except PlannerArgumentError as err:
+        sys.stderr.write(f"python -m megatron_2bw.planner: error: {err}\n")
+        return 2
+    report = to_json(cm, result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if result.best is None:
+        sys.stderr.write(f"python -m megatron_2bw.planner: error: no configuration of "
+                         f"{result.num_enumerated} fits in {cm.hardware.memory_per_device_gb:g} GB "
+                         f"per device: raise --num-gpus or lower --global-batch-size\n")
+        return 1
+    if not args.quiet:
+        out = sys.stdout
+        out.write(f"{cm.model.model.upper()} {cm.model.total_params() / 1e9:.2f}B parameters, "
+                  f"batch {args.global_batch_size}, {args.num_gpus} x {cm.hardware.name} devices, "
+                  f"compute from {cm.layers.source}; {result.num_enumerated} configurations, "
+                  f"{result.num_fitting} fit, {len(result.ranked)} simulated "
+                  f"({result.seconds:.1f} s)\n\n")
+        out.write(format_table(result, args.top) + "\n\n" + report["best"]["explanation"] + "\n\n")
+        out.write("Run it:\n  " + report["best"]["command"] + "\n")
+    return 0

@@ -1,0 +1,198 @@
+"""Per-layer compute times and sizes: from a measured profile, or estimated from FLOPs.
+
+Both sources answer the same questions for one device without tensor parallelism (the
+cost model divides by the tensor-parallel size and adds its communication):
+forward/backward seconds of a transformer layer, the embedding and the output layer at
+microbatch size b, and activation bytes. The profile JSON is written by
+`python -m megatron_2bw.planner profile` (see `profile.py`); reading it needs no torch.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from .hardware import Hardware
+from .spec import ModelSpec
+
+PROFILE_FORMAT = "megatron-2bw-profile/1"
+
+
+class LayerModel(Protocol):
+    """What the cost model asks about compute; times in seconds, sizes in bytes."""
+
+    source: str
+
+    def layer_forward_s(self, b: int) -> float: ...
+    def layer_backward_s(self, b: int) -> float: ...
+    def layer_recompute_backward_s(self, b: int) -> float: ...
+    def embedding_s(self, b: int) -> tuple[float, float]: ...
+    def output_s(self, b: int) -> tuple[float, float]: ...
+    def layer_activation_bytes(self, b: int, tp: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class FlopsCompute:
+    """Compute time = FLOPs / achieved FLOP/s + a fixed per-layer overhead.
+
+    FLOPs: Narayanan et al. SC21 (see `ModelSpec.layer_forward_flops`); backward = 2x
+    forward; full recomputation runs the forward again inside backward, which is where
+    the paper's "about 4/3" comes from ((1 + 2 + 1) / 3). Embedding lookups are free.
+    """
+
+    model: ModelSpec
+    hardware: Hardware
+    source: str = "flops"
+
+    def layer_forward_s(self, b: int) -> float:
+        return (self.model.layer_forward_flops(b) / self.hardware.flops_per_s
+                + self.hardware.layer_overhead_ms * 1e-3)
+
+    def layer_backward_s(self, b: int) -> float:
+        return 2.0 * self.layer_forward_s(b)
+
+    def layer_recompute_backward_s(self, b: int) -> float:
+        return self.layer_backward_s(b) + self.layer_forward_s(b)
+
+    def embedding_s(self, b: int) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def output_s(self, b: int) -> tuple[float, float]:
+        forward = self.model.output_forward_flops(b) / self.hardware.flops_per_s
+        return forward, 2.0 * forward
+
+    def layer_activation_bytes(self, b: int, tp: int) -> float:
+        return self.model.layer_activation_bytes(b, tp)
+
+
+@dataclass(frozen=True)
+class PartTiming:
+    """One measured module (layer, embedding or output layer) at one microbatch size."""
+
+    forward_s: float
+    backward_s: float
+    recompute_backward_s: float = 0.0
+    activation_bytes_float: float = 0.0
+    """Bytes of floating-point tensors saved for backward (scaled to the plan's dtype)."""
+    activation_bytes_other: float = 0.0
+    """Bytes of other saved tensors (dropout masks, indices): not scaled."""
+    input_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    micro_batch_size: int
+    layer: PartTiming
+    embedding: PartTiming
+    output: PartTiming
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measurements of one model shape on one device, at several microbatch sizes."""
+
+    device: str
+    dtype_bytes: int
+    model: dict
+    entries: tuple[ProfileEntry, ...]
+    params: dict = field(default_factory=dict)
+
+    def matches(self, spec: ModelSpec) -> list[str]:
+        """Model fields that differ between the profile and `spec` (empty: usable)."""
+        wanted = {"hidden_size": spec.hidden_size, "ffn_hidden_size": spec.ffn,
+                  "num_attention_heads": spec.num_attention_heads,
+                  "seq_length": spec.seq_length, "model": spec.model}
+        return [f"{k}: profile {self.model.get(k)!r} vs plan {v!r}" for k, v in wanted.items()
+                if self.model.get(k) != v]
+
+    def to_dict(self) -> dict:
+        def part(p: PartTiming) -> dict:
+            return dict(p.__dict__)
+        return {"format": PROFILE_FORMAT, "device": self.device, "dtype_bytes": self.dtype_bytes,
+                "model": self.model, "params": self.params,
+                "entries": [{"micro_batch_size": e.micro_batch_size, "layer": part(e.layer),
+                             "embedding": part(e.embedding), "output": part(e.output)}
+                            for e in self.entries]}
+
+
+def load_profile(path: str) -> Profile:
+    """Read a profile JSON; ValueError with a one-line reason when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read profile {path}: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{path} is not a {PROFILE_FORMAT} file")
+    try:
+        entries = tuple(sorted((ProfileEntry(int(e["micro_batch_size"]),
+                                             PartTiming(**e["layer"]),
+                                             PartTiming(**e["embedding"]),
+                                             PartTiming(**e["output"]))
+                                for e in data["entries"]), key=lambda e: e.micro_batch_size))
+        profile = Profile(str(data["device"]), int(data["dtype_bytes"]), dict(data["model"]),
+                          entries, dict(data.get("params", {})))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"profile {path} is malformed: {err}") from None
+    if not entries:
+        raise ValueError(f"profile {path} has no measurements")
+    return profile
+
+
+def _interpolate(xs: list[int], ys: list[float], b: int) -> float:
+    """Piecewise-linear in b; outside the measured range, proportional to the nearest point
+    (time per sample held constant), which is what a saturated device does."""
+    if b <= xs[0]:
+        return ys[0] * b / xs[0]
+    if b >= xs[-1]:
+        return ys[-1] * b / xs[-1]
+    i = bisect.bisect_left(xs, b)
+    if xs[i] == b:
+        return ys[i]
+    w = (b - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[i - 1] * (1 - w) + ys[i] * w
+
+
+@dataclass(frozen=True)
+class ProfiledCompute:
+    """Compute times from a profile, activation bytes from it scaled to fp16 and to tp.
+
+    The profile is taken without tensor parallelism; its activation bytes are scaled to
+    tp by the ratio of Korthikanti et al.'s formula at tp and at 1 (the part of a layer's
+    activations that tensor parallelism splits).
+    """
+
+    profile: Profile
+    model: ModelSpec
+    activation_bytes: int = 2
+    source: str = "profile"
+
+    def _series(self, part: str, name: str) -> tuple[list[int], list[float]]:
+        xs = [e.micro_batch_size for e in self.profile.entries]
+        return xs, [getattr(getattr(e, part), name) for e in self.profile.entries]
+
+    def _at(self, part: str, name: str, b: int) -> float:
+        return _interpolate(*self._series(part, name), b)
+
+    def layer_forward_s(self, b: int) -> float:
+        return self._at("layer", "forward_s", b)
+
+    def layer_backward_s(self, b: int) -> float:
+        return self._at("layer", "backward_s", b)
+
+    def layer_recompute_backward_s(self, b: int) -> float:
+        measured = self._at("layer", "recompute_backward_s", b)
+        return measured if measured > 0 else self.layer_backward_s(b) + self.layer_forward_s(b)
+
+    def embedding_s(self, b: int) -> tuple[float, float]:
+        return self._at("embedding", "forward_s", b), self._at("embedding", "backward_s", b)
+
+    def output_s(self, b: int) -> tuple[float, float]:
+        return self._at("output", "forward_s", b), self._at("output", "backward_s", b)
+
+    def layer_activation_bytes(self, b: int, tp: int) -> float:
+        scale = self.activation_bytes / self.profile.dtype_bytes
+        measured = (self._at("layer", "activation_bytes_float", b) * scale
+                    + self._at("layer", "activation_bytes_other", b))
+        return measured * self.model.layer_activation_bytes(b, tp) / self.model.layer_activation_bytes(b, 1)

@@ -1,0 +1,113 @@
+"""Turn a search result into words: a table for people, a paragraph on why the best won.
+
+The paragraph compares the best plan with the best plan of every other group (each
+schedule, and no pipeline at all) and with the fastest configurations that do not fit,
+and names the cost that separates them: memory, pipeline bubble, exposed data-parallel
+all-reduce, tensor-parallel traffic or recomputation. The seconds come from the cost
+model (`Estimate.breakdown`, `CostModel.exposed_allreduce_s`), not from new formulas.
+"""
+from __future__ import annotations
+
+from .cost_model import CostModel, Estimate
+from .hardware import GB
+from .search import SearchResult, plan_group
+
+GROUP_NAMES = {("2bw", False): "PipeDream-2BW", ("flush", False): "PipeDream-Flush",
+               ("gpipe", False): "GPipe", ("flush", True): "no pipeline (tensor + data parallel)",
+               ("2bw", True): "no pipeline with 2BW's delayed all-reduce"}
+
+
+def costs_by_cause(cm: CostModel, est: Estimate) -> dict[str, float]:
+    """Seconds per iteration by cause, on the busiest stage; they add up to the iteration."""
+    parts = est.breakdown()
+    exposed = max(0.0, cm.exposed_allreduce_s(est))
+    return {"compute": parts["compute_s"], "recomputation": parts["recompute_s"],
+            "tensor-parallel all-reduces": parts["tensor_parallel_s"],
+            "exposed data-parallel all-reduce": min(exposed, parts["idle_s"]),
+            "pipeline bubble and transfers": max(0.0, parts["idle_s"] - exposed)}
+
+
+def _cause_clause(cm: CostModel, other: Estimate, cause: str, seconds: float,
+                  extra: float) -> str:
+    if cause == "exposed data-parallel all-reduce":
+        size = max(s.params for s in other.stages) * cm.precision.grad_bytes / GB
+        return f"{seconds:.2f} s of its {size:.2f} GB gradient all-reduce is not hidden"
+    if cause == "pipeline bubble and transfers":
+        return f"its pipeline idles {other.bubble_fraction:.0%} of the time"
+    if cause == "tensor-parallel all-reduces":
+        return f"tensor-parallel all-reduces take {seconds:.2f} s per iteration"
+    if cause == "recomputation":
+        return f"recomputing activations costs {seconds:.2f} s per iteration"
+    stage = other.busiest_stage()
+    part = (" + the output layer" if stage.stage == len(other.stages) - 1 else
+            " + the embedding" if stage.stage == 0 and len(other.stages) > 1 else "")
+    return (f"its busiest stage ({stage.layers} layers{part}) computes {extra:.2f} s more "
+            "per iteration")
+
+
+def _why_slower(cm: CostModel, best: Estimate, other: Estimate) -> str:
+    """The one or two causes whose seconds grew most from `best` to `other`."""
+    mine, theirs = costs_by_cause(cm, best), costs_by_cause(cm, other)
+    grown = sorted(((theirs[k] - mine[k], k) for k in theirs), reverse=True)
+    (top, cause), (second, runner) = grown[0], grown[1]
+    clauses = [f"{_cause_clause(cm, other, cause, theirs[cause], top)} (+{top:.2f} s)"]
+    if second > 0.3 * top:
+        clauses.append(f"{_cause_clause(cm, other, runner, theirs[runner], second)} "
+                       f"(+{second:.2f} s)")
+    return ", and ".join(clauses)
+
+
+def explain(cm: CostModel, result: SearchResult) -> str:
+    """One paragraph: the chosen plan, and why each runner-up lost."""
+    best = result.best
+    if best is None:
+        return "No configuration fits in memory."
+    cap = cm.hardware.memory_per_device_gb
+    text = [f"Chosen: {best.config.label()}, {best.samples_per_s:.1f} samples/s "
+            f"({best.iteration_time_s:.3f} s per iteration of {best.config.global_batch_size}), "
+            f"{best.memory_gb:.1f} of {cap:g} GB per device, pipeline idle "
+            f"{best.bubble_fraction:.0%}."]
+    if result.too_big:
+        big = result.too_big[0]
+        text.append(f"The fastest configuration, {big.config.label()} "
+                    f"({big.samples_per_s:.1f} samples/s), needs {big.memory_gb:.1f} GB per "
+                    f"device and does not fit (memory).")
+    for group, other in best_per_group(result).items():
+        if group == plan_group(best.config):
+            continue
+        ratio = best.samples_per_s / other.samples_per_s
+        if ratio < 1.01:
+            text.append(f"The best {GROUP_NAMES[group]} plan, {other.config.label()}, is "
+                        f"within 1% ({other.memory_gb:.1f} GB per device).")
+            continue
+        text.append(f"The best {GROUP_NAMES[group]} plan, {other.config.label()}, is "
+                    f"{ratio:.2f}x slower: {_why_slower(cm, best, other)}.")
+    searched = result.space.schedules if result.space else ()
+    missing = [name for g, name in GROUP_NAMES.items() if g[0] in searched and g != ("2bw", True)
+               and g not in best_per_group(result)]
+    if missing:
+        text.append("No plan fits with " + ", ".join(missing) + ".")
+    return " ".join(text)
+
+
+def best_per_group(result: SearchResult) -> dict[tuple[str, bool], Estimate]:
+    """The fastest fitting plan of each `plan_group` (ranked is fastest first)."""
+    found: dict[tuple[str, bool], Estimate] = {}
+    for est in result.ranked:
+        found.setdefault(plan_group(est.config), est)
+    return found
+
+
+def format_table(result: SearchResult, top: int = 10) -> str:
+    """The ranked plans as a fixed-width table."""
+    head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'pp':>3} {'dp':>3} {'b':>4} {'m':>5} {'rc':>3} "
+            f"{'samples/s':>10} {'iter s':>8} {'bubble':>7} {'mem GB':>7}")
+    rows = [head, "-" * len(head)]
+    for i, est in enumerate(result.ranked[:top], 1):
+        c = est.config
+        rows.append(f"{i:>3} {c.schedule:8} {c.tensor_parallel:>3} {c.pipeline_depth:>3} "
+                    f"{c.data_parallel_width:>3} {c.micro_batch_size:>4} {c.num_microbatches:>5} "
+                    f"{'yes' if c.recompute else 'no':>3} {est.samples_per_s:>10.1f} "
+                    f"{est.iteration_time_s:>8.3f} {est.bubble_fraction:>7.1%} "
+                    f"{est.memory_gb:>7.1f}")
+    return "\n".join(rows)

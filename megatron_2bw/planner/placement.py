@@ -1,0 +1,117 @@
+"""Where ranks sit, which communication groups cross server boundaries, and their bandwidth.
+
+megatron-core numbers ranks in the order "tp-cp-ep-dp-pp" (`parallel_state.
+initialize_model_parallel(order=...)`, default): tensor-parallel rank varies fastest, then
+data-parallel, then pipeline stage. With cp = ep = 1:
+
+    rank = tp_rank + TP * (dp_rank + DP * stage),   node = rank // devices_per_node
+
+so tensor-parallel groups are consecutive ranks (inside a server when TP divides the
+server size), data-parallel groups stride by TP, and neighbouring stages are TP * DP apart.
+Whether a group crosses servers follows from this, not from a guess.
+
+Bandwidth of a group that crosses servers: each server's network is shared by the groups
+that cross it at the same time (all-reduces: conservatively every group of that kind;
+point-to-point: the lockstep replicas of one stage boundary).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .hardware import Hardware
+
+Group = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The rank grid of one configuration on a cluster."""
+
+    tp: int
+    dp: int
+    pp: int
+    devices_per_node: int
+
+    def rank(self, tp_rank: int, dp_rank: int, stage: int) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * stage)
+
+    def node(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def tp_groups(self) -> list[Group]:
+        return [tuple(self.rank(t, d, s) for t in range(self.tp))
+                for s in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self, stage: int | None = None) -> list[Group]:
+        stages = range(self.pp) if stage is None else (stage,)
+        return [tuple(self.rank(t, d, s) for d in range(self.dp))
+                for s in stages for t in range(self.tp)]
+
+    def boundary_pairs(self, stage: int) -> list[tuple[int, int]]:
+        """(sender, receiver) of the activation from `stage` to `stage + 1`, one per (tp, dp)."""
+        return [(self.rank(t, d, stage), self.rank(t, d, stage + 1))
+                for t in range(self.tp) for d in range(self.dp)]
+
+    def embedding_groups(self) -> list[Group]:
+        """First and last stage ranks that keep the tied word embedding equal (pp > 1)."""
+        if self.pp == 1:
+            return []
+        return [(self.rank(t, d, 0), self.rank(t, d, self.pp - 1))
+                for t in range(self.tp) for d in range(self.dp)]
+
+    def crosses(self, group: Group) -> bool:
+        return len({self.node(r) for r in group}) > 1
+
+
+def _sharing(layout: Layout, groups: list[Group]) -> Counter:
+    """Per node: how many of `groups` cross servers and touch that node."""
+    count: Counter = Counter()
+    for g in groups:
+        if layout.crosses(g):
+            for node in {layout.node(r) for r in g}:
+                count[node] += 1
+    return count
+
+
+def collective_bandwidth(layout: Layout, group: Group, concurrent: list[Group],
+                         hw: Hardware) -> float:
+    """Bytes/s per link for a ring over `group` while `concurrent` groups run too.
+
+    Inside one server: the intra-node bandwidth. Across servers: the ring's slowest hop
+    is a server's network link, shared by the crossing groups touching that server.
+    """
+    if not layout.crosses(group):
+        return hw.intra_bytes_per_s
+    share = _sharing(layout, concurrent)
+    busiest = max(share[layout.node(r)] for r in group)
+    return hw.inter_bytes_per_s / max(busiest, 1)
+
+
+def p2p_bandwidth(layout: Layout, stage: int, hw: Hardware) -> float:
+    """Bytes/s of one transfer across the boundary between `stage` and `stage + 1`.
+
+    Across servers, a server's network is shared by the transfers of that boundary that
+    leave it at the same moment: the tensor-parallel ranks and data-parallel replicas of
+    a stage run the same schedule in lockstep, so they send together (each tensor-parallel
+    rank its own full copy: megatron-core's p2p has no scatter-gather). Forward
+    activations and backward gradients leave at different times (after F, after B) and
+    use opposite directions of a full-duplex link, so they are not added up.
+    """
+    pairs = layout.boundary_pairs(stage)
+    leaving: Counter = Counter(layout.node(a) for a, b in pairs if layout.node(a) != layout.node(b))
+    arriving: Counter = Counter(layout.node(b) for a, b in pairs if layout.node(a) != layout.node(b))
+    if not leaving:
+        return hw.intra_bytes_per_s
+    return hw.inter_bytes_per_s / max(max(leaving.values()), max(arriving.values()))
+
+
+def ring_allreduce_s(num_bytes: float, n: int, bytes_per_s: float) -> float:
+    """Ring all-reduce time: each rank sends and receives 2 (n - 1) / n * bytes.
+
+    Source: Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+    workstations", JPDC 2009; NCCL's "bus bandwidth" uses the same 2 (n - 1) / n factor.
+    """
+    if n <= 1 or num_bytes <= 0:
+        return 0.0
+    return 2.0 * (n - 1) / n * num_bytes / bytes_per_s

@@ -1,0 +1,291 @@
+"""`python -m megatron_2bw.planner profile`: measure the real megatron-core pieces.
+
+Builds a one-layer megatron-core GPT/BERT (the project's own `build_stage`, local layer
+spec) on the current device (CUDA when present, else CPU with the compat shims) and
+times, at each microbatch size, forward and backward of
+
+- one `TransformerLayer` (without and with full recomputation through megatron-core's
+  `tensor_parallel.checkpoint`, the function its `TransformerBlock` uses),
+- the embedding, and
+- the output side (final LayerNorm, BERT's LM head, logit layer, vocab-parallel loss),
+
+and counts the bytes each saves for backward with `torch.autograd.graph.
+saved_tensors_hooks` (parameters excluded, shared storage counted once). It writes the
+profile JSON that `compute.load_profile` reads.
+
+This is the one planner module that imports torch and megatron-core, lazily, from
+`main`; it starts a one-process group only because megatron-core's layers read
+`parallel_state`. Planning itself never imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn
+
+from .compute import PartTiming, Profile, ProfileEntry
+
+logger = logging.getLogger(__name__)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"python -m megatron_2bw.planner profile: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m megatron_2bw.planner profile", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
+    p.add_argument("--hidden-size", type=int, required=True)
+    p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--num-attention-heads", type=int, required=True)
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--vocab-size", type=int, help="default 50257 (gpt) or 30522 (bert)")
+    p.add_argument("--num-layers", type=int, help="accepted for symmetry with the planner; "
+                   "one layer is measured")
+    p.add_argument("--micro-batch-sizes", default="1,2,4,8", help="comma-separated")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"),
+                   help="default fp16 on CUDA, fp32 on CPU")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
+    p.add_argument("--output", required=True, help="profile JSON to write")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        sizes = sorted({int(x) for x in args.micro_batch_sizes.split(",") if x})
+    except ValueError:
+        build_parser().error(f"--micro-batch-sizes: expected integers, got {args.micro_batch_sizes!r}")
+    if not sizes or min(sizes) < 1:
+        build_parser().error("--micro-batch-sizes: need positive integers")
+    for flag in ("hidden_size", "num_attention_heads", "seq_length", "repeats"):
+        if getattr(args, flag) < 1:
+            build_parser().error(f"--{flag.replace('_', '-')} must be positive")
+    if args.hidden_size % args.num_attention_heads:
+        build_parser().error(f"--hidden-size {args.hidden_size} must be divisible by "
+                             f"--num-attention-heads {args.num_attention_heads}")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", module=r"megatron\.")  # apex / TE fallbacks
+    profile = run_profile(model=args.model, hidden_size=args.hidden_size,
+                          ffn_hidden_size=args.ffn_hidden_size,
+                          num_attention_heads=args.num_attention_heads,
+                          seq_length=args.seq_length,
+                          vocab_size=args.vocab_size or (50257 if args.model == "gpt" else 30522),
+                          micro_batch_sizes=sizes, dtype=args.dtype, repeats=args.repeats,
+                          warmup=args.warmup)
+    Path(args.output).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    for e in profile.entries:
+        sys.stdout.write(f"b={e.micro_batch_size}: layer F {e.layer.forward_s * 1e3:.2f} ms, "
+                         f"B {e.layer.backward_s * 1e3:.2f} ms, B with recompute "
+                         f"{e.layer.recompute_backward_s * 1e3:.2f} ms, saved "
+                         f"{(e.layer.activation_bytes_float + e.layer.activation_bytes_other) / 1e6:.1f} MB\n")
+    sys.stdout.write(f"profile of {profile.device} written to {args.output}\n")
+    return 0
+
+
+@contextmanager
+def _single_process_megatron() -> Iterator[None]:
+    """A one-rank process group and megatron-core parallel_state (tp = pp = 1)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    owned = not dist.is_initialized()
+    if owned:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        store = dist.FileStore(tempfile.mktemp(prefix="m2bw-profile-"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if owned:
+            dist.destroy_process_group()
+
+
+def run_profile(*, model: str, hidden_size: int, ffn_hidden_size: int | None,
+                num_attention_heads: int, seq_length: int, vocab_size: int,
+                micro_batch_sizes: list[int], dtype: str | None = None, repeats: int = 3,
+                warmup: int = 2) -> Profile:
+    """Measure and return a `Profile` (see the module docstring)."""
+    import torch
+    from megatron_2bw.models.compat import apply_cpu_shims, model_parallel_manual_seed
+    from megatron_2bw.models.config import ModelConfig, pad_vocab_size
+    from megatron_2bw.models.stages import build_stage
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    apply_cpu_shims(device.type)
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
+        dtype or ("fp16" if device.type == "cuda" else "fp32")]
+    with _single_process_megatron():
+        model_parallel_manual_seed(1234)
+        config = ModelConfig(model=model, num_layers=1, hidden_size=hidden_size,
+                             ffn_hidden_size=ffn_hidden_size,
+                             num_attention_heads=num_attention_heads, seq_length=seq_length,
+                             vocab_size=pad_vocab_size(vocab_size), params_dtype=torch_dtype,
+                             bert_binary_head=False)
+        stage = build_stage(config, 0, 1, device=device)
+        stage.train()
+        parts = _Parts(stage, config, device, repeats, warmup)
+        entries = tuple(parts.entry(b) for b in micro_batch_sizes)
+        params = parts.param_counts()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    spec = {"model": model, "hidden_size": hidden_size,
+            "ffn_hidden_size": ffn_hidden_size or 4 * hidden_size,
+            "num_attention_heads": num_attention_heads, "seq_length": seq_length,
+            "vocab_size": vocab_size}
+    return Profile(device=name, dtype_bytes=torch.finfo(torch_dtype).bits // 8, model=spec,
+                   entries=entries, params=params)
+
+
+class _Parts:
+    """The three measured pieces of a one-layer stage and how to time them."""
+
+    def __init__(self, stage, config, device, repeats: int, warmup: int):
+        import torch
+        self.torch, self.stage, self.config, self.device = torch, stage, config, device
+        self.model = stage.model
+        self.layer = self.model.decoder.layers[0]
+        self.repeats, self.warmup = repeats, warmup
+
+    # ---- inputs ----
+    def _tokens(self, b: int):
+        t = self.torch
+        return t.randint(0, self.config.vocab_size, (b, self.config.seq_length), device=self.device)
+
+    def _hidden(self, b: int):
+        t = self.torch
+        return t.randn(self.config.seq_length, b, self.config.hidden_size, device=self.device,
+                       dtype=self.config.params_dtype, requires_grad=True)
+
+    # ---- the three forwards ----
+    def _embedding(self, b: int) -> Callable:
+        tokens = self._tokens(b)
+        positions = self.torch.arange(self.config.seq_length, device=self.device).expand_as(tokens)
+        types = self.torch.zeros_like(tokens) if self.config.model == "bert" else None
+
+        def run():
+            kwargs = {"tokentype_ids": types} if types is not None else {}
+            return self.model.embedding(input_ids=tokens, position_ids=positions, **kwargs)
+        return run
+
+    def _layer(self, b: int, recompute: bool) -> Callable:
+        from megatron.core import tensor_parallel
+        x = self._hidden(b)
+
+        def forward(hidden):
+            return self.layer(hidden_states=hidden, attention_mask=None)[0]
+
+        def run():
+            if recompute:
+                return tensor_parallel.checkpoint(forward, False, x)
+            return forward(x)
+        return run
+
+    def _output(self, b: int) -> Callable:
+        x, labels = self._hidden(b), self._tokens(b)
+
+        def run():
+            hidden = self.model.decoder.final_layernorm(x)
+            if self.config.model == "bert":
+                hidden = self.model.lm_head(hidden_states=hidden)
+            weight = self.model.shared_embedding_or_output_weight()
+            logits, _ = self.model.output_layer(hidden, weight=weight)
+            return self.model.compute_language_model_loss(labels, logits).float().mean()
+        return run
+
+    # ---- measuring ----
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def _time(self, make_forward: Callable) -> tuple[float, float, float, float]:
+        """Median forward and backward seconds, and saved float / other bytes."""
+        forwards, backwards, saved = [], [], (0.0, 0.0)
+        for i in range(self.warmup + self.repeats):
+            run = make_forward()
+            self._sync()
+            start = time.perf_counter()
+            with _saved_bytes(self.torch, self.model) as counter:
+                out = run()
+            self._sync()
+            middle = time.perf_counter()
+            grad = self.torch.ones_like(out) if out.dim() else None
+            out.backward(grad)
+            self._sync()
+            end = time.perf_counter()
+            self.model.zero_grad(set_to_none=True)
+            if i >= self.warmup:
+                forwards.append(middle - start)
+                backwards.append(end - middle)
+                saved = counter.totals()
+        return statistics.median(forwards), statistics.median(backwards), saved[0], saved[1]
+
+    def entry(self, b: int) -> ProfileEntry:
+        lf, lb, la_f, la_o = self._time(lambda: self._layer(b, recompute=False))
+        rf, rb, _, _ = self._time(lambda: self._layer(b, recompute=True))
+        ef, eb, ea_f, ea_o = self._time(lambda: self._embedding(b))
+        of, ob, oa_f, oa_o = self._time(lambda: self._output(b))
+        elem = self.torch.finfo(self.config.params_dtype).bits // 8
+        boundary = float(self.config.seq_length * b * self.config.hidden_size * elem)
+        logger.info("b=%d: layer %.4f / %.4f s, recompute backward %.4f s", b, lf, lb, rb)
+        return ProfileEntry(
+            micro_batch_size=b,
+            layer=PartTiming(lf, lb, rb, la_f, la_o, boundary),
+            embedding=PartTiming(ef, eb, 0.0, ea_f, ea_o, 0.0),
+            output=PartTiming(of, ob, 0.0, oa_f, oa_o, boundary))
+
+    def param_counts(self) -> dict:
+        def count(module) -> int:
+            return sum(p.numel() for p in module.parameters())
+        output = count(self.model.decoder.final_layernorm)
+        if self.config.model == "bert":
+            output += count(self.model.lm_head)
+        return {"layer": count(self.layer), "embedding": count(self.model.embedding),
+                "output": output}
+
+
+class _SavedBytes:
+    """Bytes of the tensors autograd saves, parameters excluded, each storage once."""
+
+    def __init__(self, torch_module, model):
+        self.torch = torch_module
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen: dict[int, tuple[int, bool]] = {}
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen[ptr] = (storage.nbytes(), tensor.is_floating_point())
+        return tensor
+
+    def totals(self) -> tuple[float, float]:
+        floats = sum(n for n, is_float in self.seen.values() if is_float)
+        others = sum(n for n, is_float in self.seen.values() if not is_float)
+        return float(floats), float(others)
+
+
+@contextmanager
+def _saved_bytes(torch_module, model) -> Iterator[_SavedBytes]:
+    counter = _SavedBytes(torch_module, model)
+    with torch_module.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        yield counter
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Plans as data for machines: the JSON candidates and the command line that runs each."""
+from __future__ import annotations
+
+import shlex
+
+from .cost_model import CostModel, Estimate
+from .explain import costs_by_cause, explain
+from .hardware import GB
+from .search import SearchResult
+from .spec import ModelSpec, ParallelConfig
+
+ENTRY_POINTS = {"gpt": "pretrain_gpt.py", "bert": "pretrain_bert.py"}
+
+
+def model_flags(model: ModelSpec) -> list[str]:
+    """Megatron-LM's model flags for `model`."""
+    return ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+            "--ffn-hidden-size", str(model.ffn),
+            "--num-attention-heads", str(model.num_attention_heads),
+            "--seq-length", str(model.seq_length),
+            "--max-position-embeddings", str(model.seq_length),
+            "--vocab-size", str(model.vocab_size)]
+
+
+def launch_command(model: ModelSpec, cfg: ParallelConfig, devices_per_node: int) -> str:
+    """The torchrun line that runs `cfg` (on every server when there are several)."""
+    per_node = min(devices_per_node, cfg.num_gpus)
+    nodes = -(-cfg.num_gpus // per_node)
+    launcher = ["torchrun", "--nproc_per_node", str(per_node)]
+    if nodes > 1:
+        launcher += ["--nnodes", str(nodes), "--node_rank", "$NODE_RANK",
+                     "--master_addr", "$MASTER_ADDR", "--master_port", "6000"]
+    flags = model_flags(model) + [
+        "--tensor-model-parallel-size", str(cfg.tensor_parallel),
+        "--pipeline-model-parallel-size", str(cfg.pipeline_depth),
+        "--pipeline-schedule", cfg.schedule,
+        "--micro-batch-size", str(cfg.micro_batch_size),
+        "--global-batch-size", str(cfg.global_batch_size)]
+    if cfg.recompute:
+        flags.append("--recompute-activations")
+    flags.append("--fp16")
+    words = launcher + [ENTRY_POINTS[model.model]] + flags
+    return " ".join(w if w.startswith("$") else shlex.quote(w) for w in words)
+
+
+def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
+    """One plan as a JSON object (`detail` adds the per-cause seconds and per-stage bytes)."""
+    c = est.config
+    out = {"schedule": c.schedule, "tensor_parallel": c.tensor_parallel,
+           "pipeline_depth": c.pipeline_depth, "data_parallel_width": c.data_parallel_width,
+           "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
+           "recompute": c.recompute, "global_batch_size": c.global_batch_size,
+           "predicted_iteration_time_s": round(est.iteration_time_s, 6),
+           "predicted_samples_per_s": round(est.samples_per_s, 3),
+           "predicted_memory_gb": round(est.memory_gb, 3), "fits": est.fits,
+           "bubble_fraction": round(est.bubble_fraction, 4),
+           "command": launch_command(cm.model, c, cm.hardware.devices_per_node)}
+    if detail:
+        out["seconds_by_cause"] = {k: round(v, 6) for k, v in costs_by_cause(cm, est).items()}
+        out["tensor_memory_per_stage_gb"] = [round(s.memory_bytes / GB, 3) for s in est.stages]
+        out["p2p_s"] = round(est.p2p_s, 6)
+        out["allreduce_s"] = round(max(s.allreduce_s for s in est.stages), 6)
+    return out
+
+
+def to_json(cm: CostModel, result: SearchResult) -> dict:
+    """{"best": ..., "candidates": [...]} plus what was searched and how."""
+    best = result.best
+    return {
+        "best": None if best is None else {**candidate(cm, best, detail=True),
+                                           "explanation": explain(cm, result)},
+        "candidates": [candidate(cm, e) for e in result.ranked],
+        "too_big": [candidate(cm, e) for e in result.too_big],
+        "search": {"enumerated": result.num_enumerated, "fitting": result.num_fitting,
+                   "simulated": len(result.ranked), "pruned": result.num_pruned,
+                   "seconds": round(result.seconds, 3),
+                   "compute_source": cm.layers.source, "hardware": cm.hardware.to_dict(),
+                   "model": {"model": cm.model.model, "num_layers": cm.model.num_layers,
+                             "hidden_size": cm.model.hidden_size,
+                             "ffn_hidden_size": cm.model.ffn,
+                             "num_attention_heads": cm.model.num_attention_heads,
+                             "seq_length": cm.model.seq_length,
+                             "vocab_size": cm.model.vocab_size,
+                             "parameters": cm.model.total_params()}},
+    }
