@@ -28,10 +28,32 @@ def gpt_reference(tmp_path_factory):
     (4, ["--pipeline-model-parallel-size", "2"]),  # DP = 2
 ], ids=["pp2-flush", "pp2-gpipe", "pp4-flush", "tp2-pp2", "dp2-pp2"])
 def test_gpt_pipelined_equals_pp1(tmp_path, gpt_reference, nproc, flags) -> None:
+    """Flush and GPipe are vanilla training: any TP x PP x DP gives PP=1's losses."""
     got = losses(launch("gpt", nproc, ITERS + flags, str(tmp_path / "m.jsonl")))
     err = max_rel(got, gpt_reference)
     print(f"{' '.join(flags)}: max relative loss error {err:.2e}")
     assert err < 1e-5
+
+
+@pytest.fixture(scope="module")
+def bert_reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bert") / "m.jsonl"
+    return [(r["loss"], r["lm_loss"], r["sop_loss"]) for r in launch("bert", 1, ITERS, str(path))]
+
+
+@pytest.mark.parametrize("nproc,flags", [
+    (2, ["--pipeline-model-parallel-size", "2", "--gpipe"]),
+    (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "flush"]),
+    (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+    (4, ["--pipeline-model-parallel-size", "2"]),  # DP = 2
+], ids=["pp2-gpipe", "pp4-flush", "tp2-pp2", "dp2-pp2"])
+def test_bert_pipelined_equals_pp1(tmp_path, bert_reference, nproc, flags) -> None:
+    records = launch("bert", nproc, ITERS + flags, str(tmp_path / "m.jsonl"))
+    got = [(r["loss"], r["lm_loss"], r["sop_loss"]) for r in records]
+    for column in range(3):
+        err = max_rel([g[column] for g in got], [b[column] for b in bert_reference])
+        assert err < 1e-5, (column, err)
+    print(f"BERT {' '.join(flags)}: max relative error {err:.2e}")
 
 
 def test_2bw_differs_from_flush_from_second_iteration(tmp_path, gpt_reference) -> None:
@@ -85,12 +107,20 @@ def test_tied_embeddings_stay_equal(tmp_path, schedule) -> None:
 
 @pytest.mark.parametrize("schedule", ["flush", "2bw"])
 def test_fp16_overflow_is_skipped_and_scale_backs_off(tmp_path, schedule) -> None:
-    records = launch("gpt", 2, ["--train-iters", "6", "--global-batch-size", "8",
-                                "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                                schedule, "--fp16", "--initial-loss-scale", str(2.0 ** 100),
-                                "--hysteresis", "1"], str(tmp_path / "m.jsonl"))
+    """Overflowing steps leave the weights alone (the new version is a copy of the newest),
+    halve the loss scale, and training resumes once the scale fits."""
+    flags = ["--train-iters", "8", "--global-batch-size", "8", "--pipeline-model-parallel-size",
+             "2", "--pipeline-schedule", schedule, "--fp16", "--initial-loss-scale",
+             str(2.0 ** 22), "--hysteresis", "1"]
+    records = launch("gpt", 2, flags, str(tmp_path / "m.jsonl"))
+    frozen = launch("gpt", 2, flags + ["--lr", "0"], str(tmp_path / "frozen.jsonl"))
     skipped = [r["skipped"] for r in records]
     scales = [r["loss_scale"] for r in records]
-    assert skipped[0] == 1, records[0]
-    assert scales[1] < scales[0]
-    assert skipped[-1] == 0 and all(torch.isfinite(torch.tensor(losses(records))))
+    first_step = skipped.index(0)  # minibatch index of the first applied update
+    assert first_step >= 1 and all(skipped[:first_step]) and not any(skipped[first_step:])
+    assert scales[:first_step + 1] == [2.0 ** 21 / 2 ** i for i in range(first_step)] + \
+        [scales[first_step - 1]]
+    # the first update shows in the loss of the next minibatch (flush) or the one after (2bw)
+    shows = first_step + (1 if schedule == "flush" else 2)
+    assert losses(records)[:shows] == losses(frozen)[:shows]
+    assert losses(records)[shows] != losses(frozen)[shows]
