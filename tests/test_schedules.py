@@ -48,10 +48,8 @@ def test_2bw_never_flushes_and_beats_flush(d: int, m: int) -> None:
     twobw = simulate(build_schedule("2bw", d, m, n), Costs(forward=1, backward=1))
     flush = simulate(build_schedule("flush", d, m, n), Costs(forward=1, backward=1))
     assert twobw.makespan < flush.makespan
-    # the ideal: warm-up and cool-down once; each step is a collective across stages
-    # (global grad norm), which costs at most the pipeline's skew, d - 1 slots
-    ideal = 2 * (m * n + d - 1)
-    assert ideal <= twobw.makespan <= ideal + (n - 1) * (d - 1)
+    # the ideal: warm-up and cool-down once, no stall at the (deferred) optimizer steps
+    assert twobw.makespan == 2 * (m * n + d - 1)
     assert flush.makespan == n * 2 * (m + d - 1)
 
 

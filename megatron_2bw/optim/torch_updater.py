@@ -27,14 +27,16 @@ class TorchOptimizerUpdater:
         self.optimizer = make_optimizer(self.slots)
         self.lr_at = lr_at
 
-    def step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
-             newest: list[torch.Tensor], target: list[torch.Tensor], grad_scale: float
-             ) -> dict[str, float]:
+    def start_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
+                   grad_scale: float) -> None:
+        if grad_scale != 1.0:
+            flat_grad.div_(grad_scale)
+
+    def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
+                    newest: list[torch.Tensor], target: list[torch.Tensor]) -> dict[str, float]:
         with torch.no_grad():
             if target[0] is not newest[0]:
                 torch._foreach_copy_(target, newest)
-            if grad_scale != 1.0:
-                flat_grad.div_(grad_scale)
         for slot, weight, grad in zip(self.slots, target, grads):
             slot.data = weight.data
             slot.grad = grad
@@ -45,7 +47,6 @@ class TorchOptimizerUpdater:
         for slot in self.slots:
             slot.grad = None
         return {"lr": self.optimizer.param_groups[0]["lr"]}
-
 
 def alias_parameter(param: torch.Tensor) -> nn.Parameter:
     """A Parameter sharing `param`'s storage but with its own autograd version counter.

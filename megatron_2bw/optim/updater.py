@@ -1,11 +1,15 @@
 """The optimizer step that makes a new weight version, with Megatron-LM's numerics.
 
 Per minibatch k, on every stage (same on flush, gpipe and 2BW, which is the point: the
-authors' 2BW fork skipped several of these):
-1. sum the tied word-embedding gradient of the first and last stage (embedding group);
-2. unscale by the loss scale the minibatch's backward passes used;
-3. one all-reduce over the model-parallel group (tensor x pipeline) of the squared
-   gradient norm and the inf/NaN count, so every stage sees the global values;
+authors' 2BW fork skipped several of these). `start_step` (action G) never waits for a
+stage that could still be waiting for this one:
+1. unscale by the loss scale the minibatch's backward passes used;
+2. tied word embedding: the last stage sends its gradient to the first, which adds it
+   and sends the sum back (point-to-point in the embedding group; the schedule puts the
+   first stage's G(k) after the last stage's);
+3. start one asynchronous all-reduce over the model-parallel group (tensor x pipeline)
+   of the squared gradient norm and the inf/NaN flag.
+`finish_step` (action S) waits for those, then:
 4. overflow: the step is skipped, the new version is a copy of the newest (gradient
    dropped, LR schedule not advanced) and the loss scale backs off;
 5. otherwise clip to `--clip-grad` on the global norm, AdamW on fp32 master weights
@@ -57,7 +61,9 @@ class StepGroups:
     """Process groups the step reduces over (None: this rank alone)."""
 
     model_parallel: Optional[dist.ProcessGroup] = None
-    embedding: Optional[dist.ProcessGroup] = None
+    embedding: Optional[dist.ProcessGroup] = None  # first and last stage, tied weights
+    embedding_peer: Optional[int] = None           # global rank of the other end
+    is_first_stage: bool = True
 
 
 class MegatronUpdater:
@@ -85,18 +91,49 @@ class MegatronUpdater:
         self.scaler = LossScaler(config.loss_scale)
         self._norm_mask = [i.counts_in_norm for i in infos]
         self._tied = [idx for idx, i in enumerate(infos) if i.tied]
+        self._pending: dict[int, tuple] = {}
 
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
-             newest: list[torch.Tensor], target: list[torch.Tensor], grad_scale: float
-             ) -> dict[str, float]:
-        self._sum_tied_grads(grads)
+    def start_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
+                   grad_scale: float) -> None:
         if grad_scale != 1.0:
             flat_grad.mul_(1.0 / grad_scale)
-        norm, found_inf = self._global_norm_and_overflow(flat_grad, grads)
+        sends = self._exchange_tied(grads)
+        local_inf = not bool(torch.isfinite(flat_grad).all())
+        counted = [g for g, keep in zip(grads, self._norm_mask) if keep]
+        sq = torch.zeros((), dtype=torch.float32, device=flat_grad.device)
+        if counted and not local_inf:
+            sq = torch.stack([g.pow(2).sum() for g in counted]).sum()
+        stats = torch.stack([sq, torch.full_like(sq, float(local_inf))])
+        group, work = self.groups.model_parallel, None
+        if group is not None and dist.get_world_size(group) > 1:
+            work = dist.all_reduce(stats, group=group, async_op=True)
+        self._pending[minibatch] = (stats, work, sends)
+
+    def _exchange_tied(self, grads: list[torch.Tensor]) -> list:
+        """Sum the tied embedding gradient of the first and last stage (see module doc)."""
+        g, peer = self.groups, self.groups.embedding_peer
+        if g.embedding is None or peer is None or not self._tied:
+            return []
+        tied = grads[self._tied[0]]
+        if g.is_first_stage:
+            other = torch.empty_like(tied)
+            dist.recv(other, src=peer, group=g.embedding)
+            tied.add_(other)
+        return [dist.isend(tied, dst=peer, group=g.embedding)]
+
+    def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
+                    newest: list[torch.Tensor], target: list[torch.Tensor]) -> dict[str, float]:
+        stats, work, sends = self._pending.pop(minibatch)
+        for w in sends + ([work] if work is not None else []):
+            w.wait()
+        if sends and not self.groups.is_first_stage:
+            dist.recv(grads[self._tied[0]], src=self.groups.embedding_peer,
+                      group=self.groups.embedding)
+        norm, found_inf = stats[0].sqrt().item(), bool(stats[1].item() > 0)
         self.scaler.update(found_inf)
         lr = self.optimizer.param_groups[0]["lr"]
         if found_inf:
@@ -110,27 +147,6 @@ class MegatronUpdater:
         self._adam(newest, target, grads)
         self.scheduler.step(increment=self.config.global_batch_size)
         return {"grad_norm": norm, "skipped": 0.0, "loss_scale": self.scaler.scale, "lr": lr}
-
-    def _sum_tied_grads(self, grads: list[torch.Tensor]) -> None:
-        group = self.groups.embedding
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        for idx in self._tied:
-            dist.all_reduce(grads[idx], group=group)
-
-    def _global_norm_and_overflow(self, flat_grad: torch.Tensor, grads: list[torch.Tensor]
-                                  ) -> tuple[float, bool]:
-        """Global gradient norm and overflow flag, from one small all-reduce."""
-        local_inf = not bool(torch.isfinite(flat_grad).all())
-        counted = [g for g, keep in zip(grads, self._norm_mask) if keep]
-        sq = torch.zeros((), dtype=torch.float32, device=flat_grad.device)
-        if counted and not local_inf:
-            sq = torch.stack([g.pow(2).sum() for g in counted]).sum()
-        stats = torch.stack([sq, torch.full_like(sq, float(local_inf))])
-        group = self.groups.model_parallel
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(stats, group=group)
-        return stats[0].sqrt().item(), bool(stats[1].item() > 0)
 
     def _adam(self, newest: list[torch.Tensor], target: list[torch.Tensor],
               grads: list[torch.Tensor]) -> None:

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedules.actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD,
-                                 RECV_FORWARD, REDUCE_GRADS, SEND_BACKWARD, SEND_FORWARD,
-                                 Action, Schedule)
+from ..schedules.actions import (BACKWARD, FORWARD, GLOBAL_REDUCE, OPTIMIZER_STEP,
+                                 RECV_BACKWARD, RECV_FORWARD, REDUCE_GRADS, SEND_BACKWARD,
+                                 SEND_FORWARD, Action, Schedule)
 from .grad_sync import GradReducer
 from .p2p import P2P, StageLinks
 from .versions import WeightStore
@@ -29,18 +29,21 @@ logger = logging.getLogger(__name__)
 
 
 class Updater(Protocol):
-    """The numerics of an optimizer step (see megatron_2bw.optim)."""
+    """The numerics of an optimizer step (see megatron_2bw.optim), in two halves."""
 
     loss_scale: float
 
-    def step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
-             newest: list[torch.Tensor], target: list[torch.Tensor], grad_scale: float
-             ) -> dict[str, float]:
-        """Write the next weights into `target` from `newest` and the gradients.
+    def start_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
+                   grad_scale: float) -> None:
+        """Start the model-wide sums for `minibatch` (must not wait for other stages).
 
         `grad_scale` is the loss scale the minibatch's backward passes used (it travels
         with the weight version they used, so every stage agrees on it).
         """
+
+    def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
+                    newest: list[torch.Tensor], target: list[torch.Tensor]) -> dict[str, float]:
+        """Wait for those sums and write the next weights into `target`."""
 
 
 @dataclass
@@ -74,7 +77,8 @@ class PipelineExecutor:
             FORWARD: self._forward, BACKWARD: self._backward,
             RECV_FORWARD: self._recv_forward, SEND_FORWARD: self._send_forward,
             RECV_BACKWARD: self._recv_backward, SEND_BACKWARD: self._send_backward,
-            REDUCE_GRADS: self._reduce_grads, OPTIMIZER_STEP: self._optimizer_step,
+            REDUCE_GRADS: self._reduce_grads, GLOBAL_REDUCE: self._global_reduce,
+            OPTIMIZER_STEP: self._optimizer_step,
         }
 
     # --- driver ---------------------------------------------------------------------
@@ -160,12 +164,16 @@ class PipelineExecutor:
             self._result.metrics[k] = {name: torch.stack([m[name] for m in metrics]).mean().item()
                                        for name in metrics[0]}
 
-    def _optimizer_step(self, a: Action) -> None:
+    def _global_reduce(self, a: Action) -> None:
         flat = self.reducer.wait(a.minibatch)
         _, views = self.weights.grads(a.minibatch)
         grad_scale = self.weights.loss_scale_of[self._grad_version.pop(a.minibatch)]
+        self.updater.start_step(a.minibatch, flat, views, grad_scale)
+
+    def _optimizer_step(self, a: Action) -> None:
+        flat, views = self.weights.grads(a.minibatch)
         newest, target = self.weights.publish(a.version)
-        info = self.updater.step(a.minibatch, flat, views, newest, target, grad_scale)
+        info = self.updater.finish_step(a.minibatch, flat, views, newest, target)
         self.weights.loss_scale_of[a.version] = self.updater.loss_scale
         self.weights.loss_scale_of.pop(a.version - self.weights.num_buffers - 1, None)
         self.weights.clear_grads(a.minibatch)

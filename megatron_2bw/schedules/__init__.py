@@ -74,7 +74,7 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
     defer = key == "2bw" if defer_step is None else (defer_step and key == "2bw")
     plan = _BUILDERS[key](num_stages, num_microbatches, num_minibatches, first_minibatch)
     plan = add_communication(plan, num_stages)
-    plan = add_grad_sync(plan, num_microbatches, defer_step=defer)
+    plan = add_grad_sync(plan, num_microbatches, num_stages, defer_step=defer)
     schedule = Schedule(plan, name=key, num_stages=num_stages,
                         num_microbatches=num_microbatches, num_minibatches=num_minibatches,
                         first_minibatch=first_minibatch,

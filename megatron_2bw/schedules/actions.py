@@ -20,12 +20,14 @@ SEND_BACKWARD = "SB"  # send the gradient w.r.t. this stage's input to stage - 1
 RECV_BACKWARD = "RB"  # receive the gradient w.r.t. this stage's output from stage + 1
 # Gradient reduction and update (added by a pass).
 REDUCE_GRADS = "R"    # start the data-parallel all-reduce of a minibatch's gradients
-OPTIMIZER_STEP = "S"  # wait for that reduction, step, and publish weight version `version`
+GLOBAL_REDUCE = "G"   # wait for it; start the model-wide sums (norm, inf/NaN, tied embedding)
+OPTIMIZER_STEP = "S"  # wait for those, step, and publish weight version `version`
 
 COMPUTE_KINDS = (FORWARD, BACKWARD)
 SEND_KINDS = (SEND_FORWARD, SEND_BACKWARD)
 RECV_KINDS = (RECV_FORWARD, RECV_BACKWARD)
-ALL_KINDS = COMPUTE_KINDS + SEND_KINDS + RECV_KINDS + (REDUCE_GRADS, OPTIMIZER_STEP)
+GRAD_KINDS = (REDUCE_GRADS, GLOBAL_REDUCE, OPTIMIZER_STEP)
+ALL_KINDS = COMPUTE_KINDS + SEND_KINDS + RECV_KINDS + GRAD_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +40,7 @@ class Action:
         microbatch: global microbatch index for compute and communication actions;
             microbatch i belongs to minibatch i // num_microbatches.
         version: weight version used by F/B; the version an optimizer step creates.
-        minibatch: the minibatch whose gradients R reduces and S applies.
+        minibatch: the minibatch whose gradients R, G and S reduce and apply.
     """
 
     stage: int
@@ -48,7 +50,7 @@ class Action:
     minibatch: Optional[int] = None
 
     def __str__(self) -> str:
-        if self.kind in (REDUCE_GRADS, OPTIMIZER_STEP):
+        if self.kind in GRAD_KINDS:
             tail = f"{self.minibatch}" + (f"v{self.version}" if self.version is not None else "")
             return f"{self.stage}{self.kind}{tail}"
         version = f"v{self.version}" if self.version is not None else ""

@@ -7,8 +7,8 @@ schedule gets the same communication discipline and the validator checks one thi
 """
 from __future__ import annotations
 
-from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
-                      REDUCE_GRADS, SEND_BACKWARD, SEND_FORWARD, Action)
+from .actions import (BACKWARD, FORWARD, GLOBAL_REDUCE, OPTIMIZER_STEP, RECV_BACKWARD,
+                      RECV_FORWARD, REDUCE_GRADS, SEND_BACKWARD, SEND_FORWARD, Action)
 
 Plan = dict[int, list[Action]]
 
@@ -55,34 +55,56 @@ def _first_use_positions(actions: list[Action]) -> dict[int, int]:
     firsts: dict[int, int] = {}
     for idx, a in enumerate(actions):
         if a.kind == FORWARD and a.version not in firsts:
-            starts_with_recv = idx > 0 and actions[idx - 1].kind == RECV_FORWARD
-            firsts[a.version] = idx - 1 if starts_with_recv else idx
+            firsts[a.version] = _with_receive(actions, idx, RECV_FORWARD)
     return firsts
 
 
-def add_grad_sync(plan: Plan, num_microbatches: int, defer_step: bool) -> Plan:
-    """Insert R(k) after minibatch k's last backward and S(k) making version k + 1.
+def _backward_positions(actions: list[Action]) -> dict[int, int]:
+    """microbatch -> index of its backward (its gradient receive included)."""
+    return {a.microbatch: _with_receive(actions, idx, RECV_BACKWARD)
+            for idx, a in enumerate(actions) if a.kind == BACKWARD}
 
-    Without deferral S(k) follows R(k) at once (a flush for flush/gpipe; for 2BW a single
-    gradient buffer suffices). With deferral S(k) waits until version k + 1 is first
-    needed, so the data-parallel all-reduce of minibatch k overlaps minibatch k + 1.
+
+def _with_receive(actions: list[Action], idx: int, recv_kind: str) -> int:
+    return idx - 1 if idx > 0 and actions[idx - 1].kind == recv_kind else idx
+
+
+def add_grad_sync(plan: Plan, num_microbatches: int, num_stages: int, defer_step: bool) -> Plan:
+    """Insert R(k), G(k) and S(k) (which makes version k + 1) for every minibatch k.
+
+    R(k) follows minibatch k's last backward. Without deferral G(k) and S(k) follow at
+    once (a flush for flush/gpipe). With deferral (2BW) S(k) waits until version k + 1 is
+    first needed, so the data-parallel all-reduce overlaps minibatch k + 1, and G(k) sits
+    before the backward of microbatch (k + 2)m - d: late enough to overlap the
+    all-reduce, early enough that every stage has started the model-wide sums before
+    any stage needs them (stage 0 runs that backward before its first forward of
+    minibatch k + 2, which every other stage's S(k) waits for), so S(k) never stalls.
     """
+    m, d = num_microbatches, num_stages
     out: Plan = {}
     for stage, actions in plan.items():
         inserts: dict[int, list[Action]] = {}
-        firsts = _first_use_positions(actions)
-        for k, end in _last_backward_positions(actions, num_microbatches).items():
-            reduce = Action(stage, REDUCE_GRADS, version=None, minibatch=k)
+        firsts, backwards = _first_use_positions(actions), _backward_positions(actions)
+        for k, end in _last_backward_positions(actions, m).items():
+            reduce = Action(stage, REDUCE_GRADS, minibatch=k)
+            sums = Action(stage, GLOBAL_REDUCE, minibatch=k)
             step = Action(stage, OPTIMIZER_STEP, version=k + 1, minibatch=k)
-            if defer_step:
-                inserts.setdefault(end, []).append(reduce)
-                inserts.setdefault(firsts.get(k + 1, len(actions)), []).append(step)
-            else:
-                inserts.setdefault(end, []).extend([reduce, step])
-        lowered: list[Action] = []
-        for idx in range(len(actions) + 1):
-            lowered.extend(inserts.get(idx, ()))
-            if idx < len(actions):
-                lowered.append(actions[idx])
-        out[stage] = lowered
+            if not defer_step:
+                inserts.setdefault(end, []).extend([reduce, sums, step])
+                continue
+            step_at = firsts.get(k + 1, len(actions))
+            sums_at = min(backwards.get((k + 2) * m - d, step_at), step_at)
+            inserts.setdefault(end, []).append(reduce)
+            inserts.setdefault(sums_at, []).append(sums)
+            inserts.setdefault(step_at, []).append(step)
+        out[stage] = _apply_inserts(actions, inserts)
     return out
+
+
+def _apply_inserts(actions: list[Action], inserts: dict[int, list[Action]]) -> list[Action]:
+    lowered: list[Action] = []
+    for idx in range(len(actions) + 1):
+        lowered.extend(inserts.get(idx, ()))
+        if idx < len(actions):
+            lowered.append(actions[idx])
+    return lowered

@@ -6,16 +6,18 @@ communication model, so the validator calls it:
 - a RECV waits for the matching SEND (per channel, first-in first-out);
 - R(k) starts the data-parallel all-reduce in the background; it finishes `allreduce`
   time units after it starts (one reduction at a time per stage);
-- S(k) is a collective over all stages (global gradient norm, inf/NaN flag, tied
-  embeddings): it starts when every stage has reached it and its own R(k) has finished.
+- G(k) waits for that all-reduce and starts the model-wide sums (gradient norm, inf/NaN
+  flag) without blocking; on the first stage it also receives the last stage's tied
+  embedding gradient, so it waits for the last stage's G(k);
+- S(k) waits until every stage has run G(k) (the sums are complete), then steps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
-                      REDUCE_GRADS, SEND_BACKWARD, SEND_FORWARD, Action, Schedule)
+from .actions import (BACKWARD, FORWARD, GLOBAL_REDUCE, OPTIMIZER_STEP, RECV_BACKWARD,
+                      RECV_FORWARD, REDUCE_GRADS, SEND_BACKWARD, SEND_FORWARD, Action, Schedule)
 
 PerStage = Union[float, Sequence[float]]
 
@@ -75,6 +77,7 @@ class _Sim:
         self.clock = {s: 0.0 for s in schedule}
         self.arrivals: dict[tuple[str, int, int], float] = {}  # (send kind, from stage, mb)
         self.reduce_done: dict[tuple[int, int], float] = {}
+        self.sums_started: dict[tuple[int, int], float] = {}
         self.comm_free = {s: 0.0 for s in schedule}
         self.events: dict[int, list[tuple[Action, float, float]]] = {s: [] for s in schedule}
         self.busy = {s: 0.0 for s in schedule}
@@ -89,13 +92,16 @@ class _Sim:
             send_kind, delta = _CHANNEL_OF_RECV[a.kind]
             arrival = self.arrivals.get((send_kind, s + delta, a.microbatch))
             return None if arrival is None else max(self.clock[s], arrival)
-        if a.kind == OPTIMIZER_STEP:
-            waiting = [self._current(t) for t in self.sched]
-            if any(w is None or w.kind != OPTIMIZER_STEP or w.minibatch != a.minibatch
-                   for w in waiting):
+        if a.kind == GLOBAL_REDUCE:
+            last = len(self.sched) - 1
+            if s == 0 and last > 0 and (last, a.minibatch) not in self.sums_started:
                 return None
-            start = max(self.clock.values())
-            return max(start, self.reduce_done.get((s, a.minibatch), 0.0))
+            return max(self.clock[s], self.reduce_done.get((s, a.minibatch), 0.0))
+        if a.kind == OPTIMIZER_STEP:
+            started = [self.sums_started.get((t, a.minibatch)) for t in self.sched]
+            if any(t is None for t in started):
+                return None
+            return max([self.clock[s]] + started)
         return self.clock[s]
 
     def _current(self, stage: int) -> Action | None:
@@ -112,6 +118,8 @@ class _Sim:
         elif a.kind == REDUCE_GRADS:
             begin = max(end, self.comm_free[s])
             self.comm_free[s] = self.reduce_done[(s, a.minibatch)] = begin + c.of("allreduce", s)
+        elif a.kind == GLOBAL_REDUCE:
+            self.sums_started[(s, a.minibatch)] = end
         elif a.kind in (FORWARD, BACKWARD):
             self.busy[s] += duration
             self.stash[s] += 1 if a.kind == FORWARD else -1
@@ -127,18 +135,11 @@ class _Sim:
         while progressed:
             progressed = False
             for s in self.sched:
-                while (a := self._current(s)) is not None and a.kind != OPTIMIZER_STEP:
+                while (a := self._current(s)) is not None:
                     start = self.ready_time(a)
                     if start is None:
                         break
                     self.execute(a, start)
-                    progressed = True
-            waiting = [self._current(s) for s in self.sched]
-            if all(w is not None and w.kind == OPTIMIZER_STEP for w in waiting):
-                starts = [self.ready_time(w) for w in waiting]
-                if all(t is not None for t in starts):  # the collective meets
-                    for w, t in zip(waiting, starts):
-                        self.execute(w, t)
                     progressed = True
         if any(self._current(s) is not None for s in self.sched):
             stuck = {s: self.pc[s] for s in self.sched if self._current(s) is not None}

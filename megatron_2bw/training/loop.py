@@ -43,6 +43,18 @@ def _param_infos(module, tp_rank: int) -> list[ParamInfo]:
     return infos
 
 
+def _step_groups(module, num_stages: int) -> StepGroups:
+    """The model-parallel group, and the tied-embedding peer for the first/last stage."""
+    mp = ps.get_model_parallel_group()
+    if module.shared_embedding_weight() is None or num_stages == 1:
+        return StepGroups(model_parallel=mp)
+    emb = ps.get_embedding_group()
+    ranks = dist.get_process_group_ranks(emb)
+    peer = ranks[-1] if module.is_first else ranks[0]
+    return StepGroups(model_parallel=mp, embedding=emb, embedding_peer=peer,
+                      is_first_stage=module.is_first)
+
+
 class Trainer:
     """One process's part of a run."""
 
@@ -72,9 +84,7 @@ class Trainer:
         module = build_stage(run.model, self.stage, par.pipeline_parallel).to(self.env.device)
         infos = _param_infos(module, ps.get_tensor_model_parallel_rank())
         params = [p for p in module.parameters() if p.requires_grad]
-        groups = StepGroups(model_parallel=ps.get_model_parallel_group(),
-                            embedding=ps.get_embedding_group() if module.shared_embedding_weight()
-                            is not None and par.pipeline_parallel > 1 else None)
+        groups = _step_groups(module, par.pipeline_parallel)
         updater = MegatronUpdater(params, infos, run.optimizer, groups)
         links = stage_links(module.boundary_shape(run.train.micro_batch_size),
                             module.boundary_dtype, self.env.device)
