@@ -1,0 +1,305 @@
+"""Train/valid/test datasets through megatron-core, and Megatron's sample order.
+
+``build_datasets`` turns a small typed ``DatasetsConfig`` into megatron-core's
+``BlendedMegatronDatasetBuilder`` call that Megatron-LM's ``pretrain_gpt.py`` /
+``pretrain_bert.py`` make (``GPTDataset``/``MockGPTDataset``, ``BERTMaskedWordPieceDataset``,
+or this package's ``MockBERTDataset``), with the same defaults, so the same flags give the same
+samples.
+
+``microbatches`` replaces Megatron-LM's ``MegatronPretrainingSampler`` + DataLoader: the
+samples after ``consumed_samples`` are cut into chunks of micro_batch_size x dp_size and data-
+parallel rank r takes the r-th contiguous micro_batch_size slice of each chunk
+(``megatron/legacy/data/data_samplers.py`` in Megatron-LM). The order is a pure function of
+consumed_samples, so resuming at a checkpoint's consumed_samples continues exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.core.datasets.bert_dataset import (BERTMaskedWordPieceDataset,
+                                                 BERTMaskedWordPieceDatasetConfig)
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import get_blend_from_list
+
+from megatron_2bw.data.mock import MockBERTDataset
+from megatron_2bw.data.tokenizers import MegatronTokenizer
+
+logger = logging.getLogger(__name__)
+
+MODELS = ("gpt", "bert")
+Sample = Dict[str, Optional[torch.Tensor]]
+Batch = Dict[str, Optional[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class DatasetsConfig:
+    """Megatron-LM's data flags, converted once (defaults are Megatron-LM's).
+
+    Attributes:
+        model: "gpt" or "bert".
+        data_path: ``--data-path`` words: prefixes, or "w1 prefix1 w2 prefix2 ..." (a single
+            string is split on whitespace); empty means mock data.
+        split: ``--split``, train/valid/test weights over documents, e.g. "969,30,1".
+        seq_length: ``--seq-length``.
+        seed: ``--seed``; fixes document shuffling and (BERT) masking.
+        train_samples, valid_samples, test_samples: samples to draw per split (Megatron-LM
+            derives them with ``megatron_sample_counts``); None builds one epoch.
+        mock: ``--mock-data``: synthetic data, data_path is ignored.
+        data_cache_path: ``--data-cache-path``, where index caches go; default is a ``cache``
+            folder next to each dataset.
+        reset_position_ids, reset_attention_mask, eod_mask_loss: GPT flags of the same names.
+        create_attention_mask: ``--create-attention-mask-in-dataloader``; off, batches carry
+            ``attention_mask=None`` (causal masking is left to the attention kernel).
+        mask_prob: BERT ``--mask-prob``.
+        short_seq_prob: BERT ``--short-seq-prob``.
+        bert_binary_head: BERT ``--bert-binary-head`` (sentence-order prediction pairs).
+        num_dataset_builder_threads: ``--num-dataset-builder-threads``.
+    """
+
+    model: str = "gpt"
+    data_path: Tuple[str, ...] = ()
+    split: str = "969,30,1"
+    seq_length: int = 1024
+    seed: int = 1234
+    train_samples: Optional[int] = None
+    valid_samples: Optional[int] = None
+    test_samples: Optional[int] = None
+    mock: bool = False
+    data_cache_path: Optional[str] = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = False
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    bert_binary_head: bool = True
+    num_dataset_builder_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if isinstance(self.data_path, str):
+            object.__setattr__(self, "data_path", (self.data_path,))
+        if not self.mock and not self.data_path:
+            raise ValueError("data_path is empty: give --data-path prefixes or use mock data")
+        if self.seq_length <= 0:
+            raise ValueError(f"seq_length must be positive, got {self.seq_length}")
+
+    @property
+    def sizes(self) -> List[Optional[int]]:
+        return [self.train_samples, self.valid_samples, self.test_samples]
+
+    def blend(self) -> Optional[Tuple[List[str], Optional[List[float]]]]:
+        """Megatron's (prefixes, weights) from data_path, after checking every prefix exists."""
+        if self.mock:
+            return None
+        words = [word for item in self.data_path for word in item.split()]
+        prefixes, weights = get_blend_from_list(words)
+        for prefix in prefixes:
+            if not IndexedDataset.exists(prefix):
+                raise FileNotFoundError(f"--data-path {prefix}: no {prefix}.bin/.idx "
+                                        "(run tools/preprocess_data.py first)")
+        return prefixes, weights
+
+
+class Datasets(NamedTuple):
+    """One dataset per split; None where the split is empty or not built on this rank."""
+
+    train: Optional[torch.utils.data.Dataset]
+    valid: Optional[torch.utils.data.Dataset]
+    test: Optional[torch.utils.data.Dataset]
+
+
+def megatron_sample_counts(train_iters: int, global_batch_size: int, eval_interval: int,
+                           eval_iters: int) -> Tuple[int, int, int]:
+    """Samples per split as Megatron-LM computes them (``get_train_valid_test_num_samples`` in
+    ``megatron/training/training.py``): validation runs every eval_interval iterations and once
+    at the end, eval_iters global batches each; the test split gets eval_iters global batches."""
+    train = train_iters * global_batch_size
+    valid = (train_iters // eval_interval + 1) * eval_iters * global_batch_size
+    return train, valid, eval_iters * global_batch_size
+
+
+def gpt_dataset_config(config: DatasetsConfig, tokenizer: MegatronTokenizer) -> GPTDatasetConfig:
+    """megatron-core's GPT config, as Megatron-LM's ``core_gpt_dataset_config_from_args``."""
+    return GPTDatasetConfig(
+        random_seed=config.seed, sequence_length=config.seq_length, blend=config.blend(),
+        split=None if config.mock else config.split, path_to_cache=config.data_cache_path,
+        num_dataset_builder_threads=config.num_dataset_builder_threads, tokenizer=tokenizer,
+        reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask, eod_mask_loss=config.eod_mask_loss,
+        create_attention_mask=config.create_attention_mask)
+
+
+def bert_dataset_config(config: DatasetsConfig,
+                        tokenizer: MegatronTokenizer) -> BERTMaskedWordPieceDatasetConfig:
+    """megatron-core's BERT config, as Megatron-LM's ``pretrain_bert.py`` (whole-word masking
+    of up to 3-grams, no permutation, no geometric span lengths)."""
+    for name in ("cls", "sep", "pad", "mask"):
+        token = getattr(tokenizer, name, -1)
+        if not isinstance(token, int) or token < 0:
+            raise ValueError(f"BERT data needs a tokenizer with a {name} token "
+                             f"({type(tokenizer).__name__} has none); use BertWordPiece*")
+    return BERTMaskedWordPieceDatasetConfig(
+        random_seed=config.seed, sequence_length=config.seq_length, blend=config.blend(),
+        split=None if config.mock else config.split, path_to_cache=config.data_cache_path,
+        num_dataset_builder_threads=config.num_dataset_builder_threads, tokenizer=tokenizer,
+        masking_probability=config.mask_prob, short_sequence_probability=config.short_seq_prob,
+        masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,
+        masking_use_longer_ngrams=False, masking_use_geometric_distribution=False,
+        classification_head=config.bert_binary_head)
+
+
+def _dataset_class(config: DatasetsConfig) -> type:
+    if config.model == "gpt":
+        return MockGPTDataset if config.mock else GPTDataset
+    return MockBERTDataset if config.mock else BERTMaskedWordPieceDataset
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """Give megatron-core's builder a process group to talk to.
+
+    With torch.distributed initialized, megatron-core builds index caches on rank 0, barriers,
+    then loads them on the other ranks: nothing to do. Without it, the masked (BERT) datasets
+    still call ``torch.distributed.get_rank()``; a one-process gloo group over an in-memory store
+    satisfies them and is destroyed again afterwards.
+    """
+    dist = torch.distributed
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_datasets(config: DatasetsConfig, tokenizer: MegatronTokenizer,
+                   is_built_on_rank: Callable[[], bool] = lambda: True) -> Datasets:
+    """Build the train/valid/test datasets of Megatron-LM for this config.
+
+    Collective when torch.distributed is initialized: every rank of the default group must
+    call it (megatron-core barriers between rank 0 building the index caches and the others
+    loading them). is_built_on_rank returns False on ranks that need no data (Megatron-LM:
+    pipeline stages other than the first and last, tensor-parallel ranks other than 0); they
+    get Nones.
+    """
+    if config.model == "gpt":
+        core_config = gpt_dataset_config(config, tokenizer)
+    else:
+        core_config = bert_dataset_config(config, tokenizer)
+    cls = _dataset_class(config)
+    if not config.mock:
+        _check_splits(cls, core_config)
+    with _process_group():
+        train, valid, test = BlendedMegatronDatasetBuilder(
+            cls, config.sizes, is_built_on_rank, core_config).build()
+    logger.info("built %s datasets: %s", cls.__name__,
+                ", ".join(f"{n}={len(d) if d is not None else None}"
+                          for n, d in zip(("train", "valid", "test"), (train, valid, test))))
+    return Datasets(train, valid, test)
+
+
+def _check_splits(cls: type, core_config: GPTDatasetConfig) -> None:
+    """Refuse a split that gets no documents of some dataset.
+
+    megatron-core loops forever (GPT: ``_get_num_epochs`` never reaches the requested tokens)
+    or fails obscurely (BERT) on an empty split; small corpora with "969,30,1" hit this.
+    """
+    prefixes, _ = core_config.blend
+    for prefix in prefixes:
+        count = cls.numel_low_level_dataset(IndexedDataset(prefix))
+        for name, bookends in zip(("train", "valid", "test"), core_config.split_matrix):
+            if bookends is None:
+                continue
+            begin, end = (int(round(b * float(count))) for b in bookends)
+            if end <= begin:
+                raise ValueError(
+                    f"--split {core_config.split}: the {name} split of {prefix} gets no "
+                    f"documents (it has {count}); give {name} a larger weight or weight 0")
+
+
+# --------------------------------------------------------------------------- sample order
+
+
+def sampler_indices(total_samples: int, consumed_samples: int, micro_batch_size: int,
+                    dp_rank: int = 0, dp_size: int = 1,
+                    drop_last: bool = True) -> Iterator[List[int]]:
+    """Sample indices of each of this data-parallel rank's microbatches, in order.
+
+    Megatron-LM's MegatronPretrainingSampler: walk the samples from consumed_samples in chunks
+    of micro_batch_size x dp_size; rank r gets the slice [r*mbs, (r+1)*mbs) of each chunk. The
+    last partial chunk is dropped (drop_last) or sliced the same way.
+    """
+    if total_samples <= 0:
+        raise ValueError(f"no samples to consume: the dataset has {total_samples}")
+    if not 0 <= consumed_samples < total_samples:
+        raise ValueError(f"no samples left: consumed {consumed_samples} of {total_samples}")
+    if micro_batch_size <= 0 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"bad micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, "
+                         f"dp_size={dp_size}")
+    chunk = micro_batch_size * dp_size
+    for begin in range(consumed_samples, total_samples, chunk):
+        end = min(begin + chunk, total_samples)
+        if end - begin < chunk and drop_last:
+            return
+        first = begin + dp_rank * micro_batch_size
+        indices = list(range(first, min(first + micro_batch_size, end)))
+        if indices:
+            yield indices
+
+
+def _gpt_sample(sample: Dict[str, torch.Tensor]) -> Sample:
+    """The dtypes Megatron-LM's pretrain_gpt get_batch uses."""
+    return {"tokens": sample["tokens"].long(), "labels": sample["labels"].long(),
+            "loss_mask": sample["loss_mask"].float(),
+            "position_ids": sample["position_ids"].long(),
+            "attention_mask": sample.get("attention_mask")}
+
+
+def _bert_sample(sample: Dict[str, object]) -> Sample:
+    """Megatron-LM pretrain_bert's get_batch keys ("text" becomes "tokens") and dtypes."""
+    tensor = lambda key: torch.as_tensor(sample[key], dtype=torch.int64)  # noqa: E731
+    return {"tokens": tensor("text"), "types": tensor("types"), "labels": tensor("labels"),
+            "loss_mask": torch.as_tensor(sample["loss_mask"], dtype=torch.float32),
+            "padding_mask": tensor("padding_mask"), "is_random": tensor("is_random")}
+
+
+def training_sample(sample: Dict[str, object]) -> Sample:
+    """One dataset sample in batch form without the batch dimension (GPT samples have
+    "tokens", BERT ones "text"); is_random is a 0-d tensor."""
+    return _gpt_sample(sample) if "tokens" in sample else _bert_sample(sample)
+
+
+def sample_fn(dataset: torch.utils.data.Dataset) -> Callable[[int], Sample]:
+    """Sample index -> training_sample, for callers that draw their own index order."""
+    return lambda index: training_sample(dataset[index])
+
+
+def collate(samples: Sequence[Sample]) -> Batch:
+    """Stack samples along a new batch dimension, as torch's default_collate (None stays)."""
+    return {key: None if value is None else torch.stack([s[key] for s in samples])
+            for key, value in samples[0].items()}
+
+
+def microbatches(dataset: torch.utils.data.Dataset, micro_batch_size: int, start_sample: int = 0,
+                 dp_rank: int = 0, dp_size: int = 1, drop_last: bool = True) -> Iterator[Batch]:
+    """This data-parallel rank's microbatches from start_sample (= consumed_samples) on.
+
+    GPT batches: tokens, labels, position_ids [b, s] int64, loss_mask [b, s] float32,
+    attention_mask None (or [b, 1, s, s] bool with create_attention_mask). BERT batches: tokens,
+    types, labels, padding_mask [b, s] int64, loss_mask [b, s] float32, is_random [b] int64.
+    Each global batch of gbs samples advances consumed_samples by gbs on every rank.
+    """
+    for indices in sampler_indices(len(dataset), start_sample, micro_batch_size, dp_rank,
+                                   dp_size, drop_last):
+        yield collate([training_sample(dataset[i]) for i in indices])

@@ -1,0 +1,343 @@
+"""Loose JSON -> Megatron .bin/.idx, as Megatron-LM's ``tools/preprocess_data.py`` does it.
+
+Each input line is one JSON object; for every ``--json-keys`` key the text is tokenized (split
+into sentences first with ``--split-sentences``) and written through megatron-core's
+``IndexedDatasetBuilder`` to ``{prefix}_{key}_document.bin/.idx`` (``_sentence`` when split),
+so the files are interchangeable with Megatron-LM's. Tokenization runs in a process pool
+(``imap`` in chunks, ordered, so the output order is the input order whatever the worker count).
+
+Malformed lines (bad JSON, missing key, a value that is neither a string nor a list of strings,
+an empty line) are never dropped silently: with ``on_error="fail"`` (the default, because a
+corpus with a broken line usually has a broken producer) the run stops at the first one with its
+line number and the partial output is removed; with ``on_error="skip"`` each is logged with its
+line number, counted, and listed in the result.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+from megatron_2bw.data.sentences import SPLITTERS, SentenceSplitter, make_sentence_splitter
+from megatron_2bw.data.tokenizers import MegatronTokenizer, TokenizerSpec
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR_CHOICES = ("fail", "skip")
+_MAX_LISTED_BAD_LINES = 20  # logged individually; the rest are counted
+
+
+class PreprocessError(RuntimeError):
+    """The input cannot be converted; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """What ``tools/preprocess_data.py`` is asked to do (Megatron-LM's flags, same meanings).
+
+    Attributes:
+        input: loose JSON file, one object per line (``--input``).
+        output_prefix: output path without the ``_{key}_{level}.bin/.idx`` suffix.
+        tokenizer: the tokenizer flags.
+        json_keys: keys whose text is converted, one output per key (``--json-keys``).
+        append_eod: end every non-empty document with the tokenizer's EOD (``--append-eod``).
+        split_sentences: one sequence per sentence, for BERT (``--split-sentences``).
+        keep_newlines: keep the newlines between sentences when splitting.
+        sentence_splitter: "auto" (NLTK punkt if installed, else rule-based), "simple" or
+            "nltk"; "simple" gives the same output on every machine.
+        workers: tokenizer processes; 1 tokenizes in this process (``--workers``).
+        log_interval: documents between progress lines (``--log-interval``).
+        on_error: "fail" stops at the first malformed line, "skip" reports and skips it.
+        chunk_size: lines per task sent to a worker (Megatron-LM uses 32).
+    """
+
+    input: str
+    output_prefix: str
+    tokenizer: TokenizerSpec
+    json_keys: Tuple[str, ...] = ("text",)
+    append_eod: bool = False
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    sentence_splitter: str = "auto"
+    workers: int = 1
+    log_interval: int = 1000
+    on_error: str = "fail"
+    chunk_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERROR_CHOICES:
+            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {self.on_error!r}")
+        if self.workers < 1 or self.log_interval < 1 or self.chunk_size < 1:
+            raise ValueError("workers, log_interval and chunk_size must be positive")
+        if self.sentence_splitter not in SPLITTERS:
+            raise ValueError(f"sentence_splitter must be one of {SPLITTERS}")
+        if not self.json_keys:
+            raise ValueError("json_keys must name at least one key")
+
+    @property
+    def level(self) -> str:
+        return "sentence" if self.split_sentences else "document"
+
+    def output_path_prefix(self, key: str) -> str:
+        """The prefix Megatron's ``--data-path`` takes for one JSON key's output."""
+        return f"{self.output_prefix}_{key}_{self.level}"
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """One malformed input line: 1-based line number and what is wrong with it."""
+
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+@dataclass
+class PreprocessResult:
+    """What was written. ``prefixes`` maps each JSON key to its ``--data-path`` prefix."""
+
+    prefixes: Dict[str, str]
+    documents: int
+    tokens: Dict[str, int]
+    sequences: Dict[str, int]
+    input_bytes: int
+    seconds: float
+    bad_lines: List[BadLine] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- worker side
+
+_Encoded = Tuple[int, int, Optional[Dict[str, Tuple[List[int], List[int]]]], Optional[str]]
+
+
+class _Encoder:
+    """Per-process state: the tokenizer and sentence splitter, built once per worker."""
+
+    def __init__(self, config: PreprocessConfig) -> None:
+        self.config = config
+        self.tokenizer: MegatronTokenizer = config.tokenizer.build()
+        self.splitter: Optional[SentenceSplitter] = None
+        if config.split_sentences:
+            self.splitter = make_sentence_splitter(config.keep_newlines, config.sentence_splitter)
+
+    def encode(self, numbered_line: Tuple[int, str]) -> _Encoded:
+        """(line number, raw line) -> (line number, bytes, {key: (ids, lengths)}, error)."""
+        number, line = numbered_line
+        nbytes = len(line.encode("utf-8"))
+        try:
+            texts = self._texts(line)
+        except ValueError as err:
+            return number, nbytes, None, str(err)
+        try:
+            encoded = {key: self._encode_key(value) for key, value in texts.items()}
+        except ValueError as err:  # e.g. NullTokenizer given text that is not integers
+            return number, nbytes, None, f"cannot tokenize: {err}"
+        return number, nbytes, encoded, None
+
+    def _texts(self, line: str) -> Dict[str, List[str]]:
+        if not line.strip():
+            raise ValueError("empty line")
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"invalid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+        return {key: self._text_of(record, key) for key in self.config.json_keys}
+
+    def _text_of(self, record: Dict[str, Any], key: str) -> List[str]:
+        if key not in record:
+            raise ValueError(f"missing key {key!r}")
+        value = record[key]
+        if isinstance(value, str):
+            return self.splitter.split(value) if self.splitter else [value]
+        # Megatron-LM accepts a pre-split document: a list of sentences.
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError(f"key {key!r} is {type(value).__name__}, not a string")
+
+    def _encode_key(self, sentences: Sequence[str]) -> Tuple[List[int], List[int]]:
+        """Token ids and per-sequence lengths of one document, as Megatron-LM's Encoder."""
+        ids: List[int] = []
+        lengths: List[int] = []
+        for sentence in sentences:
+            sentence_ids = self.tokenizer.tokenize(sentence)
+            if sentence_ids:
+                ids.extend(sentence_ids)
+                lengths.append(len(sentence_ids))
+        if ids and self.config.append_eod:
+            ids.append(self.tokenizer.eod)
+            lengths[-1] += 1
+        return ids, lengths
+
+
+_WORKER: Optional[_Encoder] = None
+
+
+def _init_worker(config: PreprocessConfig) -> None:
+    global _WORKER
+    _WORKER = _Encoder(config)
+
+
+def _encode_in_worker(numbered_line: Tuple[int, str]) -> _Encoded:
+    assert _WORKER is not None, "worker not initialised"
+    return _WORKER.encode(numbered_line)
+
+
+# --------------------------------------------------------------------------- main process
+
+
+def check_input(path: str) -> None:
+    """Fail early, in one line, on a missing or empty input (before any heavy import)."""
+    if not os.path.isfile(path):
+        raise PreprocessError(f"--input {path}: no such file")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if not any(line.strip() for line in f):
+            raise PreprocessError(f"--input {path}: the file is empty (no JSON lines to convert)")
+
+
+def check_tokenizer(config: PreprocessConfig) -> MegatronTokenizer:
+    """Build the tokenizer once here: bad flags fail before workers start, and the vocab size
+    picks the token dtype (uint16 below 65500 ids, else int32, as Megatron-LM)."""
+    tokenizer = config.tokenizer.build()
+    if config.append_eod:
+        try:
+            tokenizer.eod
+        except NotImplementedError:
+            raise PreprocessError(f"--append-eod: {config.tokenizer.tokenizer_type} "
+                                  "has no end-of-document token") from None
+    return tokenizer
+
+
+def _encoded_stream(config: PreprocessConfig, lines: Iterable[Tuple[int, str]],
+                    pool: Optional[Any]) -> Iterator[_Encoded]:
+    if pool is None:
+        encoder = _Encoder(config)
+        return (encoder.encode(item) for item in lines)
+    return pool.imap(_encode_in_worker, lines, config.chunk_size)
+
+
+class _Progress:
+    """Megatron-LM's progress line: documents, documents/s and MB/s every log_interval docs."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.start = time.time()
+        self.bytes = 0
+
+    def update(self, count: int, nbytes: int) -> None:
+        self.bytes += nbytes
+        if count % self.interval == 0:
+            elapsed = max(time.time() - self.start, 1e-9)
+            logger.info("processed %d documents (%.1f docs/s, %.2f MB/s)",
+                        count, count / elapsed, self.bytes / elapsed / 2**20)
+
+
+class _Writers:
+    """One megatron-core IndexedDatasetBuilder per JSON key."""
+
+    def __init__(self, config: PreprocessConfig, vocab_size: int) -> None:
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+        os.makedirs(os.path.dirname(os.path.abspath(config.output_prefix)), exist_ok=True)
+        dtype = DType.optimal_dtype(vocab_size)
+        self.prefixes = {key: config.output_path_prefix(key) for key in config.json_keys}
+        self.builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+                         for key, prefix in self.prefixes.items()}
+        self.tokens = dict.fromkeys(self.prefixes, 0)
+        self.sequences = dict.fromkeys(self.prefixes, 0)
+
+    def add(self, doc: Dict[str, Tuple[List[int], List[int]]]) -> None:
+        for key, (ids, lengths) in doc.items():
+            self.builders[key].add_document(ids, lengths)
+            self.tokens[key] += len(ids)
+            self.sequences[key] += len(lengths)
+
+    def finalize(self) -> None:
+        for key, builder in self.builders.items():
+            builder.finalize(self.prefixes[key] + ".idx")
+
+    def remove(self) -> None:
+        """Drop partial output so a failed run never leaves a half-written dataset behind."""
+        for key, builder in self.builders.items():
+            builder.data_file.close()
+            for suffix in (".bin", ".idx"):
+                path = self.prefixes[key] + suffix
+                if os.path.exists(path):
+                    os.remove(path)
+
+
+def _bad_line_error(config: PreprocessConfig, bad: BadLine) -> PreprocessError:
+    return PreprocessError(f"{config.input}:{bad.line}: malformed line, {bad.reason} "
+                           "(use --on-error skip to skip such lines)")
+
+
+def _consume(config: PreprocessConfig, stream: Iterator[_Encoded], writers: _Writers,
+             bad_lines: List[BadLine]) -> Tuple[int, int]:
+    """Write encoded documents in input order; returns (documents, input bytes)."""
+    progress = _Progress(config.log_interval)
+    documents = 0
+    for number, nbytes, doc, error in stream:
+        if doc is None:
+            bad = BadLine(number, error or "malformed")
+            if config.on_error == "fail":
+                raise _bad_line_error(config, bad)
+            bad_lines.append(bad)
+            if len(bad_lines) <= _MAX_LISTED_BAD_LINES:
+                logger.warning("skipping %s:%d: %s", config.input, bad.line, bad.reason)
+            continue
+        writers.add(doc)
+        documents += 1
+        progress.update(documents, nbytes)
+    return documents, progress.bytes
+
+
+def preprocess(config: PreprocessConfig) -> PreprocessResult:
+    """Convert config.input into Megatron .bin/.idx files; see the module docstring."""
+    check_input(config.input)
+    tokenizer = check_tokenizer(config)
+    start = time.time()
+    writers = _Writers(config, tokenizer.vocab_size)
+    bad_lines: List[BadLine] = []
+    pool = None
+    if config.workers > 1:
+        # spawn: workers import only the tokenizer libraries, not torch/megatron-core, and
+        # never inherit Rust thread pools (HF tokenizers warns when forked after training).
+        context = multiprocessing.get_context("spawn")
+        pool = context.Pool(config.workers, initializer=_init_worker, initargs=(config,))
+    try:
+        with open(config.input, encoding="utf-8", errors="replace") as lines:
+            stream = _encoded_stream(config, enumerate(lines, start=1), pool)
+            documents, nbytes = _consume(config, stream, writers, bad_lines)
+        if documents == 0:
+            raise PreprocessError(f"--input {config.input}: no valid documents "
+                                  f"({len(bad_lines)} malformed lines skipped)")
+        writers.finalize()
+    except BaseException:
+        writers.remove()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return _report(config, writers, documents, nbytes, time.time() - start, bad_lines)
+
+
+def _report(config: PreprocessConfig, writers: _Writers, documents: int, nbytes: int,
+            seconds: float, bad_lines: List[BadLine]) -> PreprocessResult:
+    if bad_lines:
+        listed = ", ".join(str(b.line) for b in bad_lines[:_MAX_LISTED_BAD_LINES])
+        more = "" if len(bad_lines) <= _MAX_LISTED_BAD_LINES else ", ..."
+        logger.warning("skipped %d malformed lines of %s (lines %s%s)",
+                       len(bad_lines), config.input, listed, more)
+    logger.info("wrote %d documents, %s tokens in %.1f s to %s", documents,
+                sum(writers.tokens.values()), seconds, ", ".join(writers.prefixes.values()))
+    return PreprocessResult(prefixes=dict(writers.prefixes), documents=documents,
+                            tokens=dict(writers.tokens), sequences=dict(writers.sequences),
+                            input_bytes=nbytes, seconds=seconds, bad_lines=bad_lines)

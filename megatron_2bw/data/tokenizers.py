@@ -1,0 +1,512 @@
+"""Megatron-LM's tokenizer types, offline, without `transformers`.
+
+``build_tokenizer`` takes Megatron-LM's ``--tokenizer-type`` names and file flags and returns an
+object with the interface megatron-core's GPT/BERT datasets and Megatron-LM's
+``tools/preprocess_data.py`` use (``tokenize``, ``detokenize``, ``vocab_size``, ``vocab``,
+``inv_vocab``, ``eod``, ``pad``, ``cls``, ``sep``, ``mask``, ``bos``, ``eos``,
+``unique_identifiers``). The ids each type produces follow Megatron-LM's legacy tokenizers
+(``megatron/training/tokenizer/tokenizer.py``) so that .bin/.idx files are interchangeable.
+
+Why not megatron-core's own classes: in megatron-core 0.16.1 the GPT2BPE, BertWordPiece and
+HuggingFace tokenizers go through ``transformers.AutoTokenizer`` (not installed here), and its
+SentencePiece wrapper follows NeMo's conventions (no ``<EOD>``/``<CLS>``/``<MASK>`` tokens), which
+changes the ids. The HuggingFace ``tokenizers`` library and ``sentencepiece`` do the actual work
+here; nothing is ever downloaded. This module imports neither torch nor megatron-core, so
+preprocessing workers start fast.
+"""
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "NullTokenizer",
+)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built from the given flags; the message names the flag."""
+
+
+class MegatronTokenizer(ABC):
+    """The subset of Megatron-LM's tokenizer interface that datasets and preprocessing use.
+
+    Optional special tokens raise NotImplementedError when a tokenizer has none, exactly like
+    megatron-core's ``MegatronLegacyTokenizer``: megatron-core's datasets catch that to pick
+    their own padding id.
+    """
+
+    def __init__(self, *paths: Optional[str], **options: Any) -> None:
+        ids: "OrderedDict[str, Any]" = OrderedDict()
+        ids["class"] = type(self).__name__
+        ids["tokenizer_path"] = [os.path.abspath(p) if p else None for p in paths]
+        for name, value in options.items():
+            ids[name] = str(value)
+        # megatron-core hashes this into the names of its dataset index caches.
+        self.unique_identifiers = ids
+        self.unique_description = json.dumps(ids, indent=4)
+
+    @abstractmethod
+    def tokenize(self, text: str) -> List[int]:
+        """Text to token ids (no EOD; preprocessing appends it)."""
+
+    @abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids to text."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids, before Megatron's padding to a multiple of 128 x TP."""
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        raise NotImplementedError(f"{type(self).__name__} has no vocab")
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        raise NotImplementedError(f"{type(self).__name__} has no inv_vocab")
+
+    def _missing(self, name: str) -> int:
+        raise NotImplementedError(f"{type(self).__name__} has no {name} token")
+
+    cls = property(lambda self: self._missing("cls"))
+    sep = property(lambda self: self._missing("sep"))
+    pad = property(lambda self: self._missing("pad"))
+    eod = property(lambda self: self._missing("eod"))
+    bos = property(lambda self: self._missing("bos"))
+    eos = property(lambda self: self._missing("eos"))
+    mask = property(lambda self: self._missing("mask"))
+
+
+# --------------------------------------------------------------------------- GPT-2 BPE
+
+
+class GPT2BPETokenizer(MegatronTokenizer):
+    """GPT-2 byte-level BPE from a local vocab.json + merges.txt; EOD is ``<|endoftext|>``.
+
+    The GPT-2 split regex and byte-to-unicode mapping of Megatron's ``gpt2_tokenization`` are
+    those of ``tokenizers``' ByteLevel pre-tokenizer; ``<|endoftext|>`` in the text is not
+    special (as in Megatron), it is split like any other text.
+    """
+
+    EOD_TOKEN = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        super().__init__(vocab_file, merge_file)
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self._tok.decoder = decoders.ByteLevel()
+        with open(vocab_file, encoding="utf-8") as f:
+            self._vocab: Dict[str, int] = json.load(f)
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        if self.EOD_TOKEN not in self._vocab:
+            raise TokenizerError(f"--vocab-file {vocab_file}: no {self.EOD_TOKEN} token")
+        self._eod = self._vocab[self.EOD_TOKEN]
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    vocab_size = property(lambda self: len(self._vocab))
+    vocab = property(lambda self: self._vocab)
+    inv_vocab = property(lambda self: self._inv_vocab)
+    eod = property(lambda self: self._eod)
+    eos = property(lambda self: self._eod)
+
+
+# --------------------------------------------------------------------------- BERT WordPiece
+
+
+class BertWordPieceTokenizer(MegatronTokenizer):
+    """BERT WordPiece from a local vocab.txt (one token per line, id = line number).
+
+    As Megatron-LM's ``_BertWordPieceTokenizer``: ``[BOS]``/``[EOS]`` are appended to the vocab
+    when absent, EOD is ``[EOS]``, lower-casing also strips accents.
+    """
+
+    def __init__(self, vocab_file: str, lower_case: bool = True, vocab_extra_ids: int = 0) -> None:
+        super().__init__(vocab_file, lower_case=lower_case, vocab_extra_ids=vocab_extra_ids)
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+        self._vocab = _read_wordpiece_vocab(vocab_file)
+        for token in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"):
+            if token not in self._vocab:
+                raise TokenizerError(f"--vocab-file {vocab_file}: no {token} token")
+        wordpiece = models.WordPiece(dict(self._vocab), unk_token="[UNK]",
+                                     max_input_chars_per_word=200)
+        self._tok = Tokenizer(wordpiece)
+        self._tok.normalizer = normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lower_case)
+        self._tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        self._tok.decoder = decoders.WordPiece(prefix="##")
+        extra = ["[BOS]", "[EOS]"] + [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        for token in extra:
+            self._vocab.setdefault(token, len(self._vocab))
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self.additional_special_tokens_ids = [self._vocab[t] for t in extra[2:]]
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        tokens = [self._inv_vocab[int(i)] for i in ids]
+        return " ".join(tokens).replace(" ##", "").strip()
+
+    vocab_size = property(lambda self: len(self._vocab))
+    vocab = property(lambda self: self._vocab)
+    inv_vocab = property(lambda self: self._inv_vocab)
+    cls = property(lambda self: self._vocab["[CLS]"])
+    sep = property(lambda self: self._vocab["[SEP]"])
+    pad = property(lambda self: self._vocab["[PAD]"])
+    mask = property(lambda self: self._vocab["[MASK]"])
+    bos = property(lambda self: self._vocab["[BOS]"])
+    eos = property(lambda self: self._vocab["[EOS]"])
+    eod = property(lambda self: self._vocab["[EOS]"])
+
+
+def _read_wordpiece_vocab(path: str) -> Dict[str, int]:
+    vocab: Dict[str, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            token = line.strip()
+            if token:
+                vocab.setdefault(token, len(vocab))
+    return vocab
+
+
+# --------------------------------------------------------------------------- SentencePiece
+
+
+class SentencePieceTokenizer(MegatronTokenizer):
+    """A local SentencePiece .model with Megatron-LM's added special tokens.
+
+    As Megatron-LM's ``_SentencePieceTokenizer``: ``<CLS>``, ``<SEP>``, ``<EOD>``, ``<MASK>`` (and
+    pad/bos/eos pieces the model lacks) get ids after the model's pieces, EOD is ``<EOD>``, and
+    those tokens are recognised verbatim in the text.
+    """
+
+    def __init__(self, model_file: str, vocab_extra_ids: int = 0) -> None:
+        super().__init__(model_file, vocab_extra_ids=vocab_extra_ids)
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self._vocab = {self._sp.id_to_piece(i): i for i in range(len(self._sp))}
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._special: Dict[str, int] = {}
+        self._init_special_tokens(vocab_extra_ids)
+
+    def _add_special(self, token: str) -> int:
+        if token not in self._vocab:
+            self._vocab[token] = len(self._vocab)
+            self._inv_vocab[self._vocab[token]] = token
+        self._special[token] = self._vocab[token]
+        return self._vocab[token]
+
+    def _piece_or(self, piece_id: int, fallback: str) -> str:
+        return self._sp.id_to_piece(piece_id) if 0 <= piece_id < len(self._sp) else fallback
+
+    def _init_special_tokens(self, vocab_extra_ids: int) -> None:
+        self._cls = self._add_special("<CLS>")
+        self._sep = self._add_special("<SEP>")
+        self._eod = self._add_special("<EOD>")
+        self._mask = self._add_special("<MASK>")
+        self._pad = self._add_special(self._piece_or(self._sp.pad_id(), "<PAD>"))
+        self._bos = self._add_special(self._piece_or(self._sp.bos_id(), "<BOS>"))
+        self._eos = self._add_special(self._piece_or(self._sp.eos_id(), "<EOS>"))
+        extra = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        self.additional_special_tokens_ids = [self._add_special(t) for t in extra]
+        self._inv_special = {i: t for t, i in self._special.items()}
+
+    def tokenize(self, text: str) -> List[int]:
+        """Encode, emitting special tokens that appear verbatim in the text as their ids."""
+        ids: List[int] = []
+        start = 0
+        while True:
+            hits = {t: text.find(t, start) for t in self._special}
+            hits = {t: pos for t, pos in hits.items() if pos >= 0}
+            if not hits:
+                break
+            token = min(hits, key=lambda t: (hits[t], list(self._special).index(t)))
+            ids.extend(self._sp.encode_as_ids(text[start:hits[token]]))
+            ids.append(self._special[token])
+            start = hits[token] + len(token)
+        ids.extend(self._sp.encode_as_ids(text[start:]))
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        text, last = "", 0
+        ids = [int(i) for i in ids]
+        for i, token_id in enumerate(ids):
+            if token_id in self._inv_special:
+                text += self._sp.decode_ids(ids[last:i]) + " " + self._inv_special[token_id] + " "
+                last = i + 1
+        return text + self._sp.decode_ids(ids[last:])
+
+    vocab_size = property(lambda self: len(self._vocab))
+    vocab = property(lambda self: self._vocab)
+    inv_vocab = property(lambda self: self._inv_vocab)
+    cls = property(lambda self: self._cls)
+    sep = property(lambda self: self._sep)
+    pad = property(lambda self: self._pad)
+    eod = property(lambda self: self._eod)
+    bos = property(lambda self: self._bos)
+    eos = property(lambda self: self._eos)
+    mask = property(lambda self: self._mask)
+
+
+class GPTSentencePieceTokenizer(MegatronTokenizer):
+    """A local SentencePiece .model used as is (Megatron-LM's ``GPTSentencePieceTokenizer``):
+    no added tokens, EOD is the model's ``eos`` piece."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__(model_file, vocab_extra_ids=0)
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self._vocab = {self._sp.id_to_piece(i): i for i in range(len(self._sp))}
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._sp.encode_as_ids(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode_ids([int(i) for i in ids])
+
+    vocab_size = property(lambda self: len(self._vocab))
+    vocab = property(lambda self: self._vocab)
+    inv_vocab = property(lambda self: self._inv_vocab)
+    pad = property(lambda self: self._sp.pad_id())
+    bos = property(lambda self: self._sp.bos_id())
+    eos = property(lambda self: self._sp.eos_id())
+    eod = property(lambda self: self._sp.eos_id())
+    cls = property(lambda self: -1)
+    sep = property(lambda self: -1)
+    mask = property(lambda self: -1)
+
+
+# --------------------------------------------------------------------------- HuggingFace
+
+
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[EOS]")
+
+
+class HuggingFaceTokenizer(MegatronTokenizer):
+    """A local HuggingFace ``tokenizer.json`` (a file, or a directory holding one).
+
+    Like ``transformers``' fast tokenizers, ``tokenize`` applies the file's post-processor (e.g.
+    a BOS token). Special tokens come from ``tokenizer_config.json`` / ``special_tokens_map.json``
+    next to it; without those, EOD is the first of ``<|endoftext|>``, ``</s>``,
+    ``<|end_of_text|>``, ``<eos>``, ``<|eot_id|>``, ``[EOS]`` present in the vocab.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        from tokenizers import Tokenizer
+
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise TokenizerError(f"--tokenizer-model {path}: no tokenizer.json there")
+        self._tok = Tokenizer.from_file(file)
+        self._vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._named = _special_tokens_from_configs(folder)
+
+    def _named_id(self, name: str, fallbacks: Sequence[str] = ()) -> int:
+        for token in ([self._named[name]] if name in self._named else []) + list(fallbacks):
+            if token in self._vocab:
+                return self._vocab[token]
+        return self._missing(name)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    vocab_size = property(lambda self: self._tok.get_vocab_size(with_added_tokens=True))
+    vocab = property(lambda self: self._vocab)
+    inv_vocab = property(lambda self: self._inv_vocab)
+    eod = property(lambda self: self._named_id("eos_token", _EOS_CANDIDATES))
+    eos = property(lambda self: self._named_id("eos_token", _EOS_CANDIDATES))
+    bos = property(lambda self: self._named_id("bos_token", ("<s>", "<|begin_of_text|>")))
+    pad = property(lambda self: self._named_id("pad_token", ("<pad>", "[PAD]")))
+    cls = property(lambda self: self._named_id("cls_token", ("[CLS]",)))
+    sep = property(lambda self: self._named_id("sep_token", ("[SEP]",)))
+    mask = property(lambda self: self._named_id("mask_token", ("[MASK]", "<mask>")))
+
+
+def _special_tokens_from_configs(folder: str) -> Dict[str, str]:
+    """Named special tokens ({"eos_token": "</s>", ...}) from a HF tokenizer folder's configs."""
+    named: Dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        for key, value in config.items():
+            if key.endswith("_token") and isinstance(value, dict):
+                value = value.get("content")
+            if key.endswith("_token") and isinstance(value, str):
+                named[key] = value
+    return named
+
+
+# --------------------------------------------------------------------------- Null
+
+
+class NullTokenizer(MegatronTokenizer):
+    """Space-separated integers are the ids (Megatron-LM's ``NullTokenizer``): for benchmarks
+    and mock data; EOD is ``vocab_size`` (the flag), so the vocabulary has vocab_size + 1 ids."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(None, vocab_size=vocab_size)
+        self._eod = int(vocab_size)
+
+    def tokenize(self, text: str) -> List[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    vocab_size = property(lambda self: self._eod + 1)
+    eod = property(lambda self: self._eod)
+    eos = property(lambda self: self._eod)
+    cls = property(lambda self: -1)
+    sep = property(lambda self: -1)
+    mask = property(lambda self: -1)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """The tokenizer flags of Megatron-LM, as plain data (picklable, goes to worker processes).
+
+    Attributes:
+        tokenizer_type: one of TOKENIZER_TYPES (``--tokenizer-type``).
+        vocab_file: GPT-2 vocab.json or BERT vocab.txt (``--vocab-file``).
+        merge_file: GPT-2 merges.txt (``--merge-file``).
+        tokenizer_model: SentencePiece .model or HuggingFace tokenizer.json / folder
+            (``--tokenizer-model``).
+        vocab_size: NullTokenizer's vocabulary size without EOD (``--vocab-size``).
+        vocab_extra_ids: T5 sentinel tokens (``--vocab-extra-ids``).
+    """
+
+    tokenizer_type: str
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+    vocab_extra_ids: int = 0
+
+    def build(self) -> MegatronTokenizer:
+        return build_tokenizer(**asdict(self))
+
+    def flags(self) -> List[str]:
+        """The Megatron-LM command-line flags that select this tokenizer."""
+        out = ["--tokenizer-type", self.tokenizer_type]
+        for flag, value in (("--vocab-file", self.vocab_file), ("--merge-file", self.merge_file),
+                            ("--tokenizer-model", self.tokenizer_model),
+                            ("--vocab-size", self.vocab_size)):
+            if value is not None:
+                out += [flag, str(value)]
+        if self.vocab_extra_ids:
+            out += ["--vocab-extra-ids", str(self.vocab_extra_ids)]
+        return out
+
+
+def _need_file(flag: str, path: Optional[str], tokenizer_type: str,
+               folder_ok: bool = False) -> str:
+    if path is None:
+        raise TokenizerError(f"{flag} is required for --tokenizer-type {tokenizer_type}")
+    exists = os.path.exists(path) if folder_ok else os.path.isfile(path)
+    if not exists:
+        raise TokenizerError(f"{flag} {path}: no such file")
+    return path
+
+
+def _build_gpt2(s: TokenizerSpec) -> MegatronTokenizer:
+    return GPT2BPETokenizer(_need_file("--vocab-file", s.vocab_file, s.tokenizer_type),
+                            _need_file("--merge-file", s.merge_file, s.tokenizer_type))
+
+
+def _build_bert(lower_case: bool) -> Callable[[TokenizerSpec], MegatronTokenizer]:
+    def build(s: TokenizerSpec) -> MegatronTokenizer:
+        vocab = _need_file("--vocab-file", s.vocab_file, s.tokenizer_type)
+        return BertWordPieceTokenizer(vocab, lower_case, s.vocab_extra_ids)
+    return build
+
+
+def _build_sp(s: TokenizerSpec) -> MegatronTokenizer:
+    model = _need_file("--tokenizer-model", s.tokenizer_model, s.tokenizer_type)
+    return SentencePieceTokenizer(model, s.vocab_extra_ids)
+
+
+def _build_gpt_sp(s: TokenizerSpec) -> MegatronTokenizer:
+    return GPTSentencePieceTokenizer(
+        _need_file("--tokenizer-model", s.tokenizer_model, s.tokenizer_type))
+
+
+def _build_hf(s: TokenizerSpec) -> MegatronTokenizer:
+    return HuggingFaceTokenizer(
+        _need_file("--tokenizer-model", s.tokenizer_model, s.tokenizer_type, folder_ok=True))
+
+
+def _build_null(s: TokenizerSpec) -> MegatronTokenizer:
+    if s.vocab_size is None or s.vocab_size <= 0:
+        raise TokenizerError("--vocab-size (a positive integer) is required for NullTokenizer")
+    return NullTokenizer(s.vocab_size)
+
+
+_BUILDERS: Dict[str, Callable[[TokenizerSpec], MegatronTokenizer]] = {
+    "GPT2BPETokenizer": _build_gpt2,
+    "HuggingFaceTokenizer": _build_hf,
+    "SentencePieceTokenizer": _build_sp,
+    "GPTSentencePieceTokenizer": _build_gpt_sp,
+    "BertWordPieceLowerCase": _build_bert(lower_case=True),
+    "BertWordPieceCase": _build_bert(lower_case=False),
+    "NullTokenizer": _build_null,
+}
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
+                    merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None,
+                    vocab_size: Optional[int] = None,
+                    vocab_extra_ids: int = 0) -> MegatronTokenizer:
+    """Build a tokenizer the way Megatron-LM's ``--tokenizer-type`` flags select one.
+
+    Raises TokenizerError (one line naming the flag) for an unknown type or a missing file.
+    """
+    if tokenizer_type not in _BUILDERS:
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
+                             f"choose one of {', '.join(TOKENIZER_TYPES)}")
+    spec = TokenizerSpec(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size,
+                         vocab_extra_ids)
+    return _BUILDERS[tokenizer_type](spec)
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                      tensor_model_parallel_size: int = 1) -> int:
+    """The embedding size Megatron-LM uses: vocab_size rounded up to a multiple of
+    make_vocab_size_divisible_by x TP (``_vocab_size_with_padding`` in Megatron-LM's
+    ``megatron/training/tokenizer/tokenizer.py``), so every TP shard is equally sized."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple

@@ -1,0 +1,46 @@
+"""Build (or find) the embedded default corpus, tokenizers and .bin/.idx files; no download.
+
+    python tools/build_default_corpus.py [--root data/cache] [--force]
+
+prints the manifest's paths and counts and the Megatron-LM flags that use the data.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import time
+from typing import List, Optional
+
+from megatron_2bw.data.default_data import SUBDIR, CorpusSpec, ensure_default_data
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", default="data/cache", help="cache folder (git-ignored)")
+    parser.add_argument("--max-chars", type=int, default=CorpusSpec.max_chars)
+    parser.add_argument("--gpt-vocab-size", type=int, default=CorpusSpec.gpt_vocab_size)
+    parser.add_argument("--bert-vocab-size", type=int, default=CorpusSpec.bert_vocab_size)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    if args.force:
+        shutil.rmtree(f"{args.root}/{SUBDIR}", ignore_errors=True)
+    spec = CorpusSpec(max_chars=args.max_chars, gpt_vocab_size=args.gpt_vocab_size,
+                      bert_vocab_size=args.bert_vocab_size)
+    start = time.time()
+    data = ensure_default_data(args.root, spec, args.workers)
+    print(f"default data in {data.root} ({time.time() - start:.1f} s)")
+    print(f"  corpus: {data.corpus}: {data.num_documents} documents, "
+          f"{data.corpus_bytes / 1e6:.2f} MB")
+    print(f"  GPT:  {data.gpt_tokens} tokens; flags: {' '.join(data.gpt_flags())}")
+    print(f"  BERT: {data.bert_tokens} tokens in {data.bert_sentences} sentences; "
+          f"flags: {' '.join(data.bert_flags())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Loose JSON -> Megatron .bin/.idx with Megatron-LM's flags (logic: megatron_2bw.data.preprocess).
+
+    python tools/preprocess_data.py --input openwebtext.jsonl --output-prefix data/owt \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
+        --merge-file gpt2-merges.txt --append-eod --workers 8
+
+writes data/owt_text_document.bin/.idx (``--data-path data/owt_text_document``). Exit status 1
+with a one-line message on stderr for bad flags, a missing/empty input or a malformed line.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+from megatron_2bw.data.preprocess import (ON_ERROR_CHOICES, PreprocessConfig, PreprocessError,
+                                          check_input, preprocess)
+from megatron_2bw.data.sentences import SPLITTERS
+from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, TokenizerError, TokenizerSpec
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", required=True, help="loose JSON file, one object per line")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="keys to extract from each object, one output per key")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="one sequence per sentence (for BERT)")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="keep newlines between sentences when splitting")
+    group.add_argument("--sentence-splitter", choices=SPLITTERS, default="auto",
+                       help="auto: NLTK punkt if installed, else rule-based")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--vocab-file", help="GPT-2 vocab.json or BERT vocab.txt")
+    group.add_argument("--merge-file", help="GPT-2 merges.txt")
+    group.add_argument("--tokenizer-model", help="SentencePiece .model or HF tokenizer.json/dir")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
+    group.add_argument("--vocab-extra-ids", type=int, default=0)
+    group.add_argument("--append-eod", action="store_true",
+                       help="append the end-of-document token to every document")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True,
+                       help="path prefix; _{key}_document.bin/.idx is appended")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument("--log-interval", type=int, default=1000,
+                       help="documents between progress lines")
+    group.add_argument("--on-error", choices=ON_ERROR_CHOICES, default="fail",
+                       help="malformed line: fail (default) or skip and report it")
+    return parser.parse_args(argv)
+
+
+def to_config(args: argparse.Namespace) -> PreprocessConfig:
+    tokenizer = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file,
+                              args.tokenizer_model, args.vocab_size, args.vocab_extra_ids)
+    return PreprocessConfig(
+        input=args.input, output_prefix=args.output_prefix, tokenizer=tokenizer,
+        json_keys=tuple(args.json_keys), append_eod=args.append_eod,
+        split_sentences=args.split_sentences, keep_newlines=args.keep_newlines,
+        sentence_splitter=args.sentence_splitter, workers=args.workers,
+        log_interval=args.log_interval, on_error=args.on_error)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    try:
+        config = to_config(args)
+        check_input(config.input)  # before megatron-core is imported: fast, clear failure
+        result = preprocess(config)
+    except (PreprocessError, TokenizerError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for key, prefix in result.prefixes.items():
+        print(f"{key}: {prefix}.bin/.idx  {result.documents} documents, "
+              f"{result.tokens[key]} tokens, {result.sequences[key]} sequences")
+    if result.bad_lines:
+        print(f"skipped {len(result.bad_lines)} malformed lines", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
