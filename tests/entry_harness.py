@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
         "--lr", "1e-2", "--lr-decay-style", "constant", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",
+        "--attention-dropout", "0", "--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64", "--eval-iters", "1",
         "--log-interval", "1"]
 
 
@@ -30,7 +30,7 @@ def launch(model: str, nproc: int, extra: list[str], metrics: str, timeout: int 
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
     with open(metrics) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if r.get("split", "train") == "train"]
 
 
 def losses(records: list[dict]) -> list[float]:

@@ -73,6 +73,7 @@ class PipelineExecutor:
         self.p2p = P2P(links)
         self.reducer = GradReducer(dp_group)
         self.updater = updater
+        self._train = True
         self._handlers: dict[str, Callable[[Action], None]] = {
             FORWARD: self._forward, BACKWARD: self._backward,
             RECV_FORWARD: self._recv_forward, SEND_FORWARD: self._send_forward,
@@ -102,12 +103,34 @@ class PipelineExecutor:
         self.p2p.wait_all()
         return self._result
 
+    def evaluate(self, schedule: Schedule, data: Iterator[dict]) -> Optional[float]:
+        """Run a forward-only schedule without autograd; the mean loss on the last stage."""
+        self._m, self._data, self._train = schedule.num_microbatches, data, False
+        self._inbox, self._outbox = {}, {}
+        self._micro_losses, self._micro_metrics = {}, {}
+        try:
+            with torch.no_grad():
+                for action in schedule[self.links.stage]:
+                    self._handlers[action.kind](action)
+        finally:
+            self._train = True
+        self.p2p.wait_all()
+        losses = [loss for per_mb in self._micro_losses.values() for loss in per_mb]
+        return torch.stack(losses).mean().item() if losses else None
+
     # --- compute --------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         inp = self._inbox.pop(a.microbatch, None)
+        batch = next(self._data)
+        if not self._train:
+            out = self.weights.module_for(a.version)(inp, batch)
+            if self.links.is_last:
+                self._record_loss(a, out)
+            else:
+                self._outbox[a.microbatch] = out
+            return
         if inp is not None:
             inp.requires_grad_()
-        batch = next(self._data)
         self.weights.acquire(a.version)
         out = self.weights.module_for(a.version)(inp, batch)
         if self.links.is_last:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .actions import ALL_KINDS, Action, Schedule  # noqa: F401
-from .builders import build_2bw, build_flush, build_gpipe
+from .builders import build_2bw, build_flush, build_forward_only, build_gpipe
 from .passes import add_communication, add_grad_sync
 from .simulate import Costs, DeadlockError, Timeline, simulate  # noqa: F401
 from .validate import ScheduleError, validate  # noqa: F401
@@ -84,4 +84,16 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
                                                          num_minibatches))
     if check:
         validate(schedule)
+    return schedule
+
+
+def build_eval_schedule(num_stages: int, num_microbatches: int, version: int) -> Schedule:
+    """Forward passes only (validation), all on weight `version`; validated like the rest."""
+    plan = add_communication(build_forward_only(num_stages, num_microbatches, version),
+                             num_stages)
+    schedule = Schedule(plan, name="forward", num_stages=num_stages,
+                        num_microbatches=num_microbatches, num_minibatches=1, first_minibatch=0,
+                        weight_versions=1, grad_buffers=0,
+                        stash_limit=tuple(num_microbatches for _ in range(num_stages)))
+    validate(schedule)
     return schedule

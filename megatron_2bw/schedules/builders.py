@@ -64,3 +64,8 @@ def build_2bw(d: int, m: int, n: int, first: int) -> dict[int, list[Action]]:
         return max(i // m - 1, 0)
     every = [i for mbs in _minibatch_ranges(m, n, first) for i in mbs]
     return {s: one_f_one_b(s, d, every, version) for s in range(d)}
+
+
+def build_forward_only(d: int, m: int, version: int) -> dict[int, list[Action]]:
+    """Evaluation: every stage runs the m forwards in order on one weight version."""
+    return {s: [Action(s, FORWARD, i, version) for i in range(m)] for s in range(d)}

@@ -24,6 +24,7 @@ def _fail(schedule: Schedule, message: str, marks: dict[int, int]) -> None:
 def _check_compute(schedule: Schedule) -> None:
     """Each microbatch: exactly one F then one B per stage, on the same weight version."""
     expected = set(schedule.microbatches)
+    kinds = (FORWARD,) if schedule.name == "forward" else (FORWARD, BACKWARD)
     for stage, actions in schedule.items():
         seen: dict[str, dict[int, tuple[int, Action]]] = {FORWARD: {}, BACKWARD: {}}
         for idx, a in enumerate(actions):
@@ -39,7 +40,8 @@ def _check_compute(schedule: Schedule) -> None:
                     _fail(schedule, f"stage {stage}: {a} uses another version than "
                                     f"{fwd[1]}", {stage: idx})
             seen[a.kind][a.microbatch] = (idx, a)
-        for kind, got in seen.items():
+        for kind in kinds:
+            got = seen[kind]
             if set(got) != expected:
                 missing = sorted(expected - set(got))[:5]
                 _fail(schedule, f"stage {stage}: {kind} missing for microbatches {missing}", {})

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterator, Optional
+import itertools
+import math
 
 import torch
 import torch.distributed as dist
@@ -18,16 +19,16 @@ from ..models import apply_cpu_shims, build_stage, model_parallel_manual_seed
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
 from ..runtime.topology import data_parallel_group, stage_links
-from ..schedules import build_schedule
+from ..schedules import build_eval_schedule, build_schedule
+from .batches import stream
 from .checkpointing import read_checkpoint, restore, save_checkpoint
 from .config import RunConfig
+from .data_sources import DataSources
 from .distributed import DistEnv
 from .metrics import MetricsSink, transformer_flops
 
 logger = logging.getLogger("megatron_2bw.train")
 
-# (run config, first sample index of this rank's stream, dp rank) -> microbatches
-BatchSource = Callable[[RunConfig, int, int], Iterator[dict]]
 
 
 def _param_infos(module, tp_rank: int) -> list[ParamInfo]:
@@ -58,8 +59,8 @@ def _step_groups(module, num_stages: int) -> StepGroups:
 class Trainer:
     """One process's part of a run."""
 
-    def __init__(self, run: RunConfig, env: DistEnv, batches: BatchSource):
-        self.run, self.env, self.batches = run, env, batches
+    def __init__(self, run: RunConfig, env: DistEnv, sources: DataSources):
+        self.run, self.env, self.sources = run, env, sources
         par = run.parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tensor_parallel,
                                      pipeline_model_parallel_size=par.pipeline_parallel)
@@ -106,7 +107,8 @@ class Trainer:
     def _segment_end(self) -> int:
         t = self.run.train
         ends = [t.train_iters]
-        for interval in (t.save_interval if t.save else None, t.exit_interval):
+        evals = t.eval_interval if self.sources.valid is not None and t.eval_iters else None
+        for interval in (t.save_interval if t.save else None, t.exit_interval, evals):
             if interval:
                 ends.append((self.iteration // interval + 1) * interval)
         return min(ends)
@@ -117,7 +119,7 @@ class Trainer:
             end = self._segment_end()
             schedule = self._schedule(end - self.iteration)
             first_sample = self.iteration * t.global_batch_size
-            data = self.batches(self.run, first_sample, self.dp_rank)
+            data = stream(self.sources.train, self.run, first_sample, self.dp_rank)
             self._last_time = time.monotonic()
             self.executor.run(schedule, data, on_step=self._on_step)
             self.iteration = end
@@ -125,22 +127,45 @@ class Trainer:
                            or end == t.train_iters or end == t.exit_interval):
                 save_checkpoint(t.save, end, self.executor, self.updater, self.run.flags,
                                 self.run.parallel.schedule)
+            if self.sources.valid is not None and t.eval_iters and (
+                    end % t.eval_interval == 0 or end == t.train_iters):
+                self.evaluate(end)
         self.sink.close()
         return self.history
 
-    def _on_step(self, k: int, result: RunResult) -> None:
-        """After minibatch k's step on this stage: average its loss over DP and record."""
-        if not self.executor.links.is_last:
+    def evaluate(self, iteration: int) -> None:
+        """Validation loss on the newest weights: --eval-iters global batches, as Megatron."""
+        t = self.run.train
+        m = self.run.num_microbatches
+        first = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
+        data = stream(self.sources.valid, self.run, first, self.dp_rank)
+        schedule = build_eval_schedule(self.run.parallel.pipeline_parallel, m * t.eval_iters,
+                                       self.executor.weights.newest)
+        loss = self.executor.evaluate(schedule, itertools.islice(data, m * t.eval_iters))
+        if loss is None:
             return
-        values = [result.losses[k]] + list(result.metrics.get(k, {}).values())
+        loss = self._dp_mean([loss])[0]
+        rec = {"split": "valid", "iteration": iteration, "val_loss": loss,
+               "val_ppl": math.exp(min(loss, 20.0))}
+        self.history.setdefault("valid", {})[iteration] = rec
+        self.sink.validation(rec)
+
+    def _dp_mean(self, values: list[float]) -> list[float]:
         stats = torch.tensor(values, dtype=torch.float64)
         group = data_parallel_group()
         if group is not None:
             dist.all_reduce(stats, group=group)
             stats /= dist.get_world_size(group)
+        return stats.tolist()
+
+    def _on_step(self, k: int, result: RunResult) -> None:
+        """After minibatch k's step on this stage: average its loss over DP and record."""
+        if not self.executor.links.is_last:
+            return
+        stats = self._dp_mean([result.losses[k]] + list(result.metrics.get(k, {}).values()))
         now = time.monotonic()
         elapsed, self._last_time = now - self._last_time, now
-        rec = self._record(k, stats.tolist(), list(result.metrics.get(k, {})),
+        rec = self._record(k, stats, list(result.metrics.get(k, {})),
                            result.steps[k], elapsed)
         self.history[k + 1] = rec
         self.sink.record(rec)
@@ -149,7 +174,7 @@ class Trainer:
                 elapsed: float) -> dict:
         t, m = self.run.train, self.run.model
         gbs = t.global_batch_size
-        rec = {"iteration": k + 1, "loss": stats[0], **dict(zip(names, stats[1:])),
+        rec = {"split": "train", "iteration": k + 1, "loss": stats[0], **dict(zip(names, stats[1:])),
                "lr": step["lr"], "grad_norm": step["grad_norm"], "loss_scale": step["loss_scale"],
                "skipped": int(step["skipped"]), "iteration_time_s": elapsed,
                "samples_per_s": gbs / elapsed, "tokens_per_s": gbs * m.seq_length / elapsed,
@@ -160,9 +185,9 @@ class Trainer:
         return rec
 
 
-def pretrain(run: RunConfig, env: DistEnv, batches: BatchSource) -> dict[int, dict]:
+def pretrain(run: RunConfig, env: DistEnv, sources: DataSources) -> dict:
     """Train as the flags say; returns {iteration: record} on the logging rank."""
-    trainer = Trainer(run, env, batches)
+    trainer = Trainer(run, env, sources)
     try:
         return trainer.train()
     finally:

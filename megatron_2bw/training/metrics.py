@@ -68,9 +68,17 @@ class MetricsSink:
                 f"samples/s: {rec['samples_per_s']:.1f} | TFLOP/s/GPU: {rec['tflops']:.3f} | "
                 f"ETA: {_hms(eta)}")
 
-    def scalar(self, tag: str, value: float, iteration: int) -> None:
+    def validation(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        if self._file:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
         if self._tb:
-            self._tb.add_scalar(tag, value, iteration)
+            self._tb.add_scalar(TB_TAGS["val_loss"], rec["val_loss"], rec["iteration"])
+        bar = "-" * 100
+        logger.info(f"{bar}\n validation loss at iteration {rec['iteration']} | lm loss value: "
+                    f"{rec['val_loss']:.6E} | lm loss PPL: {rec['val_ppl']:.6E} |\n{bar}")
 
     def close(self) -> None:
         if self._file:

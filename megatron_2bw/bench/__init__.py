@@ -1,0 +1,9 @@
+"""Benchmarks of the pipeline engine: our schedules against torch.distributed.pipelining.
+
+`tools/benchmark_schedules.py` is the entry point (see docs/performance.md). The pieces:
+`config` (what to run), `model` (the stage modules both systems share), `memory` (saved
+activation, weight and optimizer bytes), `systems` (one configuration on one rank, per
+system), `launch` (the gloo processes), `overhead` (engine vs a plain loop, one process),
+`report` (targets, table, JSON, plot) and `gpu_summary` (what tools/gpu_check.sh writes).
+"""
+from .config import BenchConfig, RunSpec  # noqa: F401

@@ -1,0 +1,112 @@
+"""`tools/benchmark_schedules.py`: our gpipe/flush/2bw against torch.distributed.pipelining.
+
+Runs every configuration in one set of gloo processes (one per stage), then the engine
+overhead in this process; prints a table and the targets; `--json FILE` writes the
+records (see report.py), `--plot FILE.png` draws throughput and memory,
+`--markdown FILE` writes the table and targets.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .config import BenchConfig
+from .report import format_table, format_targets, overhead_record, pipeline_record, plot, targets
+
+logger = logging.getLogger(__name__)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tools/benchmark_schedules.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = BenchConfig()
+    p.add_argument("--stages", type=int, default=d.stages, help="pipeline depth d (processes)")
+    p.add_argument("--microbatches", type=_int_list, default=d.microbatches,
+                   help="values of m, comma-separated (default 2,4,8)")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="block width")
+    p.add_argument("--blocks-per-stage", type=int, default=d.blocks_per_stage)
+    p.add_argument("--microbatch-size", type=int, default=d.microbatch_size,
+                   help="rows per microbatch")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed minibatches")
+    p.add_argument("--iterations", type=int, default=d.iterations, help="timed minibatches")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    p.add_argument("--overhead-microbatches", type=int, default=4,
+                   help="m of the one-process overhead measurement (0: skip it)")
+    p.add_argument("--overhead-rounds", type=int, default=5,
+                   help="alternating engine/plain sessions of --iterations minibatches")
+    p.add_argument("--overhead-only", action="store_true", help="skip the pipelines")
+    p.add_argument("--device", default="cpu", help="device of the overhead measurement "
+                   "(the pipelines run on CPU over gloo)")
+    p.add_argument("--json", help="write the records here")
+    p.add_argument("--plot", help="write throughput and memory bars here (PNG)")
+    p.add_argument("--markdown", help="write the table and targets here")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(stages=args.stages, microbatches=args.microbatches, hidden=args.hidden,
+                       blocks_per_stage=args.blocks_per_stage,
+                       microbatch_size=args.microbatch_size, warmup=args.warmup,
+                       iterations=args.iterations, seed=args.seed, threads=args.threads,
+                       torch_baseline=not args.no_torch)
+
+
+def run(cfg: BenchConfig, args: argparse.Namespace) -> list[dict]:
+    """Pipelines (unless --overhead-only), then the overhead; returns the records."""
+    from .launch import run_pipelines
+    from .overhead import measure_overhead
+
+    records: list[dict] = []
+    if not args.overhead_only:
+        specs = cfg.specs()
+        for spec, stages in zip(specs, run_pipelines(cfg, specs)):
+            records.append(pipeline_record(cfg, spec, stages))
+    if args.overhead_microbatches > 0:
+        result = measure_overhead(cfg, args.overhead_microbatches, torch.device(args.device),
+                                  args.overhead_rounds)
+        records.append(overhead_record(cfg, result))
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as err:
+        sys.stderr.write(f"tools/benchmark_schedules.py: error: {err}\n")
+        return 2
+    start = time.monotonic()
+    records = run(cfg, args)
+    checks = targets(records, cfg.stages)
+    elapsed = time.monotonic() - start
+    text = (format_table(records) + "\n\n" + format_targets(checks) + "\n") if not \
+        args.overhead_only else format_targets(checks) + "\n"
+    sys.stdout.write(f"\n{text}\nbenchmark finished in {elapsed:.0f} s\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records + checks, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.plot and any(r["system"] != "overhead" for r in records):
+        plot(records, args.plot)
+    return 1 if args.strict and not all(t["met"] for t in checks) else 0

@@ -1,0 +1,179 @@
+"""Records, targets, a table and a plot from the measured stage results.
+
+A record is one configuration (system, schedule, m) with per-stage lists; the JSON file
+is a list of records: the pipeline ones, one with system "overhead", and one per target
+with system "target" (name, value, threshold, met), so a reader needs no other file.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Optional
+
+from .config import ENGINE, TORCH, BenchConfig, RunSpec
+from .overhead import OverheadResult
+from .systems import StageResult
+
+logger = logging.getLogger(__name__)
+
+OVERHEAD_LIMIT = 0.03
+SPEEDUP_FRACTION = 0.95
+
+
+def pipeline_record(cfg: BenchConfig, spec: RunSpec, stages: list[StageResult]) -> dict:
+    """One configuration's record; time per minibatch from the latest step over stages."""
+    ends = [max(times) for times in zip(*(s.step_times for s in stages))]
+    gaps = [b - a for a, b in zip(ends, ends[1:])][cfg.warmup - 1:cfg.warmup - 1 + cfg.iterations]
+    samples = spec.microbatches * cfg.microbatch_size
+    rates = [samples / g for g in gaps]
+    return {
+        "system": spec.system, "schedule": spec.schedule, "stages": cfg.stages,
+        "microbatches": spec.microbatches, "microbatch_size": cfg.microbatch_size,
+        "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
+        "samples_per_s_max": max(rates), "iteration_times_s": gaps,
+        "peak_stashes": [s.peak_stashes for s in stages],
+        "engine_peak_stashes": [s.engine_peak_stashes for s in stages]
+        if spec.system == ENGINE else None,
+        "activation_bytes": [s.activation_bytes for s in stages],
+        "weight_bytes": [s.weight_bytes for s in stages],
+        "grad_bytes": [s.grad_bytes for s in stages],
+        "optimizer_bytes": [s.optimizer_bytes for s in stages],
+        "peak_live_versions": [s.peak_live_versions for s in stages],
+    }
+
+
+def overhead_record(cfg: BenchConfig, result: OverheadResult) -> dict:
+    return {"system": "overhead", "schedule": "flush", "stages": 1,
+            "microbatches": result.microbatches, "microbatch_size": cfg.microbatch_size,
+            "device": result.device, "engine_s_per_minibatch": result.engine_s,
+            "plain_s_per_minibatch": result.plain_s, "overhead": result.overhead,
+            "engine_times_s": list(result.engine_times),
+            "plain_times_s": list(result.plain_times)}
+
+
+def _find(records: list[dict], system: str, schedule: str, m: int) -> Optional[dict]:
+    return next((r for r in records if r["system"] == system and r["schedule"] == schedule
+                 and r["microbatches"] == m), None)
+
+
+def _target(name: str, value: float, threshold: float, met: bool, detail: str) -> dict:
+    return {"system": "target", "name": name, "value": value, "threshold": threshold,
+            "met": bool(met), "detail": detail}
+
+
+def _throughput_targets(records: list[dict], d: int, m: int) -> list[dict]:
+    out = []
+    flush, twobw = _find(records, ENGINE, "flush", m), _find(records, ENGINE, "2bw", m)
+    if flush and twobw:
+        ratio = twobw["samples_per_s"] / flush["samples_per_s"]
+        need = SPEEDUP_FRACTION * (m + d - 1) / m
+        out.append(_target(f"2bw/flush m={m}", ratio, need, ratio >= need,
+                           f"2bw {ratio:.3f}x flush; ideal (m+d-1)/m = {(m + d - 1) / m:.3f}"))
+    for ours, theirs in (("flush", "1f1b"), ("gpipe", "gpipe")):
+        a, b = _find(records, ENGINE, ours, m), _find(records, TORCH, theirs, m)
+        if a and b:
+            ratio = a["samples_per_s"] / b["samples_per_s"]
+            out.append(_target(f"our {ours} / torch {theirs} m={m}", ratio, 1.0, ratio >= 1.0,
+                               f"{a['samples_per_s']:.1f} vs {b['samples_per_s']:.1f} samples/s"))
+    return out
+
+
+def _memory_targets(records: list[dict], d: int, m: int) -> list[dict]:
+    out = []
+    flush, twobw = _find(records, ENGINE, "flush", m), _find(records, ENGINE, "2bw", m)
+    if flush and twobw:
+        extra = [b - f for b, f in zip(twobw["weight_bytes"], flush["weight_bytes"])]
+        out.append(_target(f"2bw weights = flush + one copy m={m}", float(extra == flush[
+            "weight_bytes"]), 1.0, extra == flush["weight_bytes"],
+            f"2bw {twobw['weight_bytes']} B, flush {flush['weight_bytes']} B per stage"))
+    for schedule in ("gpipe", "flush", "2bw"):
+        rec = _find(records, ENGINE, schedule, m)
+        if rec is None:
+            continue
+        limit = [m] * d if schedule == "gpipe" else [d - s for s in range(d)]
+        got = rec["peak_stashes"]
+        ok = got == limit if schedule == "gpipe" else all(g <= lim for g, lim in zip(got, limit))
+        ok = ok and rec["engine_peak_stashes"] == got
+        out.append(_target(f"{schedule} peak stashes m={m}", float(ok), 1.0, ok,
+                           f"per stage {got} (executor {rec['engine_peak_stashes']}), "
+                           f"{'expected' if schedule == 'gpipe' else 'at most'} {limit}"))
+    return out
+
+
+def targets(records: list[dict], d: int) -> list[dict]:
+    """Every target the benchmark checks, as records."""
+    out = []
+    for m in sorted({r["microbatches"] for r in records if r["system"] in (ENGINE, TORCH)}):
+        out += _throughput_targets(records, d, m) + _memory_targets(records, d, m)
+    for r in records:
+        if r["system"] == "overhead":
+            out.append(_target(f"engine overhead m={r['microbatches']} ({r['device']})",
+                               r["overhead"], OVERHEAD_LIMIT, r["overhead"] <= OVERHEAD_LIMIT,
+                               f"engine {r['engine_s_per_minibatch'] * 1e3:.2f} ms vs plain "
+                               f"{r['plain_s_per_minibatch'] * 1e3:.2f} ms per minibatch"))
+    return out
+
+
+def _mib(values: list[int]) -> str:
+    return "/".join(f"{v / 2 ** 20:.2f}" for v in values)
+
+
+def format_table(records: list[dict]) -> str:
+    """Markdown table of the pipeline records (MiB lists are per stage)."""
+    head = ("| system | schedule | m | samples/s (median) | min | max | peak stashes "
+            "| activations MiB | weights MiB | optimizer MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = [f"| {r['system']} | {r['schedule']} | {r['microbatches']} | "
+            f"{r['samples_per_s']:.1f} | {r['samples_per_s_min']:.1f} | "
+            f"{r['samples_per_s_max']:.1f} | {r['peak_stashes']} | "
+            f"{_mib(r['activation_bytes'])} | {_mib(r['weight_bytes'])} | "
+            f"{_mib(r['optimizer_bytes'])} |"
+            for r in records if r["system"] in (ENGINE, TORCH)]
+    return "\n".join([head] + rows)
+
+
+def format_targets(checks: list[dict]) -> str:
+    head = "| target | value | threshold | met | detail |\n|---|---|---|---|---|"
+    rows = [f"| {t['name']} | {t['value']:.3f} | {t['threshold']:.3f} | "
+            f"{'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in checks]
+    return "\n".join([head] + rows)
+
+
+def _label(r: dict) -> str:
+    return ("ours " if r["system"] == ENGINE else "torch ") + r["schedule"]
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Throughput, stage-0 peak activations and stage-0 weights + optimizer, per m."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in records if r["system"] in (ENGINE, TORCH)]
+    labels = list(dict.fromkeys(_label(r) for r in runs))
+    ms = sorted({r["microbatches"] for r in runs})
+    width = 0.8 / len(labels)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("samples/s (median, min-max)", lambda r: r["samples_per_s"]),
+              ("stage 0 peak saved activations (MiB)", lambda r: r["activation_bytes"][0] / 2**20),
+              ("stage 0 weights + optimizer (MiB)",
+               lambda r: (r["weight_bytes"][0] + r["optimizer_bytes"][0]) / 2**20))
+    for ax, (title, value) in zip(axes, panels):
+        for j, label in enumerate(labels):
+            xs, ys, err = [], [], [[], []]
+            for i, m in enumerate(ms):
+                r = next((r for r in runs if _label(r) == label and r["microbatches"] == m), None)
+                if r is None:
+                    continue
+                xs.append(i + (j - (len(labels) - 1) / 2) * width)
+                ys.append(value(r))
+                err[0].append(r["samples_per_s"] - r["samples_per_s_min"])
+                err[1].append(r["samples_per_s_max"] - r["samples_per_s"])
+            ax.bar(xs, ys, width, label=label, yerr=err if ax is axes[0] else None, capsize=2)
+        ax.set_xticks(range(len(ms)), [f"m={m}" for m in ms])
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{runs[0]['stages']} stages, {runs[0]['microbatch_size']} rows per microbatch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    logger.info("wrote %s", path)
