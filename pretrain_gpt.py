@@ -4,6 +4,10 @@
         --pipeline-schedule 2bw --num-layers 4 --hidden-size 128 ... --mock-data
 """
 import sys
+import warnings
+
+# megatron-core announces its fallbacks when apex / Transformer Engine are absent (expected here)
+warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
 
 from megatron_2bw.training.entry import main
 

@@ -17,12 +17,12 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--log-interval", "1"]
 
 
-def launch(model: str, nproc: int, extra: list[str], metrics: str, timeout: int = 240
-           ) -> list[dict]:
-    """Run one training job; return its per-iteration records."""
+def launch(model: str, nproc: int, extra: list[str], metrics: str, timeout: int = 240,
+           base: list[str] = TINY, split: str = "train") -> list[dict]:
+    """Run one training job; return its per-iteration records of `split`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), os.path.join(ROOT, f"pretrain_{model}.py"),
-           *TINY, "--metrics-file", metrics, *extra]
+           *base, "--metrics-file", metrics, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -30,7 +30,7 @@ def launch(model: str, nproc: int, extra: list[str], metrics: str, timeout: int 
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
     with open(metrics) as f:
-        return [r for r in map(json.loads, f) if r.get("split", "train") == "train"]
+        return [r for r in map(json.loads, f) if r.get("split", "train") == split]
 
 
 def losses(records: list[dict]) -> list[float]:

@@ -21,12 +21,13 @@ def gpt_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc,flags", [
-    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush"]),
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
+         "--recompute-activations"]),
     (2, ["--pipeline-model-parallel-size", "2", "--gpipe"]),
     (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "flush"]),
     (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     (4, ["--pipeline-model-parallel-size", "2"]),  # DP = 2
-], ids=["pp2-flush", "pp2-gpipe", "pp4-flush", "tp2-pp2", "dp2-pp2"])
+], ids=["pp2-flush-recompute", "pp2-gpipe", "pp4-flush", "tp2-pp2", "dp2-pp2"])
 def test_gpt_pipelined_equals_pp1(tmp_path, gpt_reference, nproc, flags) -> None:
     """Flush and GPipe are vanilla training: any TP x PP x DP gives PP=1's losses."""
     got = losses(launch("gpt", nproc, ITERS + flags, str(tmp_path / "m.jsonl")))
@@ -94,11 +95,13 @@ def _tied_pair(path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return pairs
 
 
-@pytest.mark.parametrize("schedule", ["flush", "2bw"])
-def test_tied_embeddings_stay_equal(tmp_path, schedule) -> None:
+@pytest.mark.parametrize("schedule,precision", [("flush", []), ("2bw", ["--bf16"])])
+def test_tied_embeddings_stay_equal(tmp_path, schedule, precision) -> None:
     ckpt = str(tmp_path / "ckpt")
-    launch("gpt", 2, ITERS + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                              schedule, "--save", ckpt], str(tmp_path / "m.jsonl"))
+    records = launch("gpt", 2, ITERS + precision + ["--pipeline-model-parallel-size", "2",
+                                                    "--pipeline-schedule", schedule, "--save",
+                                                    ckpt], str(tmp_path / "m.jsonl"))
+    assert all(r["skipped"] == 0 and r["loss"] < 10 for r in records)
     pairs = _tied_pair(ckpt)
     assert len(pairs) == (2 if schedule == "2bw" else 1)
     for emb, out in pairs:

@@ -72,23 +72,28 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-fraction", type=float, help="warm-up as a fraction of decay")
     g.add_argument("--lr-decay-iters", type=int, help="decay iterations (default --train-iters)")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
     g.add_argument("--clip-grad", type=float, default=1.0, help="global-norm clip (0 = off)")
     g.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     g.add_argument("--bf16", action="store_true", help="bf16 (fp32 master weights)")
     g.add_argument("--loss-scale", type=float, help="fp16: a constant loss scale")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
+                   help="fp16: starting dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: lowest loss scale")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16: clean steps before the scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="fp16: overflowing steps before the scale halves")
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="tensor-parallel ranks per stage (megatron-core layers)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages; data-parallel size = world / (TP x PP)")
     g.add_argument("--pipeline-schedule", default=None,
                    help="pipeline schedule: " + ", ".join(SCHEDULE_NAMES) + " (default flush)")
     g.add_argument("--pipeline-no-flushes", action="store_true",
@@ -105,10 +110,12 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
                    "SentencePieceTokenizer, BertWordPieceLowerCase, BertWordPieceCase, "
                    "NullTokenizer")
     g.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer, mock data)")
-    g.add_argument("--vocab-file")
-    g.add_argument("--merge-file")
-    g.add_argument("--tokenizer-model")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--vocab-file", help="GPT-2 vocab.json or BERT vocab.txt")
+    g.add_argument("--merge-file", help="GPT-2 merges.txt")
+    g.add_argument("--tokenizer-model", help="SentencePiece .model or HuggingFace "
+                   "tokenizer.json / folder")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--mask-prob", type=float, default=0.15, help="BERT masking probability")
 
 
