@@ -23,6 +23,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ..vocab import pad_vocab_size
+
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
@@ -505,8 +507,5 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
                       tensor_model_parallel_size: int = 1) -> int:
-    """The embedding size Megatron-LM uses: vocab_size rounded up to a multiple of
-    make_vocab_size_divisible_by x TP (``_vocab_size_with_padding`` in Megatron-LM's
-    ``megatron/training/tokenizer/tokenizer.py``), so every TP shard is equally sized."""
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
+    """The embedding size Megatron-LM uses (see megatron_2bw.vocab), with its flag names."""
+    return pad_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size)

@@ -11,25 +11,11 @@ from typing import Optional
 
 import torch
 
+from ..vocab import pad_vocab_size  # noqa: F401  (re-exported)
+
 MODEL_KINDS = ("gpt", "bert")
 RECOMPUTE_GRANULARITIES = (None, "full")
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def pad_vocab_size(orig: int, divisible_by: int = 128, tensor_parallel: int = 1) -> int:
-    """Pad a vocabulary size the way Megatron-LM does (`_vocab_size_with_padding`).
-
-    The padded size is the smallest multiple of `divisible_by * tensor_parallel` that is
-    >= `orig`, so every tensor-parallel rank holds an equal, aligned slice of the
-    embedding and output layer.
-    """
-    if orig <= 0 or divisible_by <= 0 or tensor_parallel <= 0:
-        raise ValueError(
-            f"pad_vocab_size needs positive sizes, got orig={orig}, "
-            f"divisible_by={divisible_by}, tensor_parallel={tensor_parallel}"
-        )
-    multiple = divisible_by * tensor_parallel
-    return ((orig + multiple - 1) // multiple) * multiple
 
 
 @dataclass(frozen=True)

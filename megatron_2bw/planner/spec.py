@@ -8,18 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..vocab import pad_vocab_size
+
 MODEL_KINDS = ("gpt", "bert")
 SCHEDULES = ("gpipe", "flush", "2bw")
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
-    """Megatron-LM's `_vocab_size_with_padding`: round up to a multiple of 128 * tp.
-
-    (The same rule as `megatron_2bw.models.config.pad_vocab_size`, restated here because
-    that module imports torch and the planner must not.)
-    """
-    multiple = divisible_by * tensor_parallel
-    return -(-vocab_size // multiple) * multiple
+    """Megatron-LM's padding (see megatron_2bw.vocab), argument order of the planner."""
+    return pad_vocab_size(vocab_size, divisible_by, tensor_parallel)
 
 
 @dataclass(frozen=True)
