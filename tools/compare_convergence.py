@@ -18,17 +18,19 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "8",
-         "--global-batch-size", "32", "--lr", "1e-3", "--min-lr", "1e-4",
+         "--global-batch-size", "32",
          "--lr-decay-style", "cosine", "--lr-warmup-iters", "30", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--log-interval", "50", "--seed", "1234"]
 
 
-def train(model: str, schedule: str, iters: int, data_flags: list[str], out: str) -> list[dict]:
+def train(model: str, schedule: str, iters: int, lr: float, data_flags: list[str], out: str
+          ) -> list[dict]:
     metrics = os.path.join(out, f"{model}-{schedule}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            os.path.join(ROOT, f"pretrain_{model}.py"), *MODEL, *data_flags,
+           "--lr", str(lr), "--min-lr", str(lr / 10),
            "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
            "--train-iters", str(iters), "--eval-interval", str(max(iters // 10, 1)),
            "--eval-iters", "10", "--metrics-file", metrics]
@@ -38,7 +40,7 @@ def train(model: str, schedule: str, iters: int, data_flags: list[str], out: str
         return [json.loads(line) for line in f]
 
 
-def plot(results: dict, path: str) -> None:
+def plot(results: dict, path: str, lr: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -53,7 +55,7 @@ def plot(results: dict, path: str) -> None:
                     alpha=0.35, label=f"{schedule} train")
             ax.plot([r["iteration"] for r in va], [r["val_loss"] for r in va], "o-",
                     color=colour, label=f"{schedule} validation")
-        ax.set_title(f"{model.upper()}: vanilla (flush) vs 2BW")
+        ax.set_title(f"{model.upper()}: vanilla (flush) vs 2BW, lr {lr:g}")
         ax.set_xlabel("iteration")
         ax.set_ylabel("loss")
         ax.legend()
@@ -66,6 +68,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train-iters", type=int, default=300)
     parser.add_argument("--models", default="gpt,bert")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "convergence"))
     parser.add_argument("--plot", help="picture path (default OUT/convergence.png)")
     args = parser.parse_args()
@@ -78,9 +81,9 @@ def main() -> int:
     for model in args.models.split(","):
         flags = data.gpt_flags() if model == "gpt" else data.bert_flags()
         for schedule in ("flush", "2bw"):
-            results[(model, schedule)] = train(model, schedule, args.train_iters, flags,
-                                               args.out)
-    plot(results, args.plot or os.path.join(args.out, "convergence.png"))
+            results[(model, schedule)] = train(model, schedule, args.train_iters, args.lr,
+                                               flags, args.out)
+    plot(results, args.plot or os.path.join(args.out, "convergence.png"), args.lr)
     summary = {}
     for model in args.models.split(","):
         final = {s: [r for r in results[(model, s)] if r["split"] == "valid"][-1]["val_loss"]
@@ -91,7 +94,8 @@ def main() -> int:
         print(f"{model}: final validation loss flush {final['flush']:.4f}, 2bw "
               f"{final['2bw']:.4f}, gap {gap:+.2%}")
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump({"train_iters": args.train_iters, "results": summary}, f, indent=1)
+        json.dump({"train_iters": args.train_iters, "lr": args.lr, "results": summary}, f,
+                  indent=1)
     return 0
 
 
