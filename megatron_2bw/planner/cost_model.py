@@ -137,7 +137,8 @@ class CostModel:
         fits = memory <= self.hardware.memory_bytes
         if simulate_time:
             timing = pipeline_timing(cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches,
-                                     costs_for(stages, p2p_s))
+                                     costs_for(stages, p2p_s),
+                                     defers_step(cfg.schedule, cfg.data_parallel_width))
         else:
             timing = PipelineTiming(float("inf"), tuple(0.0 for _ in stages), ())
         return Estimate(cfg, timing.iteration_s, memory, fits, stages, p2p_s, timing)
@@ -154,8 +155,9 @@ class CostModel:
         time minus the time of the same schedule with a free all-reduce."""
         free = costs_for(tuple(_without_allreduce(s) for s in est.stages), est.p2p_s)
         cfg = est.config
-        return est.iteration_time_s - pipeline_timing(cfg.schedule, cfg.pipeline_depth,
-                                                      cfg.num_microbatches, free).iteration_s
+        return est.iteration_time_s - pipeline_timing(
+            cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches, free,
+            defers_step(cfg.schedule, cfg.data_parallel_width)).iteration_s
 
     # ---- per-stage pieces ----
     def stage_costs(self, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
@@ -291,9 +293,9 @@ def _layer_params_per_rank(model: ModelSpec, t: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def declared_grad_buffers(schedule: str) -> int:
-    """Gradient accumulators per stage, as the schedule declares them (2BW defers its step)."""
-    return build_schedule(schedule, 1, 1, 1, check=False).grad_buffers
+def declared_grad_buffers(schedule: str, defer: bool) -> int:
+    """Gradient accumulators per stage, as the schedule declares them (two when deferred)."""
+    return build_schedule(schedule, 1, 1, 1, defer_step=defer, check=False).grad_buffers
 
 
 def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, stash: int) -> float:
@@ -319,7 +321,9 @@ def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, .
     layer = _layer_times(cm, cfg)
     stash = declared_stash_limit(cfg.schedule, d, m)
     per_param = prec.bytes_per_param(declared_weight_versions(cfg.schedule),
-                                     declared_grad_buffers(cfg.schedule))
+                                     declared_grad_buffers(
+                                         cfg.schedule,
+                                         defers_step(cfg.schedule, cfg.data_parallel_width)))
     layers = cm.model.num_layers // d
     out = []
     for s in range(d):
@@ -365,21 +369,28 @@ def pipeline_lower_bound_s(schedule: str, m: int, costs: Costs) -> float:
 
 
 @lru_cache(maxsize=8)
-def _schedule(name: str, d: int, m: int, n: int) -> Schedule:
+def _schedule(name: str, d: int, m: int, n: int, defer: bool = True) -> Schedule:
     """Built once per shape: many configurations share (schedule, d, m). Validation is
     the schedules package's job (its tests); the simulator still raises on a deadlock."""
-    return build_schedule(name, d, m, n, check=False)
+    return build_schedule(name, d, m, n, defer_step=defer, check=False)
+
+
+def defers_step(schedule: str, data_parallel: int) -> bool:
+    """Whether the run defers the optimizer step (what `training.loop` does: 2BW with DP > 1,
+    where the data-parallel all-reduce has something to hide behind)."""
+    return schedule == "2bw" and data_parallel > 1
 
 
 @lru_cache(maxsize=65536)
-def pipeline_timing(schedule: str, d: int, m: int, costs: Costs) -> PipelineTiming:
+def pipeline_timing(schedule: str, d: int, m: int, costs: Costs, defer: bool = True
+                    ) -> PipelineTiming:
     """Steady-state time of one minibatch of `schedule`, from the simulator."""
     before, after = STEADY_STATE_MINIBATCHES[schedule]
-    end = simulate(_schedule(schedule, d, m, after), costs)
+    end = simulate(_schedule(schedule, d, m, after, defer), costs)
     if before == 0:
         return PipelineTiming(end.makespan, tuple(end.busy[s] for s in range(d)),
                               tuple(end.peak_stashes[s] for s in range(d)))
-    start = simulate(_schedule(schedule, d, m, before), costs)
+    start = simulate(_schedule(schedule, d, m, before, defer), costs)
     return PipelineTiming(end.makespan - start.makespan,
                           tuple(end.busy[s] - start.busy[s] for s in range(d)),
                           tuple(end.peak_stashes[s] for s in range(d)))

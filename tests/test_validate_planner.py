@@ -1,0 +1,197 @@
+"""tools/validate_planner.py: the comparison logic (pure, fast) and one tiny dry run.
+
+No timing assertions: the dry run only checks that calibration, prediction, one real
+training run and the report fit together.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_2bw.planner.compute import PROFILE_FORMAT
+from megatron_2bw.planner.hardware import Hardware, load_hardware
+from megatron_2bw.planner.spec import ParallelConfig
+from megatron_2bw.planner import validate as v
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _row(label: str, pred: float, meas: float | None, mem_pred: float = 100e6,
+         mem_meas: float | None = 110e6, **cfg) -> v.Row:
+    config = dict(schedule="flush", tensor_parallel=1, pipeline_depth=1, data_parallel_width=2,
+                  micro_batch_size=1, num_microbatches=8, recompute=False)
+    config.update(cfg)
+    r = v.Row(label=label, config=config, predicted_time_s=pred,
+              predicted_memory_bytes=mem_pred, fits=True)
+    if meas is not None:
+        r.measured_time_s, r.measured_memory_bytes, r.status = meas, mem_meas, "ok"
+    return r
+
+
+def _write_profile(path, setup: v.Setup) -> None:
+    def part(f, b, rc=0.0, act=0.0):
+        return {"forward_s": f, "backward_s": b, "recompute_backward_s": rc,
+                "activation_bytes_float": act, "activation_bytes_other": 0.0, "input_bytes": 0.0}
+    entries = [{"micro_batch_size": b, "layer": part(0.01 * b, 0.02 * b, 0.03 * b, 4e6 * b),
+                "embedding": part(0.001 * b, 0.001 * b), "output": part(0.01 * b, 0.02 * b,
+                                                                       act=2e6 * b)}
+               for b in (1, 2, 4, 8, 16)]
+    path.write_text(json.dumps({
+        "format": PROFILE_FORMAT, "device": "cpu", "dtype_bytes": 4, "entries": entries,
+        "model": {"model": "gpt", "hidden_size": setup.hidden_size,
+                  "ffn_hidden_size": 4 * setup.hidden_size,
+                  "num_attention_heads": setup.num_attention_heads,
+                  "seq_length": setup.seq_length, "vocab_size": setup.vocab_size}}))
+
+
+def test_errors_and_steady_median():
+    assert v.rel_error(1.1, 1.0) == pytest.approx(0.1)
+    assert v.rel_error(0.9, 1.0) == pytest.approx(-0.1)
+    assert v.rel_error(1.0, None) is None
+    # warm-up dropped at the start, the (2BW drain) iteration at the end
+    assert v.steady_median([9.0, 5.0, 1.0, 2.0, 3.0, 0.01], warmup=2) == 2.0
+    assert v.steady_median([9.0, 1.0], warmup=2) is None
+
+
+def test_read_iteration_times_skips_validation_records(tmp_path):
+    f = tmp_path / "m.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"split": "train", "iteration": 2, "iteration_time_s": 0.2},
+        {"split": "train", "iteration": 1, "iteration_time_s": 0.1},
+        {"split": "valid", "iteration": 2, "val_loss": 3.0}]) + "\n")
+    assert v.read_iteration_times(str(f)) == [0.1, 0.2]
+
+
+def test_summary_targets_and_pick():
+    rows = [_row("a", 1.0, 1.04), _row("b", 2.0, 1.9), _row("c", 1.5, 1.0)]
+    s = v.summarize(rows, pick_label="a")
+    assert s["measured"] == 3
+    assert s["median_abs_time_error"] == pytest.approx(abs(2.0 / 1.9 - 1))
+    assert s["worst_time_plan"] == "c" and s["worst_abs_time_error"] == pytest.approx(0.5)
+    assert s["fastest_measured"] == "c"
+    assert s["pick_vs_fastest"] == pytest.approx(0.04)
+    assert s["pick_measured_rank"] == 2
+    assert s["targets"] == {"median_time_error": True, "worst_time_error": False,
+                            "pick_vs_fastest": True}
+    text = v.summary_text(s)
+    assert "worst 50.0% (c" in text and "missed: worst_time_error" in text
+
+
+def test_summary_without_all_plans_has_no_verdict():
+    rows = [_row("a", 1.0, 1.0), _row("b", 2.0, None)]
+    s = v.summarize(rows, "b")
+    assert "targets" not in s and "pick_vs_fastest" not in s
+    assert "was not measured" in v.summary_text(s)
+
+
+def test_markdown_table_marks_pick_and_fastest():
+    rows = [_row("slow plan", 1.0, 2.0), _row("fast plan", 1.2, 1.0), _row("unrun", 3.0, None)]
+    table = v.markdown_table(rows, pick_label="slow plan").splitlines()
+    assert table[0].startswith("| plan | predicted s/iter | measured s/iter")
+    assert table[2].startswith("| fast plan * | 1.200 | 1.000 | +20% |")
+    assert table[3].startswith("| **slow plan** (pick) | 1.000 | 2.000 | -50% |")
+    assert table[4].startswith("| unrun | 3.000 | n/a | n/a |")
+
+
+def test_record_attempt_keeps_the_least_loaded_run(tmp_path):
+    setup = v.Setup(warmup=1)
+    row = _row("p", 1.0, None)
+
+    def attempt(times, busy):
+        f = tmp_path / f"m{busy}.jsonl"
+        f.write_text("".join(json.dumps({"iteration": i + 1, "iteration_time_s": t}) + "\n"
+                             for i, t in enumerate(times)))
+        res = [{"status": "ok", "added_bytes": 5e6, "cpu_s": 4.0, "machine_busy_s": busy,
+                "job_wall_s": 5.0}, {"status": "ok", "added_bytes": 6e6, "cpu_s": 4.0}]
+        v.record_attempt(row, str(f), res, setup)
+
+    attempt([5.0, 2.0, 2.0, 2.0, 0.1], busy=10.0)   # other load (10 - 8) / (5 x ncpu)
+    first = row.other_load
+    assert row.measured_time_s == 2.0 and row.measured_memory_bytes == 6e6
+    attempt([5.0, 1.0, 1.0, 1.0, 0.1], busy=8.5)    # less other load: kept
+    assert row.measured_time_s == 1.0 and row.other_load < first
+    attempt([5.0, 3.0, 3.0, 3.0, 0.1], busy=9.5)    # more: recorded, not kept
+    assert row.measured_time_s == 1.0 and len(row.attempts) == 3
+    v.record_attempt(row, str(tmp_path / "missing.jsonl"), [{"status": "timeout"}] * 2, setup)
+    assert row.status == "ok" and row.attempts[-1]["status"] == "timeout"
+
+
+def test_plan_flags_parse_as_pretrain_gpt_flags():
+    from megatron_2bw.training.arguments import config_from_args, parse_args
+    setup = v.Setup()
+    cfg = ParallelConfig("2bw", 1, 2, 1, 4, 4, True)
+    flags = v.plan_flags(setup, cfg, "/tmp/m.jsonl")
+    assert "--fp16" not in flags and "--recompute-activations" in flags
+    run = config_from_args(parse_args("gpt", flags), "gpt", world_size=2,
+                           vocab_size=setup.vocab_size)
+    assert run.precision == "fp32"
+    assert (run.parallel.pipeline_parallel, run.parallel.data_parallel,
+            run.parallel.schedule) == (2, 1, "2bw")
+    assert run.num_microbatches == 4 and run.train.global_batch_size == 16
+
+
+def test_fp32_cost_model_enumerates_the_two_process_plans(tmp_path):
+    setup = v.Setup()
+    profile = tmp_path / "profile.json"
+    _write_profile(profile, setup)
+    hw = Hardware("cpu", 2, 8.0, 0.05, 1.0, 8.0, memory_bandwidth_gb_s=4.0,
+                  reserved_memory_gb=0.05, layer_overhead_ms=0.0)
+    cm = v.cost_model(setup, str(profile), hw)
+    estimates, pick = v.predict(cm, setup.space())
+    layouts = {(e.config.tensor_parallel, e.config.pipeline_depth, e.config.data_parallel_width)
+               for e in estimates}
+    assert layouts == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
+    assert len(estimates) == 64
+    assert pick in [e.config for e in estimates]
+    # fp32 weights: a flush plan holds 4 (weight) + 4 (gradient) + 8 (Adam) bytes per
+    # parameter; 2BW with data parallelism one more weight and gradient buffer
+    flush = next(e for e in estimates if e.config == ParallelConfig("flush", 1, 1, 2, 8, 1, False))
+    stage = flush.stages[0]
+    assert stage.weight_bytes == stage.params * 16
+    assert flush.memory_bytes == pytest.approx(stage.memory_bytes + 0.05e9)
+
+
+def test_hardware_from_calibration_is_a_valid_hardware_file(tmp_path):
+    setup = v.Setup()
+    profile = tmp_path / "profile.json"
+    _write_profile(profile, setup)
+    calib = {"step_s_per_param": 7e-9, "bandwidth_gb_s": 1.0, "reserved_bytes": 46e6}
+    hw = v.hardware_from_calibration(calib, str(profile), setup)
+    assert hw.devices_per_node == 2 and hw.layer_overhead_ms == 0.0
+    assert hw.memory_bandwidth_gb_s == pytest.approx(28 / 7e-9 / 1e9, rel=1e-3)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(hw.to_dict()))
+    assert load_hardware(str(path)) == hw
+
+
+def test_scatter_plot_writes_png(tmp_path):
+    rows = [_row("a", 1.0, 1.1), _row("b", 2.0, 1.8, schedule="2bw", recompute=True,
+                                      tensor_parallel=2, data_parallel_width=1)]
+    out = tmp_path / "img" / "plot.png"
+    v.scatter_plot(rows, str(out), title="test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_dry_run_end_to_end(tmp_path):
+    """Profile, calibrate in two processes, predict all plans, run the pick once."""
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "validate_planner.py"),
+           "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+           "--seq-length", "16", "--vocab-size", "128", "--global-batch-size", "4",
+           "--iterations", "3", "--warmup", "1", "--retries", "0", "--dry-run",
+           "--workdir", str(tmp_path / "work"), "--json", str(report)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["dry_run"] and len(data["rows"]) == 36
+    ran = [r for r in data["rows"] if r["status"] != "not run"]
+    assert [r["label"] for r in ran] == [data["planner_pick"]]
+    assert ran[0]["status"] == "ok" and len(ran[0]["iteration_times_s"]) == 3
+    assert ran[0]["measured_memory_bytes"] > 0 and ran[0]["measured_time_s"] > 0
+    assert load_hardware(str(tmp_path / "work" / "hardware.json")).devices_per_node == 2
+    assert "| plan |" in proc.stdout
