@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from .config import BenchConfig
-from .report import format_table, format_targets, overhead_record, pipeline_record, plot, targets
+from .report import (comparisons, format_breakdown, format_comparisons, format_table,
+                     format_targets, overhead_record, pipeline_record, plot, targets)
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--microbatch-size", type=int, default=d.microbatch_size,
                    help="rows per microbatch")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed minibatches")
-    p.add_argument("--iterations", type=int, default=d.iterations, help="timed minibatches")
+    p.add_argument("--iterations", type=int, default=d.iterations,
+                   help="timed minibatches per configuration, over all rounds")
+    p.add_argument("--rounds", type=int, default=d.rounds,
+                   help="sessions per configuration, the configurations alternating")
+    p.add_argument("--max-foreign-cores", type=float, default=d.max_foreign_cores,
+                   help="set a session aside when other processes kept this many cores busy")
+    p.add_argument("--retry-rounds", type=int, default=d.retry_rounds,
+                   help="extra sessions for configurations short of undisturbed minibatches")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    p.add_argument("--megatron-updater", action="store_true",
+                   help="also run flush and 2bw (plain and deferred step) with the training "
+                   "updater, whose step all-reduces the gradient norm across stages")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time each action kind of our executor (ms per minibatch per stage)")
     p.add_argument("--overhead-microbatches", type=int, default=4,
                    help="m of the one-process overhead measurement (0: skip it)")
-    p.add_argument("--overhead-rounds", type=int, default=5,
-                   help="alternating engine/plain sessions of --iterations minibatches")
+    p.add_argument("--overhead-rounds", type=int, default=8,
+                   help="alternating engine/plain sessions (5 minibatches each)")
     p.add_argument("--overhead-only", action="store_true", help="skip the pipelines")
     p.add_argument("--device", default="cpu", help="device of the overhead measurement "
                    "(the pipelines run on CPU over gloo)")
@@ -66,8 +79,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(stages=args.stages, microbatches=args.microbatches, hidden=args.hidden,
                        blocks_per_stage=args.blocks_per_stage,
                        microbatch_size=args.microbatch_size, warmup=args.warmup,
-                       iterations=args.iterations, seed=args.seed, threads=args.threads,
-                       torch_baseline=not args.no_torch)
+                       iterations=args.iterations, rounds=args.rounds, seed=args.seed,
+                       threads=args.threads, max_foreign_cores=args.max_foreign_cores,
+                       retry_rounds=args.retry_rounds,
+                       torch_baseline=not args.no_torch,
+                       megatron_updater=args.megatron_updater, breakdown=args.breakdown)
 
 
 def run(cfg: BenchConfig, args: argparse.Namespace) -> list[dict]:
@@ -99,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     records = run(cfg, args)
     checks = targets(records, cfg.stages)
+    extra = comparisons(records, cfg.stages)
     elapsed = time.monotonic() - start
-    text = (format_table(records) + "\n\n" + format_targets(checks) + "\n") if not \
-        args.overhead_only else format_targets(checks) + "\n"
+    parts = ([] if args.overhead_only else [format_table(records)]) + [format_targets(checks)]
+    parts += [format_comparisons(extra)] if extra else []
+    parts += [format_breakdown(records)] if args.breakdown else []
+    text = "\n\n".join(parts) + "\n"
     sys.stdout.write(f"\n{text}\nbenchmark finished in {elapsed:.0f} s\n")
     if args.json:
-        Path(args.json).write_text(json.dumps(records + checks, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(records + checks + extra, indent=1) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(text)
     if args.plot and any(r["system"] != "overhead" for r in records):

@@ -7,6 +7,7 @@ ENGINE = "megatron_2bw"
 TORCH = "torch.distributed.pipelining"
 ENGINE_SCHEDULES = ("gpipe", "flush", "2bw")
 TORCH_SCHEDULES = ("gpipe", "1f1b")  # ScheduleGPipe, Schedule1F1B
+TORCH_UPDATER, MEGATRON = "torch", "megatron"
 
 
 @dataclass(frozen=True)
@@ -25,19 +26,27 @@ class BenchConfig:
     blocks_per_stage: int = 2             # MLP blocks per stage
     microbatch_size: int = 512            # rows (tokens) per microbatch
     warmup: int = 2                       # minibatches before timing (memory is read here)
-    iterations: int = 20                  # timed minibatches (at least 5)
+    iterations: int = 20                  # timed minibatches (at least 5), over all rounds
+    rounds: int = 4                       # sessions per configuration, alternated
+    max_foreign_cores: float = 0.15       # other processes' CPU above which a session is
+    #                                       set aside as disturbed (probe.py)
+    retry_rounds: int = 4                 # extra sessions for configurations short of
+    #                                       `iterations` undisturbed minibatches
     lr: float = 1e-3                      # Adam learning rate
     seed: int = 1234                      # model and data seed
     threads: int = 1                      # torch threads per process
     torch_baseline: bool = True           # also run torch.distributed.pipelining
+    megatron_updater: bool = False        # also run flush/2bw with the training updater
+    breakdown: bool = False               # time each action kind of our executor
 
     def __post_init__(self) -> None:
         for name in ("stages", "hidden", "blocks_per_stage", "microbatch_size", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.iterations < 2 or self.warmup < 1:
-            raise ValueError(f"need warmup >= 1 and iterations >= 2, got warmup={self.warmup} "
-                             f"iterations={self.iterations}")
+        if self.iterations < 2 or self.warmup < 1 or self.rounds < 1:
+            raise ValueError(f"need warmup >= 1, iterations >= 2 and rounds >= 1, got "
+                             f"warmup={self.warmup} iterations={self.iterations} "
+                             f"rounds={self.rounds}")
         if not self.microbatches or min(self.microbatches) < 1:
             raise ValueError(f"microbatches must be positive, got {self.microbatches}")
 
@@ -52,13 +61,33 @@ class BenchConfig:
                 for name in TORCH_SCHEDULES:
                     if name != "1f1b" or m >= self.stages:  # Schedule1F1B needs m >= d
                         out.append(RunSpec(TORCH, name, m))
+            if self.megatron_updater:
+                out.append(RunSpec(ENGINE, "flush", m, MEGATRON))
+                if m >= self.stages:
+                    out += [RunSpec(ENGINE, "2bw", m, MEGATRON),
+                            RunSpec(ENGINE, "2bw", m, MEGATRON, defer_step=True)]
         return out
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One configuration: a system, its schedule name and the microbatches per minibatch."""
+    """One configuration: a system, its schedule name and the microbatches per minibatch.
+
+    `updater` "torch" is plain Adam on each stage (what the torch baseline runs);
+    "megatron" is the training updater (global gradient norm and overflow check, one
+    all-reduce across the stages per step, clipping, AdamW), whose step is a
+    synchronisation point of the pipeline. `defer_step` places 2BW's step where the new
+    version is first needed (two gradient buffers).
+    """
 
     system: str
     schedule: str
     microbatches: int
+    updater: str = TORCH_UPDATER
+    defer_step: bool = False
+
+    @property
+    def label(self) -> str:
+        short = "ours" if self.system == ENGINE else "torch"
+        extra = "" if self.updater == TORCH_UPDATER else " megatron-step"
+        return f"{short} {self.schedule}{extra}{' deferred' if self.defer_step else ''}"

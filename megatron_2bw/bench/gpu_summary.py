@@ -4,7 +4,7 @@
 
 Reads, from DIR: steps.tsv (name, exit status, seconds of each step), gpt_metrics.jsonl
 (pretrain_gpt.py's --metrics-file), overhead.json (tools/benchmark_schedules.py --json)
-and cuda_tests.txt (pytest's output). Missing pieces are reported as missing, so a step
+cuda_tests.txt (pytest's output) and device.txt. Missing pieces are reported as missing, so a step
 that failed or ran out of time still leaves a readable summary.
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ def gpt_throughput(out: Path, peak: float, skip: int) -> Optional[dict]:
     if not path.exists():
         return None
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if r.get("split", "train") == "train" and "tflops" in r]
     timed = records[skip:] or records
     if not timed:
         return None
@@ -71,18 +72,14 @@ def cuda_tests(out: Path) -> Optional[str]:
     return lines[-1] if lines else ""
 
 
-def device_name() -> str:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return "cpu"
+def device_name(out: Path) -> str:
+    """What the install step found (device.txt), without importing torch again."""
+    path = out / "device.txt"
+    return path.read_text().strip() if path.exists() else "unknown"
 
 
 def summarise(out: Path, peak: float, dry_run: bool, skip: int) -> dict:
-    return {"dry_run": dry_run, "device": device_name(), "steps": read_steps(out),
+    return {"dry_run": dry_run, "device": device_name(out), "steps": read_steps(out),
             "gpt": gpt_throughput(out, peak, skip), "engine_overhead": engine_overhead(out),
             "cuda_tests": cuda_tests(out)}
 
@@ -94,7 +91,7 @@ def to_markdown(summary: dict) -> str:
     gpt = summary["gpt"]
     lines.append("")
     if gpt:
-        lines.append(f"GPT through pretrain_gpt.py: {gpt['median_tflops']:.1f} TFLOP/s "
+        lines.append(f"GPT through pretrain_gpt.py: {gpt['median_tflops']:.3g} TFLOP/s "
                      f"(median of {gpt['timed_iterations']} iterations), "
                      f"{100 * gpt['fraction_of_peak']:.1f}% of {gpt['peak_tflops']:g}; "
                      f"{gpt['median_samples_per_s']:.1f} samples/s; the paper's V100: 45 TFLOP/s.")

@@ -1,7 +1,10 @@
 """Run every configuration in one set of gloo processes (one process per stage).
 
 One spawn for the whole benchmark: process start-up (seconds) is paid once, and every
-system runs in the same processes, on the same cores, one after the other.
+system runs in the same processes, on the same cores. The configurations alternate in
+rounds (each round runs a short session of every configuration), so a change in the
+machine's load over the run falls on all of them rather than on whichever ran then, and
+a session during which other processes used the CPU is set aside and re-run (probe.py).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .config import BenchConfig, RunSpec
-from .systems import StageResult, run_stage
+from .probe import LoadProbe
+from .systems import StageResult, make_runner
 
 logger = logging.getLogger(__name__)
 
@@ -29,18 +33,72 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def round_plan(cfg: BenchConfig) -> list[tuple[int, int]]:
+    """(warm-up minibatches, timed minibatches) of each planned round; the timed ones sum
+    to cfg.iterations. The first round warms up cfg.warmup minibatches (and measures
+    memory there), later ones one (2BW's refill)."""
+    rounds = min(cfg.rounds, cfg.iterations)
+    base, extra = divmod(cfg.iterations, rounds)
+    return [(cfg.warmup if r == 0 else 1, base + (r < extra)) for r in range(rounds)]
+
+
+class _Rounds:
+    """The sessions of every configuration on this rank, with rank 0's load readings."""
+
+    def __init__(self, cfg: BenchConfig, specs: list[RunSpec], rank: int, world: int):
+        self.cfg, self.rank = cfg, rank
+        pids: list[int] = [0] * world
+        dist.all_gather_object(pids, os.getpid())
+        self.probe = LoadProbe(pids + [os.getppid()])
+        self.runners = []
+        for spec in specs:
+            dist.barrier()
+            self.runners.append(make_runner(cfg, spec, rank, world, torch.device("cpu")))
+        self.sessions: list[list[list[float]]] = [[] for _ in specs]
+        self.warmups: list[list[int]] = [[] for _ in specs]
+        self.foreign: list[list[float]] = [[] for _ in specs]
+        self.clean = [0] * len(specs)  # undisturbed timed minibatches so far
+
+    def session(self, i: int, warm: int, timed: int, measure: int) -> None:
+        dist.barrier()
+        self.probe.start()
+        times = self.runners[i].session(warm + timed + 1, measure)
+        dist.barrier()
+        reading = [self.probe.stop()]
+        dist.broadcast_object_list(reading, src=0)  # rank 0's reading counts everywhere
+        self.sessions[i].append(times)
+        self.warmups[i].append(warm)
+        self.foreign[i].append(reading[0])
+        self.clean[i] += timed if reading[0] <= self.cfg.max_foreign_cores else 0
+
+    def run(self) -> list[StageResult]:
+        plan = round_plan(self.cfg)
+        for r, (warm, timed) in enumerate(plan):
+            for i in range(len(self.runners)):
+                self.session(i, warm, timed, warm if r == 0 else 0)
+        per_round = plan[-1][1]
+        for extra in range(self.cfg.retry_rounds):  # re-run what disturbances spoiled
+            short = [i for i, n in enumerate(self.clean) if n < self.cfg.iterations]
+            if not short:
+                break
+            if self.rank == 0:
+                logger.info("retry round %d for %d disturbed configurations", extra + 1,
+                            len(short))
+            for i in short:
+                self.session(i, 1, per_round, 0)
+        return [StageResult(self.rank, self.sessions[i], self.warmups[i], self.foreign[i],
+                            **runner.memory()) for i, runner in enumerate(self.runners)]
+
+
 def _worker(rank: int, world: int, port: int, cfg: BenchConfig, specs: list[RunSpec],
-            outdir: str) -> None:
+            outdir: str, level: int) -> None:
+    logging.basicConfig(level=level, format="%(message)s")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: object
     try:
-        results = []
-        for spec in specs:
-            results.append(run_stage(cfg, spec, rank, world, torch.device("cpu")))
-            if rank == 0:
-                logger.info("done: %s %s m=%d", spec.system, spec.schedule, spec.microbatches)
+        results = _Rounds(cfg, specs, rank, world).run()
         dist.barrier()
     except BaseException:  # hand the traceback to the parent
         results = RuntimeError(f"rank {rank} failed:\n{traceback.format_exc()}")
@@ -53,8 +111,9 @@ def run_pipelines(cfg: BenchConfig, specs: list[RunSpec], timeout: float = 900
                   ) -> list[list[StageResult]]:
     """For each spec, the StageResult of every stage (index = stage)."""
     world = cfg.stages
+    level = logging.getLogger().getEffectiveLevel()
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), cfg, specs, outdir),
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), cfg, specs, outdir, level),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(1):

@@ -24,7 +24,7 @@ class SavedTensorMeter:
 
     def __init__(self) -> None:
         self._excluded: set[int] = set()
-        self._remaining = 0
+        self.armed = False
         self._storages: dict[int, list[int]] = {}  # data_ptr -> [references, bytes]
         self._groups: dict[int, int] = {}          # forward index -> live references
         self._next_group = 0
@@ -36,15 +36,17 @@ class SavedTensorMeter:
         """Never count these tensors' storages (the weights, of every version)."""
         self._excluded |= {p.untyped_storage().data_ptr() for p in params}
 
-    def arm(self, forwards: int) -> None:
-        """Measure the next `forwards` forward passes (the warm-up; timing runs unhooked)."""
-        self._remaining = forwards
+    def arm(self, armed: bool = True) -> None:
+        """Measure forwards from now on (the warm-up minibatches; timed ones run unhooked).
+
+        Tensors saved while armed are still followed to their release after disarming.
+        """
+        self.armed = armed
 
     def scope(self) -> ContextManager:
-        """Context for one forward pass: hooked while armed, a no-op afterwards."""
-        if self._remaining <= 0:
+        """Context for one forward pass: hooked while armed, a no-op otherwise."""
+        if not self.armed:
             return contextlib.nullcontext()
-        self._remaining -= 1
         group, self._next_group = self._next_group, self._next_group + 1
         return torch.autograd.graph.saved_tensors_hooks(partial(self._pack, group), _unpack)
 

@@ -3,13 +3,15 @@
 Both sides train the same model (every stage's blocks) on the same microbatches with
 Adam: the plain side is forward, backward (loss / m) per microbatch, `optimizer.step()`
 and `zero_grad()`; the engine side is `PipelineExecutor.run` of a flush schedule with
-one stage. The two alternate in rounds so drift of the machine hits both alike, and the
-overhead is the ratio of their median times per minibatch.
+one stage. The two alternate in short rounds so drift of the machine hits both alike, and
+the overhead is the ratio of their median times per minibatch, over the sessions no other
+process disturbed (probe.py).
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ import torch
 from .config import BenchConfig
 from .memory import SavedTensorMeter
 from .model import EngineStage, build_blocks, microbatch_pool
+from .probe import LoadProbe
 
 logger = logging.getLogger(__name__)
 
@@ -93,20 +96,34 @@ class _PlainSide:
         return [b - a for a, b in zip(times, times[1:])]
 
 
-def measure_overhead(cfg: BenchConfig, m: int, device: torch.device, rounds: int = 5
-                     ) -> OverheadResult:
-    """Alternate engine and plain sessions of `cfg.iterations` minibatches, `rounds` times."""
+def _undisturbed(runs: list[tuple[list[float], float]], max_foreign: float) -> list[float]:
+    """Gaps of the sessions no other process disturbed (all, if none was undisturbed)."""
+    clean = [g for gaps, foreign in runs if foreign <= max_foreign for g in gaps]
+    return clean or [g for gaps, _ in runs for g in gaps]
+
+
+def measure_overhead(cfg: BenchConfig, m: int, device: torch.device, rounds: int = 8,
+                     session: int = 5) -> OverheadResult:
+    """Alternate engine and plain sessions of `session` minibatches, `rounds` times each.
+
+    Short sessions alternated often (each side first in every other round) keep a slow
+    drift of a shared machine from landing on one side.
+    """
     torch.set_num_threads(cfg.threads)
     pool = microbatch_pool(cfg, m, device)
     engine, plain = _EngineSide(cfg, m, device, pool), _PlainSide(cfg, m, device, pool)
     engine.session(cfg.warmup)
     plain.session(cfg.warmup)
-    engine_times: list[float] = []
-    plain_times: list[float] = []
+    probe = LoadProbe([os.getpid()])
+    runs: dict[str, list[tuple[list[float], float]]] = {"engine": [], "plain": []}
     for r in range(rounds):
-        sides = [(engine, engine_times), (plain, plain_times)]
-        for side, sink in (sides if r % 2 == 0 else sides[::-1]):
-            sink.extend(side.session(cfg.iterations))
+        sides = [("engine", engine), ("plain", plain)]
+        for name, side in (sides if r % 2 == 0 else sides[::-1]):
+            probe.start()
+            gaps = side.session(session)
+            runs[name].append((gaps, probe.stop()))
+    engine_times, plain_times = (_undisturbed(runs[k], cfg.max_foreign_cores)
+                                 for k in ("engine", "plain"))
     result = OverheadResult(m, str(device), statistics.median(engine_times),
                             statistics.median(plain_times), tuple(engine_times),
                             tuple(plain_times))

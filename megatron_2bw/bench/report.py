@@ -1,8 +1,10 @@
 """Records, targets, a table and a plot from the measured stage results.
 
 A record is one configuration (system, schedule, m) with per-stage lists; the JSON file
-is a list of records: the pipeline ones, one with system "overhead", and one per target
-with system "target" (name, value, threshold, met), so a reader needs no other file.
+is a list of records: the pipeline ones, one with system "overhead", one per target
+with system "target" (name, value, threshold, met) and, with --megatron-updater, the
+2bw/flush ratios under the training updater (system "comparison"), so a reader needs no
+other file.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import logging
 import statistics
 from typing import Optional
 
-from .config import ENGINE, TORCH, BenchConfig, RunSpec
+from .config import ENGINE, MEGATRON, TORCH, TORCH_UPDATER, BenchConfig, RunSpec
 from .overhead import OverheadResult
 from .systems import StageResult
 
@@ -20,17 +22,42 @@ OVERHEAD_LIMIT = 0.03
 SPEEDUP_FRACTION = 0.95
 
 
+MIN_TIMED = 5
+
+
+def _session_gaps(stages: list[StageResult], idx: int) -> list[float]:
+    """Seconds per minibatch of session idx: gaps between steps done on every stage, its
+    warm-up and its last (drained) minibatch left out."""
+    warm = stages[0].warmups[idx]
+    ends = [max(times) for times in zip(*(s.sessions[idx] for s in stages))]
+    return [b - a for a, b in zip(ends, ends[1:])][warm - 1:-1]
+
+
+def timed_gaps(cfg: BenchConfig, stages: list[StageResult]) -> tuple[list[float], int]:
+    """Gaps of the undisturbed sessions (all sessions if fewer than MIN_TIMED gaps are
+    undisturbed), and the number of sessions set aside."""
+    sessions = range(len(stages[0].sessions))
+    clean = [i for i in sessions if stages[0].foreign[i] <= cfg.max_foreign_cores]
+    gaps = [g for i in clean for g in _session_gaps(stages, i)]
+    if len(gaps) < min(MIN_TIMED, cfg.iterations):
+        logger.warning("fewer than %d undisturbed minibatches: using every session", MIN_TIMED)
+        return [g for i in sessions for g in _session_gaps(stages, i)], 0
+    return gaps, len(sessions) - len(clean)
+
+
 def pipeline_record(cfg: BenchConfig, spec: RunSpec, stages: list[StageResult]) -> dict:
-    """One configuration's record; time per minibatch from the latest step over stages."""
-    ends = [max(times) for times in zip(*(s.step_times for s in stages))]
-    gaps = [b - a for a, b in zip(ends, ends[1:])][cfg.warmup - 1:cfg.warmup - 1 + cfg.iterations]
+    """One configuration's record (lists are per stage)."""
+    gaps, set_aside = timed_gaps(cfg, stages)
     samples = spec.microbatches * cfg.microbatch_size
     rates = [samples / g for g in gaps]
     return {
-        "system": spec.system, "schedule": spec.schedule, "stages": cfg.stages,
+        "system": spec.system, "schedule": spec.schedule, "label": spec.label,
+        "updater": spec.updater, "defer_step": spec.defer_step, "stages": cfg.stages,
         "microbatches": spec.microbatches, "microbatch_size": cfg.microbatch_size,
         "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
         "samples_per_s_max": max(rates), "iteration_times_s": gaps,
+        "sessions": len(stages[0].sessions), "sessions_set_aside": set_aside,
+        "foreign_cores": stages[0].foreign,
         "peak_stashes": [s.peak_stashes for s in stages],
         "engine_peak_stashes": [s.engine_peak_stashes for s in stages]
         if spec.system == ENGINE else None,
@@ -39,6 +66,8 @@ def pipeline_record(cfg: BenchConfig, spec: RunSpec, stages: list[StageResult]) 
         "grad_bytes": [s.grad_bytes for s in stages],
         "optimizer_bytes": [s.optimizer_bytes for s in stages],
         "peak_live_versions": [s.peak_live_versions for s in stages],
+        "action_ms_per_minibatch": [s.action_ms_per_minibatch for s in stages]
+        if stages[0].action_ms_per_minibatch else None,
     }
 
 
@@ -51,9 +80,11 @@ def overhead_record(cfg: BenchConfig, result: OverheadResult) -> dict:
             "plain_times_s": list(result.plain_times)}
 
 
-def _find(records: list[dict], system: str, schedule: str, m: int) -> Optional[dict]:
+def _find(records: list[dict], system: str, schedule: str, m: int,
+          updater: str = TORCH_UPDATER, defer_step: bool = False) -> Optional[dict]:
     return next((r for r in records if r["system"] == system and r["schedule"] == schedule
-                 and r["microbatches"] == m), None)
+                 and r["microbatches"] == m and r["updater"] == updater
+                 and r["defer_step"] == defer_step), None)
 
 
 def _target(name: str, value: float, threshold: float, met: bool, detail: str) -> dict:
@@ -114,15 +145,53 @@ def targets(records: list[dict], d: int) -> list[dict]:
     return out
 
 
+def comparisons(records: list[dict], d: int) -> list[dict]:
+    """2bw against flush when both use the training updater (informative, no threshold)."""
+    out = []
+    for m in sorted({r["microbatches"] for r in records if r["system"] == ENGINE}):
+        flush = _find(records, ENGINE, "flush", m, MEGATRON)
+        for defer in (False, True):
+            twobw = _find(records, ENGINE, "2bw", m, MEGATRON, defer)
+            if flush and twobw:
+                ratio = twobw["samples_per_s"] / flush["samples_per_s"]
+                out.append({"system": "comparison", "name": f"{twobw['label']} / "
+                            f"{flush['label']} m={m}", "value": ratio,
+                            "ideal": (m + d - 1) / m})
+    return out
+
+
+def format_comparisons(rows: list[dict]) -> str:
+    head = "| comparison | ratio | ideal (m+d-1)/m |\n|---|---|---|"
+    return "\n".join([head] + [f"| {c['name']} | {c['value']:.3f} | {c['ideal']:.3f} |"
+                              for c in rows])
+
+
+def format_breakdown(records: list[dict]) -> str:
+    """ms per minibatch in each action kind, per stage (F/B compute, RF/RB waiting)."""
+    kinds = sorted({k for r in records for per in (r.get("action_ms_per_minibatch") or [])
+                    for k in per})
+    if not kinds:
+        return ""
+    head = (f"| configuration | m | stage | {' | '.join(kinds)} | total |\n"
+            + "|---" * (len(kinds) + 4) + "|")
+    rows = []
+    for r in records:
+        for stage, per in enumerate(r.get("action_ms_per_minibatch") or []):
+            cells = " | ".join(f"{per.get(k, 0.0):.2f}" for k in kinds)
+            rows.append(f"| {r['label']} | {r['microbatches']} | {stage} | {cells} | "
+                        f"{sum(per.values()):.2f} |")
+    return "\n".join([head] + rows)
+
+
 def _mib(values: list[int]) -> str:
     return "/".join(f"{v / 2 ** 20:.2f}" for v in values)
 
 
 def format_table(records: list[dict]) -> str:
     """Markdown table of the pipeline records (MiB lists are per stage)."""
-    head = ("| system | schedule | m | samples/s (median) | min | max | peak stashes "
-            "| activations MiB | weights MiB | optimizer MiB |\n|---|---|---|---|---|---|---|---|---|---|")
-    rows = [f"| {r['system']} | {r['schedule']} | {r['microbatches']} | "
+    head = ("| configuration | m | samples/s (median) | min | max | peak stashes "
+            "| activations MiB | weights MiB | optimizer MiB |\n|---|---|---|---|---|---|---|---|---|")
+    rows = [f"| {r['label']} | {r['microbatches']} | "
             f"{r['samples_per_s']:.1f} | {r['samples_per_s_min']:.1f} | "
             f"{r['samples_per_s_max']:.1f} | {r['peak_stashes']} | "
             f"{_mib(r['activation_bytes'])} | {_mib(r['weight_bytes'])} | "
@@ -138,10 +207,6 @@ def format_targets(checks: list[dict]) -> str:
     return "\n".join([head] + rows)
 
 
-def _label(r: dict) -> str:
-    return ("ours " if r["system"] == ENGINE else "torch ") + r["schedule"]
-
-
 def plot(records: list[dict], path: str) -> None:
     """Throughput, stage-0 peak activations and stage-0 weights + optimizer, per m."""
     import matplotlib
@@ -149,7 +214,7 @@ def plot(records: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in records if r["system"] in (ENGINE, TORCH)]
-    labels = list(dict.fromkeys(_label(r) for r in runs))
+    labels = list(dict.fromkeys(r["label"] for r in runs))
     ms = sorted({r["microbatches"] for r in runs})
     width = 0.8 / len(labels)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -161,7 +226,7 @@ def plot(records: list[dict], path: str) -> None:
         for j, label in enumerate(labels):
             xs, ys, err = [], [], [[], []]
             for i, m in enumerate(ms):
-                r = next((r for r in runs if _label(r) == label and r["microbatches"] == m), None)
+                r = next((r for r in runs if r["label"] == label and r["microbatches"] == m), None)
                 if r is None:
                     continue
                 xs.append(i + (j - (len(labels) - 1) / 2) * width)
@@ -171,9 +236,10 @@ def plot(records: list[dict], path: str) -> None:
             ax.bar(xs, ys, width, label=label, yerr=err if ax is axes[0] else None, capsize=2)
         ax.set_xticks(range(len(ms)), [f"m={m}" for m in ms])
         ax.set_title(title, fontsize=10)
-    axes[0].legend(fontsize=8)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=8)
     fig.suptitle(f"{runs[0]['stages']} stages, {runs[0]['microbatch_size']} rows per microbatch")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     logger.info("wrote %s", path)
