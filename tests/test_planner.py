@@ -126,12 +126,10 @@ def _stage0(cm: CostModel, cfg: ParallelConfig):
 def test_2bw_holds_two_weight_versions_and_two_gradient_buffers():
     cm = cost_model()
     flush = _stage0(cm, ParallelConfig("flush", 1, 4, 1, 2, 8, False))
-    twobw = _stage0(cm, ParallelConfig("2bw", 1, 4, 1, 2, 8, False))  # DP=1: step not deferred
-    twobw_dp = _stage0(cm, ParallelConfig("2bw", 1, 4, 2, 2, 8, False))  # DP=2: deferred
+    twobw = _stage0(cm, ParallelConfig("2bw", 1, 4, 1, 2, 8, False))  # d > 1: step deferred
     assert flush.params == twobw.params
     assert flush.weight_bytes == pytest.approx(flush.params * (2 + 4 + 12))
-    assert twobw.weight_bytes == pytest.approx(twobw.params * (2 * 2 + 4 + 12))
-    assert twobw_dp.weight_bytes == pytest.approx(twobw_dp.params * (2 * 2 + 2 * 4 + 12))
+    assert twobw.weight_bytes == pytest.approx(twobw.params * (2 * 2 + 2 * 4 + 12))
     assert twobw.activation_bytes == pytest.approx(flush.activation_bytes)
 
 

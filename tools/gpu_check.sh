@@ -110,7 +110,7 @@ else
   SKIP=5
   OVERHEAD=(--device cuda --hidden 1024 --blocks-per-stage 4 --microbatch-size 4096
             --overhead-microbatches 8 --warmup 2 --overhead-rounds 10)
-  LIMITS=(60 240 100 60)  # as above: 460 s at most, plus start-up and the summary
+  LIMITS=(60 210 100 90)  # as above: 460 s at most, plus start-up and the summary
 fi
 
 log "gpu_check ($( ((DRY_RUN)) && echo dry run || echo full )), results in $OUT_DIR"

@@ -138,7 +138,7 @@ class CostModel:
         if simulate_time:
             timing = pipeline_timing(cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches,
                                      costs_for(stages, p2p_s),
-                                     defers_step(cfg.schedule, cfg.data_parallel_width))
+                                     defers_step(cfg.schedule, cfg.pipeline_depth))
         else:
             timing = PipelineTiming(float("inf"), tuple(0.0 for _ in stages), ())
         return Estimate(cfg, timing.iteration_s, memory, fits, stages, p2p_s, timing)
@@ -157,7 +157,7 @@ class CostModel:
         cfg = est.config
         return est.iteration_time_s - pipeline_timing(
             cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches, free,
-            defers_step(cfg.schedule, cfg.data_parallel_width)).iteration_s
+            defers_step(cfg.schedule, cfg.pipeline_depth)).iteration_s
 
     # ---- per-stage pieces ----
     def stage_costs(self, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
@@ -323,7 +323,7 @@ def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, .
     per_param = prec.bytes_per_param(declared_weight_versions(cfg.schedule),
                                      declared_grad_buffers(
                                          cfg.schedule,
-                                         defers_step(cfg.schedule, cfg.data_parallel_width)))
+                                         defers_step(cfg.schedule, cfg.pipeline_depth)))
     layers = cm.model.num_layers // d
     out = []
     for s in range(d):
@@ -375,10 +375,10 @@ def _schedule(name: str, d: int, m: int, n: int, defer: bool = True) -> Schedule
     return build_schedule(name, d, m, n, defer_step=defer, check=False)
 
 
-def defers_step(schedule: str, data_parallel: int) -> bool:
-    """Whether the run defers the optimizer step (what `training.loop` does: 2BW with DP > 1,
-    where the data-parallel all-reduce has something to hide behind)."""
-    return schedule == "2bw" and data_parallel > 1
+def defers_step(schedule: str, pipeline_depth: int) -> bool:
+    """Whether the run defers the optimizer step (what `training.loop` does: 2BW with more
+    than one stage, so no stage waits for the model-wide sums)."""
+    return schedule == "2bw" and pipeline_depth > 1
 
 
 @lru_cache(maxsize=65536)

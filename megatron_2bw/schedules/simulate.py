@@ -148,10 +148,11 @@ class _Sim:
 
 
 def peak_live_versions(actions: Sequence[Action], weight_versions_at_start: int = 1) -> int:
-    """Most weight versions a stage must keep at once.
+    """Most weight versions a stage must keep at once (one sweep, linear in the actions).
 
     A version is live from its creation (initial, or by S) until the last F/B that uses
-    it, and the newest version is always live (new forwards need it).
+    it, and the newest version is always live (new forwards need it), so each version
+    occupies an interval [created, max(last use, next version's creation - 1)].
     """
     last_use: dict[int, int] = {}
     created: dict[int, int] = {}
@@ -161,16 +162,18 @@ def peak_live_versions(actions: Sequence[Action], weight_versions_at_start: int 
             created.setdefault(a.version, -1)
         elif a.kind == OPTIMIZER_STEP:
             created[a.version] = idx
-    peak = weight_versions_at_start
-    newest = min(created, default=-1)
-    for idx in range(len(actions)):
-        step = actions[idx]
-        if step.kind == OPTIMIZER_STEP:
-            newest = step.version
-        live = {v for v, c in created.items() if c <= idx and (last_use.get(v, -1) >= idx
-                                                                 or v == newest)}
-        peak = max(peak, len(live))
-    return peak
+    order = sorted(created, key=lambda v: (created[v], v))
+    deltas: dict[int, int] = {}
+    for pos, v in enumerate(order):
+        succ = created[order[pos + 1]] - 1 if pos + 1 < len(order) else len(actions)
+        end = max(last_use.get(v, -1), succ)
+        deltas[created[v]] = deltas.get(created[v], 0) + 1
+        deltas[end + 1] = deltas.get(end + 1, 0) - 1
+    live = peak = 0
+    for idx in sorted(deltas):
+        live += deltas[idx]
+        peak = max(peak, live)
+    return max(peak, weight_versions_at_start if actions else 0)
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:

@@ -29,6 +29,11 @@ from .metrics import MetricsSink, transformer_flops
 
 logger = logging.getLogger("megatron_2bw.train")
 
+# Longest schedule built at once (minibatches). 2BW drains the pipeline at each segment
+# end; one drain per thousand minibatches costs nothing measurable and keeps the action
+# lists (and their validation) small.
+MAX_SEGMENT = 1000
+
 
 
 def _param_infos(module, tp_rank: int) -> list[ParamInfo]:
@@ -90,7 +95,7 @@ class Trainer:
         links = stage_links(module.boundary_shape(run.train.micro_batch_size),
                             module.boundary_dtype, self.env.device)
         versions = 2 if par.schedule == "2bw" else 1
-        grad_buffers = 2 if par.schedule == "2bw" and par.data_parallel > 1 else 1
+        grad_buffers = 2 if self._defer_step() else 1
         executor = PipelineExecutor(
             module, links, updater, weight_versions=versions, grad_buffers=grad_buffers,
             dp_group=data_parallel_group(), first_version=self.iteration,
@@ -102,11 +107,18 @@ class Trainer:
         par = self.run.parallel
         return build_schedule(par.schedule, par.pipeline_parallel, self.run.num_microbatches,
                               count, first_minibatch=self.iteration,
-                              defer_step=par.schedule == "2bw" and par.data_parallel > 1)
+                              defer_step=self._defer_step())
+
+    def _defer_step(self) -> bool:
+        """2BW defers minibatch k's step to where version k + 1 is first needed, so no
+        stage waits for the model-wide sums (and the DP all-reduce is hidden), at the
+        cost of a second gradient buffer. With one stage there is nothing to wait for."""
+        par = self.run.parallel
+        return par.schedule == "2bw" and par.pipeline_parallel > 1
 
     def _segment_end(self) -> int:
         t = self.run.train
-        ends = [t.train_iters]
+        ends = [t.train_iters, self.iteration + MAX_SEGMENT]
         evals = t.eval_interval if self.sources.valid is not None and t.eval_iters else None
         for interval in (t.save_interval if t.save else None, t.exit_interval, evals):
             if interval:
