@@ -21,7 +21,8 @@ def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
 
     from megatron_2bw.models import apply_cpu_shims, build_stage, model_parallel_manual_seed
     from megatron_2bw.training.arguments import config_from_args, parse_args
-    from megatron_2bw.training.batches import collate, mock_gpt_sample
+    from megatron_2bw.data.datasets import collate
+    from megatron_2bw.training.batches import mock_gpt_sample
 
     args = parse_args("gpt", argv)
     run = config_from_args(args, "gpt", 1, args.vocab_size)

@@ -86,24 +86,24 @@ def assert_grads_close(actual: dict, expected: dict, rtol: float = 1e-5) -> None
         )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", MODELS)
-def test_pipeline_split_matches_unsplit(runs, model):
-    ref, split = merged(runs[f"{model}_ref"]), merged(runs[f"{model}_pp2"])
+def assert_same_model_and_step(ref: dict, split: dict) -> None:
+    """Same initial weights bit for bit, same loss, same gradients, by global name."""
     for name, weight in ref["weights"].items():
         assert torch.equal(split["weights"][name], weight), name
     torch.testing.assert_close(split["loss"], ref["loss"], rtol=1e-5, atol=0)
     assert_grads_close(split["grads"], ref["grads"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_pipeline_split_matches_unsplit(runs, model):
+    assert_same_model_and_step(merged(runs[f"{model}_ref"]), merged(runs[f"{model}_pp2"]))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_tensor_parallel_matches_tp1(runs, model):
-    ref, split = merged(runs[f"{model}_ref"]), merged(runs[f"{model}_tp2"])
-    for name, weight in ref["weights"].items():
-        assert torch.equal(split["weights"][name], weight), name
-    torch.testing.assert_close(split["loss"], ref["loss"], rtol=1e-5, atol=0)
-    assert_grads_close(split["grads"], ref["grads"])
+    assert_same_model_and_step(merged(runs[f"{model}_ref"]), merged(runs[f"{model}_tp2"]))
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ written in place, with no third copy of the weights.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
@@ -21,11 +21,9 @@ class TorchOptimizerUpdater:
 
     loss_scale = 1.0
 
-    def __init__(self, params: list[torch.Tensor], make_optimizer: OptimizerFactory,
-                 lr_at: Optional[Callable[[int], float]] = None):
+    def __init__(self, params: list[torch.Tensor], make_optimizer: OptimizerFactory):
         self.slots = [alias_parameter(p) for p in params]
         self.optimizer = make_optimizer(self.slots)
-        self.lr_at = lr_at
 
     def start_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
                    grad_scale: float) -> None:
@@ -40,9 +38,6 @@ class TorchOptimizerUpdater:
         for slot, weight, grad in zip(self.slots, target, grads):
             slot.data = weight.data
             slot.grad = grad
-        if self.lr_at is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr_at(minibatch)
         self.optimizer.step()
         for slot in self.slots:
             slot.grad = None

@@ -89,15 +89,8 @@ class PipelineExecutor:
         if schedule.weight_versions != self.weights.num_buffers:
             raise ValueError(f"schedule {schedule.name} needs {schedule.weight_versions} weight "
                              f"buffers, this executor holds {self.weights.num_buffers}")
-        self._m = schedule.num_microbatches
-        self._data, self._on_step = data, on_step
-        self._stash: dict[int, tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
-        self._inbox: dict[int, torch.Tensor] = {}
-        self._outbox: dict[int, torch.Tensor] = {}
-        self._micro_losses: dict[int, list[torch.Tensor]] = {}
-        self._micro_metrics: dict[int, list[dict]] = {}
-        self._grad_version: dict[int, int] = {}
-        self._result = RunResult()
+        self._reset(schedule, data)
+        self._on_step = on_step
         for action in schedule[self.links.stage]:
             self._handlers[action.kind](action)
         self.p2p.wait_all()
@@ -105,9 +98,8 @@ class PipelineExecutor:
 
     def evaluate(self, schedule: Schedule, data: Iterator[dict]) -> Optional[float]:
         """Run a forward-only schedule without autograd; the mean loss on the last stage."""
-        self._m, self._data, self._train = schedule.num_microbatches, data, False
-        self._inbox, self._outbox = {}, {}
-        self._micro_losses, self._micro_metrics = {}, {}
+        self._reset(schedule, data)
+        self._train = False
         try:
             with torch.no_grad():
                 for action in schedule[self.links.stage]:
@@ -117,6 +109,17 @@ class PipelineExecutor:
         self.p2p.wait_all()
         losses = [loss for per_mb in self._micro_losses.values() for loss in per_mb]
         return torch.stack(losses).mean().item() if losses else None
+
+    def _reset(self, schedule: Schedule, data: Iterator[dict]) -> None:
+        """Fresh per-run state (weights and optimizer state persist across runs)."""
+        self._m, self._data = schedule.num_microbatches, data
+        self._stash: dict[int, tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
+        self._inbox: dict[int, torch.Tensor] = {}
+        self._outbox: dict[int, torch.Tensor] = {}
+        self._micro_losses: dict[int, list[torch.Tensor]] = {}
+        self._micro_metrics: dict[int, list[dict]] = {}
+        self._grad_version: dict[int, int] = {}
+        self._result = RunResult()
 
     # --- compute --------------------------------------------------------------------
     def _forward(self, a: Action) -> None:

@@ -13,7 +13,7 @@ communication model, so the validator calls it:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence, Union
 
 from .actions import (BACKWARD, FORWARD, GLOBAL_REDUCE, OPTIMIZER_STEP, RECV_BACKWARD,
@@ -46,7 +46,6 @@ class Timeline:
     busy: dict[int, float]
     peak_stashes: dict[int, int]
     peak_versions: dict[int, int]
-    step_wait: dict[int, float] = field(default_factory=dict)
 
     @property
     def bubble_fraction(self) -> float:
@@ -81,7 +80,6 @@ class _Sim:
         self.comm_free = {s: 0.0 for s in schedule}
         self.events: dict[int, list[tuple[Action, float, float]]] = {s: [] for s in schedule}
         self.busy = {s: 0.0 for s in schedule}
-        self.step_wait = {s: 0.0 for s in schedule}
         self.stash = {s: 0 for s in schedule}
         self.peak_stash = {s: 0 for s in schedule}
 
@@ -124,8 +122,6 @@ class _Sim:
             self.busy[s] += duration
             self.stash[s] += 1 if a.kind == FORWARD else -1
             self.peak_stash[s] = max(self.peak_stash[s], self.stash[s])
-        if a.kind == OPTIMIZER_STEP:
-            self.step_wait[s] += start - self.clock[s]
         self.events[s].append((a, start, end))
         self.clock[s] = end
         self.pc[s] += 1
@@ -182,4 +178,4 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     sim.run()
     makespan = max((ev[-1][2] for ev in sim.events.values() if ev), default=0.0)
     versions = {s: peak_live_versions(schedule[s]) for s in schedule}
-    return Timeline(sim.events, makespan, sim.busy, sim.peak_stash, versions, sim.step_wait)
+    return Timeline(sim.events, makespan, sim.busy, sim.peak_stash, versions)

@@ -5,8 +5,6 @@ offending action marked, so a broken schedule is read, not debugged.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 from .actions import (BACKWARD, FORWARD, RECV_BACKWARD, RECV_FORWARD, SEND_BACKWARD,
                       SEND_FORWARD, Action, Schedule)
 from .render import format_order
@@ -91,10 +89,3 @@ def validate(schedule: Schedule) -> None:
             _fail(schedule, f"stage {stage} stashes {peak} microbatches, declares "
                             f"{schedule.stash_limit[stage]}", {})
 
-
-def count_by_stage(schedule: Schedule, kind: str) -> dict[int, int]:
-    """How many actions of `kind` each stage runs (a small helper for tests and tools)."""
-    counts: dict[int, int] = defaultdict(int)
-    for stage, actions in schedule.items():
-        counts[stage] = sum(a.kind == kind for a in actions)
-    return dict(counts)

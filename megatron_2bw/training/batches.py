@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..data.datasets import collate
 from .config import RunConfig
 
 SampleFn = Callable[[int], dict]  # global sample index -> dict of tensors (no batch dim)
@@ -24,11 +25,6 @@ def sample_indices(first_sample: int, micro_batch: int, dp_size: int, dp_rank: i
         lo = start + dp_rank * micro_batch
         yield list(range(lo, lo + micro_batch))
         start += chunk
-
-
-def collate(samples: list[dict]) -> dict:
-    return {k: (torch.stack([s[k] for s in samples]) if samples[0][k] is not None else None)
-            for k in samples[0]}
 
 
 def stream(sample_fn: SampleFn, run: RunConfig, first_sample: int, dp_rank: int
