@@ -21,11 +21,12 @@ def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
 
     from megatron_2bw.models import apply_cpu_shims, build_stage, model_parallel_manual_seed
     from megatron_2bw.training.arguments import config_from_args, parse_args
-    from megatron_2bw.data.datasets import collate
-    from megatron_2bw.training.batches import mock_gpt_sample
+    from megatron_2bw.data.datasets import collate, sample_fn
+    from megatron_2bw.training.data_sources import data_sources, tokenizer_from_args
 
     args = parse_args("gpt", argv)
-    run = config_from_args(args, "gpt", 1, args.vocab_size)
+    tokenizer = tokenizer_from_args(args, "gpt")
+    run = config_from_args(args, "gpt", 1, tokenizer.vocab_size)
     ps.initialize_model_parallel(1, 1)
     apply_cpu_shims("cpu")
     model_parallel_manual_seed(args.seed)
@@ -36,7 +37,7 @@ def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
     no_decay = [p for n, p in named if not (p.dim() > 1 and not n.endswith(".bias"))]
     opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, weight_decay=args.weight_decay, foreach=True)
-    sample = mock_gpt_sample(args.seed, args.seq_length, args.vocab_size)
+    sample = sample_fn(data_sources(run, tokenizer).train)
     gbs, mbs = run.train.global_batch_size, args.micro_batch_size
     out = []
     for k in range(args.train_iters):

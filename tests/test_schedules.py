@@ -150,3 +150,51 @@ def test_cli_prints_grid_and_draws(tmp_path, capsys) -> None:
     assert out.stat().st_size > 1000
     with pytest.raises(SystemExit):
         schedule_cli(["--schedule", "nope"])
+
+
+def test_declarations_follow_one_rule() -> None:
+    """2BW defers its step (two gradient buffers) only when there is a pipeline."""
+    assert build_schedule("2bw", 1, 4, 3).grad_buffers == 1
+    assert build_schedule("2bw", 2, 4, 3).grad_buffers == 2
+    assert build_schedule("flush", 4, 4, 3).grad_buffers == 1
+    assert build_schedule("2bw", 2, 4, 3).weight_versions == 2
+
+
+def test_validator_catches_too_few_gradient_buffers() -> None:
+    deferred = build_schedule("2bw", 2, 2, 3, check=False)
+    deferred.grad_buffers = 1
+    with pytest.raises(ScheduleError, match="2 minibatch gradients at once, declares 1"):
+        validate(deferred)
+
+
+@pytest.mark.parametrize("name,d,m", [("2bw", 2, 2), ("2bw", 4, 8), ("flush", 4, 4),
+                                      ("gpipe", 3, 2)])
+def test_tied_gradient_sum_is_an_action_on_first_and_last_stage(name, d, m) -> None:
+    schedule = build_schedule(name, d, m, 3, tied_embedding=True)
+    assert schedule.tied_stages == (0, d - 1)
+    for stage, actions in schedule.items():
+        kinds = [str(a.kind) for a in actions if a.kind in ("R", "T", "G", "S")]
+        per_minibatch = ["R", "T", "G", "S"] if stage in (0, d - 1) else ["R", "G", "S"]
+        assert sorted(kinds) == sorted(per_minibatch * 3)
+    untied = build_schedule(name, d, m, 3)
+    assert untied.tied_stages == () and all(a.kind != "T" for s in untied.values() for a in s)
+    # the tied sum costs the pipeline nothing when it is free, as without it
+    costs = Costs(forward=1, backward=1)
+    assert simulate(schedule, costs).makespan == simulate(untied, costs).makespan
+
+
+def test_validator_catches_misplaced_tied_sum() -> None:
+    good = build_schedule("2bw", 2, 2, 2, tied_embedding=True, check=False)
+    with pytest.raises(ScheduleError, match="tied-gradient sum of minibatch"):
+        validate(_broken(good, 0, lambda acts: [a for a in acts if a.kind != "T"]))
+    untied = build_schedule("2bw", 2, 2, 2, check=False)
+    with pytest.raises(ScheduleError, match="does not hold"):
+        validate(untied.replace_plan({**good}))
+
+
+def test_first_stage_norm_waits_for_the_tied_sum() -> None:
+    """The simulator models the wait: a slow tied all-reduce delays stage 0's norm."""
+    schedule = build_schedule("flush", 2, 2, 1, tied_embedding=True)
+    fast = simulate(schedule, Costs(forward=1, backward=1))
+    slow = simulate(schedule, Costs(forward=1, backward=1, tied=5))
+    assert slow.makespan == fast.makespan + 5

@@ -15,7 +15,7 @@ import pytest
 from megatron_2bw.planner.compute import PROFILE_FORMAT
 from megatron_2bw.planner.hardware import Hardware, load_hardware
 from megatron_2bw.planner.spec import ParallelConfig
-from megatron_2bw.planner import validate as v
+import planner_validation as v
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -131,8 +131,8 @@ step cuda_tests "${LIMITS[3]}" bash -c "'$PY' -m pytest -q -p no:cacheprovider -
   tests/test_benchmarks.py > '$OUT_DIR/cuda_tests.txt' 2>&1; rc=\$?; \
   cat '$OUT_DIR/cuda_tests.txt'; exit \$rc"
 
-"$PY" -m megatron_2bw.bench.gpu_summary --out "$OUT_DIR" --skip-iterations "$SKIP" \
-  $( ((DRY_RUN)) && echo --dry-run ) 2>&1 | tee -a "$LOG"
+PYTHONPATH="$ROOT/tools:$PYTHONPATH" "$PY" -m benchmarks.gpu_summary --out "$OUT_DIR" \
+  --skip-iterations "$SKIP" $( ((DRY_RUN)) && echo --dry-run ) 2>&1 | tee -a "$LOG"
 summary_rc=${PIPESTATUS[0]}
 failed=$(awk -F'\t' '$2 != 0 {print $1}' "$OUT_DIR/steps.tsv" | tr '\n' ' ')
 (( summary_rc == 0 )) || failed+="summary"

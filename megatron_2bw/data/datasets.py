@@ -127,6 +127,16 @@ def megatron_sample_counts(train_iters: int, global_batch_size: int, eval_interv
     return train, valid, eval_iters * global_batch_size
 
 
+def mock_tokenizer(model: str, vocab_size: int):
+    """The tokenizer `--mock-data --vocab-size N` implies: Megatron-LM's NullTokenizer for
+    GPT (N ids + EOD), N ids + [CLS] [SEP] [MASK] [PAD] for BERT."""
+    if model == "gpt":
+        from megatron_2bw.data.tokenizers import NullTokenizer
+        return NullTokenizer(vocab_size)
+    from megatron_2bw.data.mock import MockBertTokenizer
+    return MockBertTokenizer(vocab_size)
+
+
 def gpt_dataset_config(config: DatasetsConfig, tokenizer: MegatronTokenizer) -> GPTDatasetConfig:
     """megatron-core's GPT config, as Megatron-LM's ``core_gpt_dataset_config_from_args``."""
     return GPTDatasetConfig(

@@ -65,3 +65,21 @@ class MockBERTDataset(BERTMaskedWordPieceDataset):
             config: BERTMaskedWordPieceDatasetConfig) -> MockBERTLowLevelDataset:
         cache = config.path_to_cache or os.path.join(tempfile.gettempdir(), "megatron_2bw_mock")
         return MockBERTLowLevelDataset(config.tokenizer, cache)
+
+
+class MockBertTokenizer:
+    """The tokenizer of mock BERT data: `vocab_size` ids, the first four [PAD] [CLS] [SEP]
+    [MASK] (a BERT vocabulary holds its special tokens; [PAD] must be 0, because
+    megatron-core pads the token types with the pad id). Every id is a whole word (no "##"
+    pieces), so whole-word masking masks single tokens. Only what megatron-core's BERT
+    datasets read."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 8:
+            raise ValueError(f"--vocab-size must be at least 8 for mock BERT data (four ids "
+                             f"are special tokens), got {vocab_size}")
+        self.pad, self.cls, self.sep, self.mask = range(4)
+        self.vocab_size = vocab_size
+        self.inv_vocab = {i: str(i) for i in range(self.vocab_size)}
+        self.unique_identifiers = {"class": type(self).__name__, "vocab_size": str(vocab_size)}
+        self.unique_description = str(self.unique_identifiers)

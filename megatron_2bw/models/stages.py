@@ -41,7 +41,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_2bw.models.compat import apply_cpu_shims
+from megatron_2bw.models.compat import cpu_shims_applied
 from megatron_2bw.models.config import ModelConfig
 from megatron_2bw.models.init import deterministic_init_, named_global_parameters
 
@@ -168,12 +168,14 @@ def build_stage(
     Needs torch.distributed and `parallel_state.initialize_model_parallel(tp, pp)` with
     pp == num_stages and this process on pipeline rank `stage` (megatron-core reads the
     pipeline rank from parallel_state for layer numbering and BERT's first-stage logic).
-    On a machine without CUDA the megatron-core CPU shims are applied.
+    On CPU the entry point must have called `apply_cpu_shims()` first (once per process).
     """
     _check_split(config, stage, num_stages)
     tp = _check_parallel_state(config, stage, num_stages)
     target = _target_device(device)
-    apply_cpu_shims(target.type)
+    if target.type == "cpu" and not cpu_shims_applied():
+        raise RuntimeError("building a megatron-core stage on CPU needs the CPU shims: call "
+                           "megatron_2bw.models.apply_cpu_shims() at the entry point first")
     _ensure_rng_tracker(config.seed)
     model = _build_model(
         config,

@@ -25,10 +25,13 @@ class TorchOptimizerUpdater:
         self.slots = [alias_parameter(p) for p in params]
         self.optimizer = make_optimizer(self.slots)
 
-    def start_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
-                   grad_scale: float) -> None:
+    def unscale(self, flat_grad: torch.Tensor, grad_scale: float) -> None:
         if grad_scale != 1.0:
             flat_grad.div_(grad_scale)
+
+    def start_step(self, minibatch: int, flat_grad: torch.Tensor,
+                   grads: list[torch.Tensor]) -> None:
+        """Nothing model-wide to sum: no clipping, no overflow check."""
 
     def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
                     newest: list[torch.Tensor], target: list[torch.Tensor]) -> dict[str, float]:
@@ -42,6 +45,7 @@ class TorchOptimizerUpdater:
         for slot in self.slots:
             slot.grad = None
         return {"lr": self.optimizer.param_groups[0]["lr"]}
+
 
 def alias_parameter(param: torch.Tensor) -> nn.Parameter:
     """A Parameter sharing `param`'s storage but with its own autograd version counter.

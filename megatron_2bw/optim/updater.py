@@ -1,14 +1,13 @@
 """The optimizer step that makes a new weight version, with Megatron-LM's numerics.
 
 Per minibatch k, on every stage (same on flush, gpipe and 2BW, which is the point: the
-authors' 2BW fork skipped several of these). `start_step` (action G) never waits for a
-stage that could still be waiting for this one:
-1. unscale by the loss scale the minibatch's backward passes used;
-2. tied word embedding: the last stage sends its gradient to the first, which adds it
-   and sends the sum back (point-to-point in the embedding group; the schedule puts the
-   first stage's G(k) after the last stage's);
-3. start one asynchronous all-reduce over the model-parallel group (tensor x pipeline)
-   of the squared gradient norm and the inf/NaN flag.
+authors' 2BW fork skipped several of these):
+1. `unscale`, as soon as the data-parallel all-reduce is done: divide by the loss scale
+   the minibatch's backward passes used. (The tied word-embedding gradient is then summed
+   between the first and last stage by the runtime, action T.)
+2. `start_step` (action G) starts one asynchronous all-reduce over the model-parallel
+   group (tensor x pipeline) of the squared gradient norm and the inf/NaN flag; it never
+   waits for a stage that could still be waiting for this one.
 `finish_step` (action S) waits for those, then:
 4. overflow: the step is skipped, the new version is a copy of the newest (gradient
    dropped, LR schedule not advanced) and the loss scale backs off;
@@ -61,9 +60,6 @@ class StepGroups:
     """Process groups the step reduces over (None: this rank alone)."""
 
     model_parallel: Optional[dist.ProcessGroup] = None
-    embedding: Optional[dist.ProcessGroup] = None  # first and last stage, tied weights
-    embedding_peer: Optional[int] = None           # global rank of the other end
-    is_first_stage: bool = True
 
 
 class MegatronUpdater:
@@ -90,18 +86,18 @@ class MegatronUpdater:
             end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
         self.scaler = LossScaler(config.loss_scale)
         self._norm_mask = [i.counts_in_norm for i in infos]
-        self._tied = [idx for idx, i in enumerate(infos) if i.tied]
         self._pending: dict[int, tuple] = {}
 
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def start_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
-                   grad_scale: float) -> None:
+    def unscale(self, flat_grad: torch.Tensor, grad_scale: float) -> None:
         if grad_scale != 1.0:
             flat_grad.mul_(1.0 / grad_scale)
-        sends = self._exchange_tied(grads)
+
+    def start_step(self, minibatch: int, flat_grad: torch.Tensor,
+                   grads: list[torch.Tensor]) -> None:
         local_inf = not bool(torch.isfinite(flat_grad).all())
         counted = [g for g, keep in zip(grads, self._norm_mask) if keep]
         sq = torch.zeros((), dtype=torch.float32, device=flat_grad.device)
@@ -111,28 +107,13 @@ class MegatronUpdater:
         group, work = self.groups.model_parallel, None
         if group is not None and dist.get_world_size(group) > 1:
             work = dist.all_reduce(stats, group=group, async_op=True)
-        self._pending[minibatch] = (stats, work, sends)
-
-    def _exchange_tied(self, grads: list[torch.Tensor]) -> list:
-        """Sum the tied embedding gradient of the first and last stage (see module doc)."""
-        g, peer = self.groups, self.groups.embedding_peer
-        if g.embedding is None or peer is None or not self._tied:
-            return []
-        tied = grads[self._tied[0]]
-        if g.is_first_stage:
-            other = torch.empty_like(tied)
-            dist.recv(other, src=peer, group=g.embedding)
-            tied.add_(other)
-        return [dist.isend(tied, dst=peer, group=g.embedding)]
+        self._pending[minibatch] = (stats, work)
 
     def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
                     newest: list[torch.Tensor], target: list[torch.Tensor]) -> dict[str, float]:
-        stats, work, sends = self._pending.pop(minibatch)
-        for w in sends + ([work] if work is not None else []):
-            w.wait()
-        if sends and not self.groups.is_first_stage:
-            dist.recv(grads[self._tied[0]], src=self.groups.embedding_peer,
-                      group=self.groups.embedding)
+        stats, work = self._pending.pop(minibatch)
+        if work is not None:
+            work.wait()
         norm, found_inf = stats[0].sqrt().item(), bool(stats[1].item() > 0)
         self.scaler.update(found_inf)
         lr = self.optimizer.param_groups[0]["lr"]

@@ -25,8 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from megatron_2bw.schedules import (Costs, Schedule, build_schedule, declared_stash_limit,
-                                    declared_weight_versions, simulate)
+from megatron_2bw.schedules import Costs, Schedule, build_schedule, simulate
 
 from .compute import LayerModel
 from .hardware import GB, Hardware
@@ -137,8 +136,7 @@ class CostModel:
         fits = memory <= self.hardware.memory_bytes
         if simulate_time:
             timing = pipeline_timing(cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches,
-                                     costs_for(stages, p2p_s),
-                                     defers_step(cfg.schedule, cfg.pipeline_depth))
+                                     costs_for(stages, p2p_s))
         else:
             timing = PipelineTiming(float("inf"), tuple(0.0 for _ in stages), ())
         return Estimate(cfg, timing.iteration_s, memory, fits, stages, p2p_s, timing)
@@ -156,8 +154,7 @@ class CostModel:
         free = costs_for(tuple(_without_allreduce(s) for s in est.stages), est.p2p_s)
         cfg = est.config
         return est.iteration_time_s - pipeline_timing(
-            cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches, free,
-            defers_step(cfg.schedule, cfg.pipeline_depth)).iteration_s
+            cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches, free).iteration_s
 
     # ---- per-stage pieces ----
     def stage_costs(self, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
@@ -292,12 +289,6 @@ def _layer_params_per_rank(model: ModelSpec, t: int) -> int:
     return (model.layer_params() - replicated) // t + replicated
 
 
-@lru_cache(maxsize=None)
-def declared_grad_buffers(schedule: str, defer: bool) -> int:
-    """Gradient accumulators per stage, as the schedule declares them (two when deferred)."""
-    return build_schedule(schedule, 1, 1, 1, defer_step=defer, check=False).grad_buffers
-
-
 def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, stash: int) -> float:
     """Stashed microbatches x bytes each, + one layer re-materialised when recomputing.
 
@@ -319,11 +310,9 @@ def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, stash: int
 def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
     d, m, prec = cfg.pipeline_depth, cfg.num_microbatches, cm.precision
     layer = _layer_times(cm, cfg)
-    stash = declared_stash_limit(cfg.schedule, d, m)
-    per_param = prec.bytes_per_param(declared_weight_versions(cfg.schedule),
-                                     declared_grad_buffers(
-                                         cfg.schedule,
-                                         defers_step(cfg.schedule, cfg.pipeline_depth)))
+    declared = _schedule(cfg.schedule, d, m, 1)  # what the runtime allocates, per stage
+    stash = declared.stash_limit
+    per_param = prec.bytes_per_param(declared.weight_versions, declared.grad_buffers)
     layers = cm.model.num_layers // d
     out = []
     for s in range(d):
@@ -369,28 +358,22 @@ def pipeline_lower_bound_s(schedule: str, m: int, costs: Costs) -> float:
 
 
 @lru_cache(maxsize=8)
-def _schedule(name: str, d: int, m: int, n: int, defer: bool = True) -> Schedule:
-    """Built once per shape: many configurations share (schedule, d, m). Validation is
-    the schedules package's job (its tests); the simulator still raises on a deadlock."""
-    return build_schedule(name, d, m, n, defer_step=defer, check=False)
-
-
-def defers_step(schedule: str, pipeline_depth: int) -> bool:
-    """Whether the run defers the optimizer step (what `training.loop` does: 2BW with more
-    than one stage, so no stage waits for the model-wide sums)."""
-    return schedule == "2bw" and pipeline_depth > 1
+def _schedule(name: str, d: int, m: int, n: int) -> Schedule:
+    """The schedule the runtime would run (tied embeddings, the default step placement),
+    built once per shape: many configurations share (schedule, d, m). Validation is the
+    schedules package's job (its tests); the simulator still raises on a deadlock."""
+    return build_schedule(name, d, m, n, tied_embedding=True, check=False)
 
 
 @lru_cache(maxsize=65536)
-def pipeline_timing(schedule: str, d: int, m: int, costs: Costs, defer: bool = True
-                    ) -> PipelineTiming:
+def pipeline_timing(schedule: str, d: int, m: int, costs: Costs) -> PipelineTiming:
     """Steady-state time of one minibatch of `schedule`, from the simulator."""
     before, after = STEADY_STATE_MINIBATCHES[schedule]
-    end = simulate(_schedule(schedule, d, m, after, defer), costs)
+    end = simulate(_schedule(schedule, d, m, after), costs)
     if before == 0:
         return PipelineTiming(end.makespan, tuple(end.busy[s] for s in range(d)),
                               tuple(end.peak_stashes[s] for s in range(d)))
-    start = simulate(_schedule(schedule, d, m, before, defer), costs)
+    start = simulate(_schedule(schedule, d, m, before), costs)
     return PipelineTiming(end.makespan - start.makespan,
                           tuple(end.busy[s] - start.busy[s] for s in range(d)),
                           tuple(end.peak_stashes[s] for s in range(d)))

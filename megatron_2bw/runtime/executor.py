@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedules.actions import (BACKWARD, FORWARD, GLOBAL_REDUCE, OPTIMIZER_STEP,
-                                 RECV_BACKWARD, RECV_FORWARD, REDUCE_GRADS, SEND_BACKWARD,
-                                 SEND_FORWARD, Action, Schedule)
-from .grad_sync import GradReducer
+from ..schedules.actions import ActionKind as K
+from ..schedules.actions import Action, Schedule
+from .grad_sync import GradReducer, TiedGradSync
 from .p2p import P2P, StageLinks
 from .versions import WeightStore
 
@@ -29,17 +28,17 @@ logger = logging.getLogger(__name__)
 
 
 class Updater(Protocol):
-    """The numerics of an optimizer step (see megatron_2bw.optim), in two halves."""
+    """The numerics of an optimizer step (see megatron_2bw.optim), in three parts."""
 
     loss_scale: float
 
-    def start_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
-                   grad_scale: float) -> None:
-        """Start the model-wide sums for `minibatch` (must not wait for other stages).
+    def unscale(self, flat_grad: torch.Tensor, grad_scale: float) -> None:
+        """Undo the loss scale `grad_scale` the minibatch's backward passes used (it
+        travels with the weight version they used, so every stage agrees on it)."""
 
-        `grad_scale` is the loss scale the minibatch's backward passes used (it travels
-        with the weight version they used, so every stage agrees on it).
-        """
+    def start_step(self, minibatch: int, flat_grad: torch.Tensor,
+                   grads: list[torch.Tensor]) -> None:
+        """Start the model-wide sums for `minibatch` (must not wait for other stages)."""
 
     def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
                     newest: list[torch.Tensor], target: list[torch.Tensor]) -> dict[str, float]:
@@ -60,41 +59,57 @@ StepCallback = Callable[[int, RunResult], None]
 
 
 class PipelineExecutor:
-    """Executes schedules for one pipeline stage; weights persist across `run` calls."""
+    """Executes schedules for one pipeline stage; weights persist across `run` calls.
+
+    Build it from a schedule's declarations (`weight_versions`, `grad_buffers`, and a
+    `TiedGradSync` when the stage is in `tied_stages`); every schedule it runs must
+    declare the same.
+    """
 
     def __init__(self, module: nn.Module, links: StageLinks, updater: Updater, *,
                  weight_versions: int, grad_buffers: int,
                  dp_group: Optional[dist.ProcessGroup] = None, first_version: int = 0,
-                 make_copy: Optional[Callable[[], nn.Module]] = None):
+                 make_copy: Optional[Callable[[], nn.Module]] = None,
+                 tied: Optional[TiedGradSync] = None):
         self.links = links
         self.weights = WeightStore(module, weight_versions, grad_buffers, first_version,
                                    make_copy)
         self.weights.loss_scale_of[first_version] = updater.loss_scale
         self.p2p = P2P(links)
         self.reducer = GradReducer(dp_group)
+        self.tied = tied
         self.updater = updater
         self._train = True
-        self._handlers: dict[str, Callable[[Action], None]] = {
-            FORWARD: self._forward, BACKWARD: self._backward,
-            RECV_FORWARD: self._recv_forward, SEND_FORWARD: self._send_forward,
-            RECV_BACKWARD: self._recv_backward, SEND_BACKWARD: self._send_backward,
-            REDUCE_GRADS: self._reduce_grads, GLOBAL_REDUCE: self._global_reduce,
-            OPTIMIZER_STEP: self._optimizer_step,
+        self._handlers: dict[K, Callable[[Action], None]] = {
+            K.FORWARD: self._forward, K.BACKWARD: self._backward,
+            K.RECV_FORWARD: self._recv_forward, K.SEND_FORWARD: self._send_forward,
+            K.RECV_BACKWARD: self._recv_backward, K.SEND_BACKWARD: self._send_backward,
+            K.START_GRAD_ALLREDUCE: self._start_grad_allreduce,
+            K.START_TIED_ALLREDUCE: self._start_tied_allreduce,
+            K.START_GRAD_NORM: self._start_grad_norm, K.OPTIMIZER_STEP: self._optimizer_step,
         }
 
     # --- driver ---------------------------------------------------------------------
     def run(self, schedule: Schedule, data: Iterator[dict], on_step: StepCallback | None = None
             ) -> RunResult:
         """Run this stage's actions of `schedule`, pulling one batch per forward."""
-        if schedule.weight_versions != self.weights.num_buffers:
-            raise ValueError(f"schedule {schedule.name} needs {schedule.weight_versions} weight "
-                             f"buffers, this executor holds {self.weights.num_buffers}")
+        self._check_declarations(schedule)
         self._reset(schedule, data)
         self._on_step = on_step
         for action in schedule[self.links.stage]:
             self._handlers[action.kind](action)
         self.p2p.wait_all()
         return self._result
+
+    def _check_declarations(self, schedule: Schedule) -> None:
+        held = (self.weights.num_buffers, self.weights.num_grad_buffers,
+                self.tied is not None)
+        needed = (schedule.weight_versions, schedule.grad_buffers,
+                  self.links.stage in schedule.tied_stages)
+        if held != needed:
+            raise ValueError(f"schedule {schedule.name} declares (weight versions, gradient "
+                             f"buffers, tied sum) = {needed}; this executor was built for "
+                             f"{held}")
 
     def evaluate(self, schedule: Schedule, data: Iterator[dict]) -> Optional[float]:
         """Run a forward-only schedule without autograd; the mean loss on the last stage."""
@@ -114,23 +129,26 @@ class PipelineExecutor:
         """Fresh per-run state (weights and optimizer state persist across runs)."""
         self._m, self._data = schedule.num_microbatches, data
         self._stash: dict[int, tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
-        self._inbox: dict[int, torch.Tensor] = {}
-        self._outbox: dict[int, torch.Tensor] = {}
+        self._act_inbox: dict[int, torch.Tensor] = {}    # microbatch -> input activation
+        self._act_outbox: dict[int, torch.Tensor] = {}   # microbatch -> output activation
+        self._grad_inbox: dict[int, torch.Tensor] = {}   # microbatch -> grad of our output
+        self._grad_outbox: dict[int, torch.Tensor] = {}  # microbatch -> grad of our input
         self._micro_losses: dict[int, list[torch.Tensor]] = {}
         self._micro_metrics: dict[int, list[dict]] = {}
         self._grad_version: dict[int, int] = {}
+        self._reduced: set[int] = set()
         self._result = RunResult()
 
     # --- compute --------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
-        inp = self._inbox.pop(a.microbatch, None)
+        inp = self._act_inbox.pop(a.microbatch, None)
         batch = next(self._data)
         if not self._train:
             out = self.weights.module_for(a.version)(inp, batch)
             if self.links.is_last:
                 self._record_loss(a, out)
             else:
-                self._outbox[a.microbatch] = out
+                self._act_outbox[a.microbatch] = out
             return
         if inp is not None:
             inp.requires_grad_()
@@ -140,7 +158,7 @@ class PipelineExecutor:
             self._record_loss(a, out)
             out = out * (self.weights.loss_scale_of[a.version] / self._m)
         else:
-            self._outbox[a.microbatch] = out
+            self._act_outbox[a.microbatch] = out
         self._stash[a.microbatch] = (inp, out, a.version)
         self._result.peak_stashes = max(self._result.peak_stashes, len(self._stash))
 
@@ -154,34 +172,70 @@ class PipelineExecutor:
 
     def _backward(self, a: Action) -> None:
         inp, out, version = self._stash.pop(a.microbatch)
-        grad = None if self.links.is_last else self._inbox.pop(-1 - a.microbatch)
+        grad = None if self.links.is_last else self._grad_inbox.pop(a.microbatch)
         self.weights.bind_grads(version, a.microbatch // self._m)
         self._grad_version[a.microbatch // self._m] = version
         torch.autograd.backward(out, grad_tensors=grad)
         self.weights.release(version)
         if inp is not None:
-            self._outbox[-1 - a.microbatch] = inp.grad
+            self._grad_outbox[a.microbatch] = inp.grad
 
-    # --- communication (gradients use key -1 - microbatch) ---------------------------
+    # --- point-to-point -------------------------------------------------------------
     def _recv_forward(self, a: Action) -> None:
-        self._inbox[a.microbatch] = self.p2p.recv_activation()
+        self._act_inbox[a.microbatch] = self.p2p.recv_activation()
 
     def _send_forward(self, a: Action) -> None:
-        self.p2p.send_activation(self._outbox.pop(a.microbatch))
+        self.p2p.send_activation(self._act_outbox.pop(a.microbatch))
 
     def _recv_backward(self, a: Action) -> None:
-        self._inbox[-1 - a.microbatch] = self.p2p.recv_gradient()
+        self._grad_inbox[a.microbatch] = self.p2p.recv_gradient()
 
     def _send_backward(self, a: Action) -> None:
-        self.p2p.send_gradient(self._outbox.pop(-1 - a.microbatch))
+        self.p2p.send_gradient(self._grad_outbox.pop(a.microbatch))
 
     # --- gradient reduction and the new weight version ------------------------------
-    def _reduce_grads(self, a: Action) -> None:
+    def _start_grad_allreduce(self, a: Action) -> None:
         flat, _ = self.weights.grads(a.minibatch)
         self.reducer.start(a.minibatch, flat)
-        self._finish_losses(a.minibatch)
+
+    def _reduced_grads(self, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Minibatch k's gradient, averaged over data parallelism and unscaled (once)."""
+        flat, views = self.weights.grads(k)
+        if k not in self._reduced:
+            self.reducer.wait(k)
+            self.updater.unscale(flat, self.weights.loss_scale_of[self._grad_version.pop(k)])
+            self._reduced.add(k)
+        return flat, views
+
+    def _start_tied_allreduce(self, a: Action) -> None:
+        _, views = self._reduced_grads(a.minibatch)
+        self.tied.start(a.minibatch, views)
+
+    def _start_grad_norm(self, a: Action) -> None:
+        flat, views = self._reduced_grads(a.minibatch)
+        if self.tied is not None and self.tied.counts_in_norm:
+            self.tied.finish(a.minibatch)
+        self.updater.start_step(a.minibatch, flat, views)
+
+    def _optimizer_step(self, a: Action) -> None:
+        k = a.minibatch
+        flat, views = self._reduced_grads(k)
+        if self.tied is not None:
+            self.tied.finish(k)
+        newest, target = self.weights.publish(a.version)
+        info = self.updater.finish_step(k, flat, views, newest, target)
+        self.weights.loss_scale_of[a.version] = self.updater.loss_scale
+        self.weights.loss_scale_of.pop(a.version - self.weights.num_buffers - 1, None)
+        self.weights.clear_grads(k)
+        self._reduced.discard(k)
+        self._result.steps[k] = info
+        self._finish_losses(k)
+        if self._on_step is not None:
+            self._on_step(k, self._result)
 
     def _finish_losses(self, k: int) -> None:
+        """Minibatch k's mean loss and metrics (last stage), read once its step is done:
+        the step synchronises anyway, so `.item()` costs no extra device sync."""
         losses = self._micro_losses.pop(k, None)
         if losses:
             self._result.losses[k] = torch.stack(losses).mean().item()
@@ -189,20 +243,3 @@ class PipelineExecutor:
         if metrics:
             self._result.metrics[k] = {name: torch.stack([m[name] for m in metrics]).mean().item()
                                        for name in metrics[0]}
-
-    def _global_reduce(self, a: Action) -> None:
-        flat = self.reducer.wait(a.minibatch)
-        _, views = self.weights.grads(a.minibatch)
-        grad_scale = self.weights.loss_scale_of[self._grad_version.pop(a.minibatch)]
-        self.updater.start_step(a.minibatch, flat, views, grad_scale)
-
-    def _optimizer_step(self, a: Action) -> None:
-        flat, views = self.weights.grads(a.minibatch)
-        newest, target = self.weights.publish(a.version)
-        info = self.updater.finish_step(a.minibatch, flat, views, newest, target)
-        self.weights.loss_scale_of[a.version] = self.updater.loss_scale
-        self.weights.loss_scale_of.pop(a.version - self.weights.num_buffers - 1, None)
-        self.weights.clear_grads(a.minibatch)
-        self._result.steps[a.minibatch] = info
-        if self._on_step is not None:
-            self._on_step(a.minibatch, self._result)

@@ -35,3 +35,36 @@ class GradReducer:
             work.wait()
             flat_grad.div_(self.size)
         return flat_grad
+
+
+class TiedGradSync:
+    """Sum of the tied word-embedding gradient between the first and last stage (action T).
+
+    Megatron ties the input word embedding (first stage) to the output layer (last
+    stage); each end accumulates a gradient for its copy, and both must apply the sum so
+    the copies stay equal. The sum is an all-reduce over megatron-core's embedding group
+    into a separate buffer (the stage's gradient buffer stays readable meanwhile), copied
+    back when the stage needs it: at G on the stage whose gradient norm counts the tied
+    weight (the first), at S on the other.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, index: int, counts_in_norm: bool):
+        self.group, self.index, self.counts_in_norm = group, index, counts_in_norm
+        self._pending: dict[int, tuple[dist.Work, torch.Tensor, torch.Tensor]] = {}
+
+    def start(self, minibatch: int, grads: list[torch.Tensor]) -> None:
+        if minibatch in self._pending:
+            raise RuntimeError(f"tied-gradient sum of minibatch {minibatch} started twice")
+        view = grads[self.index]
+        summed = view.clone()
+        work = dist.all_reduce(summed, group=self.group, async_op=True)
+        self._pending[minibatch] = (work, summed, view)
+
+    def finish(self, minibatch: int) -> None:
+        """Wait for the sum and write it into the gradient (no-op when already done)."""
+        entry = self._pending.pop(minibatch, None)
+        if entry is None:
+            return
+        work, summed, view = entry
+        work.wait()
+        view.copy_(summed)

@@ -68,9 +68,20 @@ class WeightStore:
                         _Fp32Accumulate(self, buf, idx)))
         return hooks
 
+    def accumulate(self, buf: int, idx: int, grad: torch.Tensor) -> None:
+        """Add parameter `idx` of weight buffer `buf`'s gradient into the bound fp32
+        accumulator (low-precision parameters; fp32 ones accumulate there directly)."""
+        if self._bound is None or self._bound[0] != buf:
+            raise WeightVersionError("gradient arrived for an unbound weight buffer")
+        self._grad_views[self._bound[1]][idx].add_(grad)
+
     @property
     def num_buffers(self) -> int:
         return len(self.modules)
+
+    @property
+    def num_grad_buffers(self) -> int:
+        return len(self.grad_buffers)
 
     def buffer_of(self, version: int) -> int:
         return version % self.num_buffers
@@ -146,9 +157,6 @@ class _Fp32Accumulate:
         self.store, self.buf, self.idx = store, buf, idx
 
     def __call__(self, param: torch.Tensor) -> None:
-        bound = self.store._bound
-        if bound is None or bound[0] != self.buf:
-            raise WeightVersionError("gradient arrived for an unbound weight buffer")
-        self.store._grad_views[bound[1]][self.idx].add_(param.grad)
+        self.store.accumulate(self.buf, self.idx, param.grad)
         param.grad = None
 

@@ -2,15 +2,17 @@
 
 `build_schedule(name, num_stages, num_microbatches, num_minibatches)` is the one entry
 point; it returns a validated `Schedule` (a dict stage -> list[Action]) whose actions
-the executor runs and the simulator and planner read.
+the executor runs and the simulator and planner read, with its declarations (weight
+versions, gradient buffers, stash limits, tied stages) that the executor allocates and
+the planner's memory model counts.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from .actions import ALL_KINDS, Action, Schedule  # noqa: F401
+from .actions import ALL_KINDS, Action, ActionKind, Schedule  # noqa: F401
 from .builders import build_2bw, build_flush, build_forward_only, build_gpipe
-from .passes import add_communication, add_grad_sync
+from .passes import add_communication, add_grad_sync, add_tied_grad_sync
 from .simulate import Costs, DeadlockError, Timeline, simulate  # noqa: F401
 from .validate import ScheduleError, validate  # noqa: F401
 
@@ -30,25 +32,25 @@ def canonical_name(name: str) -> str:
     return key
 
 
-def declared_weight_versions(name: str) -> int:
-    """Weight buffers per stage the schedule needs (2BW: two; flush, gpipe: one)."""
-    return 2 if canonical_name(name) == "2bw" else 1
-
-
-def declared_stash_limit(name: str, num_stages: int, num_microbatches: int,
-                         num_minibatches: int = 1) -> tuple[int, ...]:
+def _stash_limit(key: str, num_stages: int, num_microbatches: int,
+                 num_minibatches: int) -> tuple[int, ...]:
     """Most microbatches each stage holds activations for (DeepSpeed's num_pipe_buffers)."""
-    key = canonical_name(name)
     if key == "gpipe":
         return tuple(num_microbatches for _ in range(num_stages))
     total = num_microbatches * (num_minibatches if key == "2bw" else 1)
     return tuple(min(num_stages - s, total) for s in range(num_stages))
 
 
+def _check_sizes(**sizes: tuple[int, int]) -> None:
+    for label, (value, low) in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{label} must be an integer >= {low}, got {value!r}")
+
+
 def build_schedule(name: str, num_stages: int, num_microbatches: int, num_minibatches: int = 1,
                    *, first_minibatch: int = 0, defer_step: bool | None = None,
-                   check: bool = True) -> Schedule:
-    """Build, lower and validate a schedule.
+                   tied_embedding: bool = False, check: bool = True) -> Schedule:
+    """Build, lower and validate a schedule; the one place its run-time needs are decided.
 
     Args:
         name: "gpipe", "flush" ("pipedream-flush", "1f1b") or "2bw" ("pipedream-2bw").
@@ -58,30 +60,35 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
         first_minibatch: global index of the first minibatch, so a run can be cut into
             segments (at checkpoints) with global microbatch indices and versions.
         defer_step: place minibatch k's optimizer step where version k + 1 is first
-            needed, overlapping its data-parallel all-reduce with minibatch k + 1.
-            Default: on for 2BW, meaningless (a flush) for the others.
+            needed, overlapping its data-parallel all-reduce and the model-wide sums
+            with minibatch k + 1 (one more gradient buffer). Default: on for 2BW with
+            more than one stage (with one stage there is nothing to wait for); a flush
+            schedule drains anyway, so it never defers.
+        tied_embedding: the model ties its word embedding to its output layer, so the
+            first and last stage sum that gradient (action T) when they differ.
         check: validate the result (off only for tests of the validator itself).
     """
     key = canonical_name(name)
-    for label, value, low in (("num_stages", num_stages, 1), ("num_microbatches",
-                              num_microbatches, 1), ("num_minibatches", num_minibatches, 1),
-                              ("first_minibatch", first_minibatch, 0)):
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{label} must be an integer >= {low}, got {value!r}")
+    _check_sizes(num_stages=(num_stages, 1), num_microbatches=(num_microbatches, 1),
+                 num_minibatches=(num_minibatches, 1), first_minibatch=(first_minibatch, 0))
     if key == "2bw" and num_microbatches < num_stages:
         raise ValueError(f"2bw needs num_microbatches (m={num_microbatches}) to be at least "
                          f"num_stages (d={num_stages}): m must be at least d")
-    defer = key == "2bw" if defer_step is None else (defer_step and key == "2bw")
+    wanted = num_stages > 1 if defer_step is None else defer_step
+    defer = key == "2bw" and wanted
+    tied = (0, num_stages - 1) if tied_embedding and num_stages > 1 else ()
     plan = _BUILDERS[key](num_stages, num_microbatches, num_minibatches, first_minibatch)
     plan = add_communication(plan, num_stages)
     plan = add_grad_sync(plan, num_microbatches, num_stages, defer_step=defer)
+    plan = add_tied_grad_sync(plan, tied)
     schedule = Schedule(plan, name=key, num_stages=num_stages,
                         num_microbatches=num_microbatches, num_minibatches=num_minibatches,
                         first_minibatch=first_minibatch,
-                        weight_versions=declared_weight_versions(key),
+                        weight_versions=2 if key == "2bw" else 1,
                         grad_buffers=2 if defer else 1,
-                        stash_limit=declared_stash_limit(key, num_stages, num_microbatches,
-                                                         num_minibatches))
+                        stash_limit=_stash_limit(key, num_stages, num_microbatches,
+                                                 num_minibatches),
+                        tied_stages=tied)
     if check:
         validate(schedule)
     return schedule

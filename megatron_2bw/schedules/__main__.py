@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from . import SCHEDULE_NAMES, Costs, build_schedule, simulate
-from .render import format_grid, plot_timeline
+from .render import format_grid, format_sync, plot_timeline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,11 +17,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minibatches", type=int, default=2, help="minibatches to run")
     parser.add_argument("--forward-cost", type=float, default=1.0)
     parser.add_argument("--backward-cost", type=float, default=2.0)
+    parser.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                        help="no tied word embedding, so no tied-gradient sum (T) between the "
+                             "first and last stage (Megatron's default ties them)")
     parser.add_argument("--width", type=int, default=16, help="time slots per grid block")
     parser.add_argument("--output", help="draw the timeline to FILE.png or FILE.svg")
     args = parser.parse_args(argv)
     try:
-        schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.minibatches)
+        schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.minibatches,
+                                  tied_embedding=not args.untie_embeddings_and_output_weights)
     except ValueError as err:
         parser.error(str(err).splitlines()[0])
     timeline = simulate(schedule, Costs(forward=args.forward_cost, backward=args.backward_cost))
@@ -29,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     out.write(f"{schedule.name}: d={args.stages} m={args.microbatches} "
               f"minibatches={args.minibatches} (cells: F/B, microbatch, v = weight version)\n\n")
     out.write(format_grid(timeline, width=args.width) + "\n\n")
+    out.write("reductions and steps (R: data-parallel all-reduce, T: tied-embedding gradient "
+              "sum, G: norm sums, S: step):\n" + format_sync(timeline) + "\n\n")
     out.write(f"makespan {timeline.makespan:g}  bubble fraction {timeline.bubble_fraction:.3f}\n")
+    out.write(f"declares per stage: {schedule.weight_versions} weight version(s), "
+              f"{schedule.grad_buffers} gradient buffer(s), stashes {list(schedule.stash_limit)}"
+              f", tied-gradient stages {list(schedule.tied_stages)}\n")
     for stage in sorted(timeline.events):
         out.write(f"stage {stage}: peak stashed microbatches {timeline.peak_stashes[stage]}, "
                   f"peak live weight versions {timeline.peak_versions[stage]}\n")

@@ -1,14 +1,16 @@
 """Passes that lower a compute plan into an executable one.
 
-compute plan --add_communication--> + sends/receives --add_grad_sync--> + reduce/step
+compute plan --add_communication--> + sends/receives --add_grad_sync--> + reduce/norm/step
+             --add_tied_grad_sync--> + the tied-embedding gradient sum (first and last stage)
 
 Keeping these as passes (not a second hand-written loop per schedule) means every
 schedule gets the same communication discipline and the validator checks one thing.
 """
 from __future__ import annotations
 
-from .actions import (BACKWARD, FORWARD, GLOBAL_REDUCE, OPTIMIZER_STEP, RECV_BACKWARD,
-                      RECV_FORWARD, REDUCE_GRADS, SEND_BACKWARD, SEND_FORWARD, Action)
+from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
+                      SEND_BACKWARD, SEND_FORWARD, START_GRAD_ALLREDUCE, START_GRAD_NORM,
+                      START_TIED_ALLREDUCE, Action)
 
 Plan = dict[int, list[Action]]
 
@@ -86,8 +88,8 @@ def add_grad_sync(plan: Plan, num_microbatches: int, num_stages: int, defer_step
         inserts: dict[int, list[Action]] = {}
         firsts, backwards = _first_use_positions(actions), _backward_positions(actions)
         for k, end in _last_backward_positions(actions, m).items():
-            reduce = Action(stage, REDUCE_GRADS, minibatch=k)
-            sums = Action(stage, GLOBAL_REDUCE, minibatch=k)
+            reduce = Action(stage, START_GRAD_ALLREDUCE, minibatch=k)
+            sums = Action(stage, START_GRAD_NORM, minibatch=k)
             step = Action(stage, OPTIMIZER_STEP, version=k + 1, minibatch=k)
             if not defer_step:
                 inserts.setdefault(end, []).extend([reduce, sums, step])
@@ -98,6 +100,26 @@ def add_grad_sync(plan: Plan, num_microbatches: int, num_stages: int, defer_step
             inserts.setdefault(sums_at, []).append(sums)
             inserts.setdefault(step_at, []).append(step)
         out[stage] = _apply_inserts(actions, inserts)
+    return out
+
+
+def add_tied_grad_sync(plan: Plan, tied_stages: tuple[int, ...]) -> Plan:
+    """Insert T(k) just before G(k) on each stage that holds a tied word embedding.
+
+    T(k) waits for the stage's own data-parallel all-reduce and starts the sum of the
+    tied gradient with the other end (as DeepSpeed's ReduceTiedGrads). Placed right
+    before G(k): the first stage's G(k) waits for that sum (its gradient norm counts
+    the tied weight once), while the last stage only needs it at S(k), so it never
+    waits for the first stage in the middle of its 1F1B (the simulator proves no stall).
+    """
+    out: Plan = {}
+    for stage, actions in plan.items():
+        if stage not in tied_stages:
+            out[stage] = list(actions)
+            continue
+        out[stage] = [b for a in actions for b in (
+            (Action(stage, START_TIED_ALLREDUCE, minibatch=a.minibatch), a)
+            if a.kind == START_GRAD_NORM else (a,))]
     return out
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .actions import BACKWARD, FORWARD, Action
+from .actions import BACKWARD, FORWARD, GRAD_KINDS, Action, ActionKind
 
 CELL = 7
 
@@ -50,9 +50,36 @@ def format_grid(timeline, width: int = 16) -> str:
     return "\n\n".join(blocks)
 
 
+def format_sync(timeline) -> str:
+    """Per stage, the reduction and step actions with their start times
+    (`0T1@42` = stage 0 starts minibatch 1's tied-embedding gradient sum at time 42)."""
+    rows = []
+    for stage, events in sorted(timeline.events.items()):
+        cells = [f"{a}@{start:g}" for a, start, _ in events if a.kind in GRAD_KINDS]
+        rows.append(f"stage {stage}: " + " ".join(cells))
+    return "\n".join(rows)
+
+
+# Reductions and steps drawn as ticks on the timeline: colour and label per kind.
+_TICKS = {ActionKind.START_GRAD_ALLREDUCE: ("tab:gray", "R"),
+          ActionKind.START_TIED_ALLREDUCE: ("tab:purple", "T"),
+          ActionKind.OPTIMIZER_STEP: ("tab:red", "S")}
+
+
+def _draw_ticks(ax, timeline) -> None:
+    for stage, events in timeline.events.items():
+        for a, start, _ in events:
+            if a.kind in _TICKS:
+                colour, label = _TICKS[a.kind]
+                ax.plot([start, start], [stage - 0.45, stage + 0.45], color=colour, lw=1.5)
+                ax.text(start, stage - 0.47, f"{label}{a.minibatch}", color=colour,
+                        ha="center", va="bottom", fontsize=5)
+
+
 def plot_timeline(timeline, path: str, title: str = "") -> None:
     """Draw the timeline (PNG or SVG by extension): forwards light, backwards dark,
-    colour by weight version."""
+    colour by weight version; ticks where a stage starts its data-parallel all-reduce (R),
+    the tied-embedding gradient sum (T) and the optimizer step (S)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -70,12 +97,13 @@ def plot_timeline(timeline, path: str, title: str = "") -> None:
                            alpha=alpha, edgecolor="black", linewidth=0.4)
             ax.text((start + end) / 2, stage, f"{a.kind}{a.microbatch}", ha="center",
                     va="center", fontsize=6)
+    _draw_ticks(ax, timeline)
     ax.set_yticks(stages)
     ax.set_yticklabels([f"stage {s}" for s in stages])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward = 1)")
     ax.set_title(title or f"bubble {timeline.bubble_fraction:.1%}; colour = weight version, "
-                          "light = forward, dark = backward")
+                          "light = forward, dark = backward; ticks R/T/S")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -6,18 +6,22 @@ communication model, so the validator calls it:
 - a RECV waits for the matching SEND (per channel, first-in first-out);
 - R(k) starts the data-parallel all-reduce in the background; it finishes `allreduce`
   time units after it starts (one reduction at a time per stage);
-- G(k) waits for that all-reduce and starts the model-wide sums (gradient norm, inf/NaN
-  flag) without blocking; on the first stage it also receives the last stage's tied
-  embedding gradient, so it waits for the last stage's G(k);
-- S(k) waits until every stage has run G(k) (the sums are complete), then steps.
+- T(k) (tied stages only) waits for that all-reduce and starts the tied-embedding
+  all-reduce, which completes `tied` time units after every tied stage has started it;
+- G(k) waits for the data-parallel all-reduce and, on the first tied stage (whose norm
+  counts the tied gradient), for the tied all-reduce; it starts the model-wide sums
+  (gradient norm, inf/NaN flag) without blocking;
+- S(k) waits until every stage has run G(k) (the sums are complete) and, on a tied
+  stage, for the tied all-reduce; then steps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from .actions import (BACKWARD, FORWARD, GLOBAL_REDUCE, OPTIMIZER_STEP, RECV_BACKWARD,
-                      RECV_FORWARD, REDUCE_GRADS, SEND_BACKWARD, SEND_FORWARD, Action, Schedule)
+from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
+                      SEND_BACKWARD, SEND_FORWARD, START_GRAD_ALLREDUCE, START_GRAD_NORM,
+                      START_TIED_ALLREDUCE, Action, Schedule)
 
 PerStage = Union[float, Sequence[float]]
 
@@ -31,6 +35,7 @@ class Costs:
     p2p: float = 0.0        # transfer time of one boundary tensor, either direction
     allreduce: PerStage = 0.0  # data-parallel all-reduce of one stage's gradients
     step: PerStage = 0.0    # optimizer step
+    tied: float = 0.0       # all-reduce of the tied word-embedding gradient (first, last)
 
     def of(self, name: str, stage: int) -> float:
         value = getattr(self, name)
@@ -77,6 +82,7 @@ class _Sim:
         self.arrivals: dict[tuple[str, int, int], float] = {}  # (send kind, from stage, mb)
         self.reduce_done: dict[tuple[int, int], float] = {}
         self.sums_started: dict[tuple[int, int], float] = {}
+        self.tied_started: dict[tuple[int, int], float] = {}
         self.comm_free = {s: 0.0 for s in schedule}
         self.events: dict[int, list[tuple[Action, float, float]]] = {s: [] for s in schedule}
         self.busy = {s: 0.0 for s in schedule}
@@ -90,17 +96,27 @@ class _Sim:
             send_kind, delta = _CHANNEL_OF_RECV[a.kind]
             arrival = self.arrivals.get((send_kind, s + delta, a.microbatch))
             return None if arrival is None else max(self.clock[s], arrival)
-        if a.kind == GLOBAL_REDUCE:
-            last = len(self.sched) - 1
-            if s == 0 and last > 0 and (last, a.minibatch) not in self.sums_started:
-                return None
+        if a.kind == START_TIED_ALLREDUCE:
             return max(self.clock[s], self.reduce_done.get((s, a.minibatch), 0.0))
+        if a.kind == START_GRAD_NORM:
+            ready = max(self.clock[s], self.reduce_done.get((s, a.minibatch), 0.0))
+            if self.sched.tied_stages and s == min(self.sched.tied_stages):
+                return self._after_tied(a.minibatch, ready)
+            return ready
         if a.kind == OPTIMIZER_STEP:
             started = [self.sums_started.get((t, a.minibatch)) for t in self.sched]
             if any(t is None for t in started):
                 return None
-            return max([self.clock[s]] + started)
+            ready = max([self.clock[s]] + started)
+            return self._after_tied(a.minibatch, ready) if s in self.sched.tied_stages else ready
         return self.clock[s]
+
+    def _after_tied(self, minibatch: int, ready: float) -> float | None:
+        """When the tied all-reduce of `minibatch` is complete (None: not every end started)."""
+        started = [self.tied_started.get((t, minibatch)) for t in self.sched.tied_stages]
+        if any(t is None for t in started):
+            return None
+        return max([ready] + [t + self.costs.tied for t in started])
 
     def _current(self, stage: int) -> Action | None:
         actions = self.sched[stage]
@@ -113,10 +129,12 @@ class _Sim:
         end = start + duration
         if a.kind in (SEND_FORWARD, SEND_BACKWARD):
             self.arrivals[(a.kind, s, a.microbatch)] = end + c.p2p
-        elif a.kind == REDUCE_GRADS:
+        elif a.kind == START_GRAD_ALLREDUCE:
             begin = max(end, self.comm_free[s])
             self.comm_free[s] = self.reduce_done[(s, a.minibatch)] = begin + c.of("allreduce", s)
-        elif a.kind == GLOBAL_REDUCE:
+        elif a.kind == START_TIED_ALLREDUCE:
+            self.tied_started[(s, a.minibatch)] = end
+        elif a.kind == START_GRAD_NORM:
             self.sums_started[(s, a.minibatch)] = end
         elif a.kind in (FORWARD, BACKWARD):
             self.busy[s] += duration

@@ -5,8 +5,9 @@ offending action marked, so a broken schedule is read, not debugged.
 """
 from __future__ import annotations
 
-from .actions import (BACKWARD, FORWARD, RECV_BACKWARD, RECV_FORWARD, SEND_BACKWARD,
-                      SEND_FORWARD, Action, Schedule)
+from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
+                      SEND_BACKWARD, SEND_FORWARD, START_GRAD_ALLREDUCE, START_GRAD_NORM,
+                      START_TIED_ALLREDUCE, Action, Schedule)
 from .render import format_order
 from .simulate import DeadlockError, peak_live_versions, simulate
 
@@ -74,11 +75,64 @@ def _check_versions(schedule: Schedule) -> None:
                             f"declares {schedule.weight_versions}", {})
 
 
+def peak_grad_buffers(actions: list[Action], num_microbatches: int) -> int:
+    """Most minibatch gradients a stage accumulates or holds at once: minibatch k's
+    buffer is busy from its first backward until its optimizer step consumes it."""
+    first_b: dict[int, int] = {}
+    step_at: dict[int, int] = {}
+    for idx, a in enumerate(actions):
+        if a.kind == BACKWARD:
+            first_b.setdefault(a.microbatch // num_microbatches, idx)
+        elif a.kind == OPTIMIZER_STEP:
+            step_at[a.minibatch] = idx
+    events = sorted([(i, 1) for i in first_b.values()]
+                    + [(step_at.get(k, len(actions)), -1) for k in first_b])
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def _check_grad_buffers(schedule: Schedule) -> None:
+    """No stage ever needs more gradient accumulators than the schedule declares."""
+    for stage, actions in schedule.items():
+        peak = peak_grad_buffers(actions, schedule.num_microbatches)
+        if peak > schedule.grad_buffers:
+            _fail(schedule, f"stage {stage} holds {peak} minibatch gradients at once, "
+                            f"declares {schedule.grad_buffers} gradient buffers", {})
+
+
+def _check_tied(schedule: Schedule) -> None:
+    """Exactly the declared tied stages sum the tied gradient: once per minibatch, after
+    starting their data-parallel all-reduce and before their gradient norm."""
+    for stage, actions in schedule.items():
+        order = {(a.kind, a.minibatch): idx for idx, a in enumerate(actions)
+                 if a.kind in (START_GRAD_ALLREDUCE, START_TIED_ALLREDUCE, START_GRAD_NORM)}
+        ties = [idx for idx, a in enumerate(actions) if a.kind == START_TIED_ALLREDUCE]
+        if stage not in schedule.tied_stages:
+            if ties:
+                _fail(schedule, f"stage {stage} sums a tied gradient it does not hold",
+                      {stage: ties[0]})
+            continue
+        for k in {a.minibatch for a in actions if a.kind == START_GRAD_NORM}:
+            t = order.get((START_TIED_ALLREDUCE, k))
+            if t is None or not order[(START_GRAD_ALLREDUCE, k)] < t < order[(START_GRAD_NORM, k)]:
+                _fail(schedule, f"stage {stage}: tied-gradient sum of minibatch {k} missing "
+                                "or not between R and G", {stage: t if t is not None else -1})
+        if len(ties) != len({actions[i].minibatch for i in ties}):
+            _fail(schedule, f"stage {stage} sums a tied gradient twice", {})
+
+
 def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError unless `schedule` is complete, consistent and deadlock-free."""
+    """Raise ScheduleError unless `schedule` is complete, consistent and deadlock-free,
+    and needs no more than it declares (weight versions, gradient buffers, stashes,
+    tied stages)."""
     _check_compute(schedule)
     _check_channels(schedule)
     _check_versions(schedule)
+    _check_grad_buffers(schedule)
+    _check_tied(schedule)
     try:
         timeline = simulate(schedule)
     except DeadlockError as err:

@@ -1,56 +1,55 @@
-"""From the data flags to sample functions: real indexed datasets or synthetic samples.
+"""From the data flags to datasets: real indexed datasets or megatron-core's mock data.
 
-Every rank builds the same datasets (megatron-core's builder is collective) and draws
-its own samples through Megatron's sampler order (batches.py).
+Both go through the same path as Megatron-LM's `pretrain_gpt.py` / `pretrain_bert.py`:
+a tokenizer, megatron-core's dataset builder (every rank builds the same datasets; the
+builder is collective), sized as Megatron-LM sizes them, then drawn in Megatron's
+sampler order (`megatron_2bw.data.datasets.microbatches`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from .batches import SampleFn, mock_bert_sample, mock_gpt_sample
+import torch
+
+from ..data.datasets import (DatasetsConfig, build_datasets, megatron_sample_counts,
+                             mock_tokenizer)
+from .config import RunConfig
 
 
 @dataclass(frozen=True)
 class DataSources:
-    train: SampleFn
-    valid: Optional[SampleFn]
-    vocab_size: int  # before padding
+    train: torch.utils.data.Dataset
+    valid: Optional[torch.utils.data.Dataset]
 
 
-def _real(args, model: str) -> DataSources:
-    from ..data.datasets import (DatasetsConfig, build_datasets, megatron_sample_counts,
-                                 sample_fn)
+def tokenizer_from_args(args, model: str):
+    """The tokenizer the flags select; ValueError naming the flag when they don't add up."""
     from ..data.tokenizers import build_tokenizer
 
+    if args.data_path and args.mock_data:
+        raise ValueError("give either --data-path or --mock-data, not both")
+    if args.mock_data:
+        return mock_tokenizer(model, args.vocab_size or 50257)
+    if not args.data_path:
+        raise ValueError("give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
     if not args.tokenizer_type:
         raise ValueError("--data-path needs --tokenizer-type (and its --vocab-file, "
                          "--merge-file or --tokenizer-model)")
-    tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                                merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                                vocab_size=args.vocab_size)
-    gbs = args.global_batch_size or args.micro_batch_size
-    train, valid, test = megatron_sample_counts(args.train_iters, gbs, args.eval_interval,
-                                                args.eval_iters)
-    config = DatasetsConfig(model=model, data_path=tuple(args.data_path), split=args.split,
-                            seq_length=args.seq_length, seed=args.seed, train_samples=train,
-                            valid_samples=valid, test_samples=test, mask_prob=args.mask_prob,
-                            bert_binary_head=not args.bert_no_binary_head)
+    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                           vocab_size=args.vocab_size)
+
+
+def data_sources(run: RunConfig, tokenizer) -> DataSources:
+    """Train and validation datasets with as many samples as the run consumes."""
+    data, t = run.data, run.train
+    train, valid, test = megatron_sample_counts(t.train_iters, t.global_batch_size,
+                                                t.eval_interval, t.eval_iters)
+    config = DatasetsConfig(model=run.model.model, data_path=data.data_path, split=data.split,
+                            seq_length=data.seq_length, seed=data.seed, train_samples=train,
+                            valid_samples=valid, test_samples=test, mock=data.mock_data,
+                            mask_prob=data.mask_prob,
+                            bert_binary_head=run.model.bert_binary_head)
     datasets = build_datasets(config, tokenizer)
-    return DataSources(sample_fn(datasets.train),
-                       sample_fn(datasets.valid) if datasets.valid is not None else None,
-                       tokenizer.vocab_size)
-
-
-def data_sources(args, model: str) -> DataSources:
-    """The samples the flags ask for; ValueError naming the flag when they don't add up."""
-    if args.data_path and args.mock_data:
-        raise ValueError("give either --data-path or --mock-data, not both")
-    if args.data_path:
-        return _real(args, model)
-    if not args.mock_data:
-        raise ValueError("give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
-    vocab = args.vocab_size or 50257
-    make = mock_gpt_sample if model == "gpt" else mock_bert_sample
-    return DataSources(make(args.seed, args.seq_length, vocab),
-                       make(args.seed + 7, args.seq_length, vocab), vocab)
+    return DataSources(datasets.train, datasets.valid)

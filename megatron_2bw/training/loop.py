@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ..models import apply_cpu_shims, build_stage, model_parallel_manual_seed
+from ..data.datasets import microbatches
+from ..models import build_stage, model_parallel_manual_seed
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
+from ..runtime.grad_sync import TiedGradSync
 from ..runtime.topology import data_parallel_group, stage_links
-from ..schedules import build_eval_schedule, build_schedule
-from .batches import stream
+from ..schedules import Schedule, build_eval_schedule, build_schedule
 from .checkpointing import read_checkpoint, restore, save_checkpoint
 from .config import RunConfig
 from .data_sources import DataSources
@@ -37,10 +38,13 @@ MAX_SEGMENT = 1000
 
 
 def _param_infos(module, tp_rank: int) -> list[ParamInfo]:
+    """One entry per trained parameter, in the order the weight buffers hold them."""
     tied = module.shared_embedding_weight()
     last_copy = tied is not None and module.is_last and not module.is_first
     infos = []
     for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
         is_tied = tied is not None and p is tied
         tp_dup = not getattr(p, "tensor_model_parallel", False) and tp_rank != 0
         infos.append(ParamInfo(name=name, decay=p.dim() > 1 and not name.endswith(".bias"),
@@ -49,16 +53,13 @@ def _param_infos(module, tp_rank: int) -> list[ParamInfo]:
     return infos
 
 
-def _step_groups(module, num_stages: int) -> StepGroups:
-    """The model-parallel group, and the tied-embedding peer for the first/last stage."""
-    mp = ps.get_model_parallel_group()
-    if module.shared_embedding_weight() is None or num_stages == 1:
-        return StepGroups(model_parallel=mp)
-    emb = ps.get_embedding_group()
-    ranks = dist.get_process_group_ranks(emb)
-    peer = ranks[-1] if module.is_first else ranks[0]
-    return StepGroups(model_parallel=mp, embedding=emb, embedding_peer=peer,
-                      is_first_stage=module.is_first)
+def _tied_sync(schedule: Schedule, stage: int, infos: list[ParamInfo]) -> TiedGradSync | None:
+    """The tied-embedding gradient sum, on the stages the schedule declares for it."""
+    if stage not in schedule.tied_stages:
+        return None
+    index = next(i for i, info in enumerate(infos) if info.tied)
+    return TiedGradSync(ps.get_embedding_group(), index,
+                        counts_in_norm=stage == min(schedule.tied_stages))
 
 
 class Trainer:
@@ -69,14 +70,12 @@ class Trainer:
         par = run.parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tensor_parallel,
                                      pipeline_model_parallel_size=par.pipeline_parallel)
-        if env.device.type == "cpu":
-            apply_cpu_shims("cpu")
         model_parallel_manual_seed(run.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         loaded = read_checkpoint(run.train.load) if run.train.load else None
         self.iteration = loaded.iteration if loaded else 0
-        self.executor, self.updater = self._build()
+        self.executor, self.updater = self._build(self._schedule(1))
         if loaded:
             restore(loaded, self.executor, self.updater)
             logger.info(f"resumed from {run.train.load} at iteration {self.iteration}")
@@ -85,36 +84,29 @@ class Trainer:
                                 run.train.log_interval, run.train.train_iters)
         self.history: dict[int, dict] = {}
 
-    def _build(self) -> tuple[PipelineExecutor, MegatronUpdater]:
+    def _build(self, schedule: Schedule) -> tuple[PipelineExecutor, MegatronUpdater]:
+        """The stage, its updater and an executor allocated from `schedule`'s declarations."""
         run, par = self.run, self.run.parallel
         module = build_stage(run.model, self.stage, par.pipeline_parallel).to(self.env.device)
         infos = _param_infos(module, ps.get_tensor_model_parallel_rank())
         params = [p for p in module.parameters() if p.requires_grad]
-        groups = _step_groups(module, par.pipeline_parallel)
-        updater = MegatronUpdater(params, infos, run.optimizer, groups)
+        updater = MegatronUpdater(params, infos, run.optimizer,
+                                  StepGroups(model_parallel=ps.get_model_parallel_group()))
         links = stage_links(module.boundary_shape(run.train.micro_batch_size),
                             module.boundary_dtype, self.env.device)
-        versions = 2 if par.schedule == "2bw" else 1
-        grad_buffers = 2 if self._defer_step() else 1
         executor = PipelineExecutor(
-            module, links, updater, weight_versions=versions, grad_buffers=grad_buffers,
-            dp_group=data_parallel_group(), first_version=self.iteration,
+            module, links, updater, weight_versions=schedule.weight_versions,
+            grad_buffers=schedule.grad_buffers, dp_group=data_parallel_group(),
+            first_version=self.iteration, tied=_tied_sync(schedule, self.stage, infos),
             make_copy=lambda: build_stage(run.model, self.stage, par.pipeline_parallel
                                           ).to(self.env.device))
         return executor, updater
 
-    def _schedule(self, count: int):
+    def _schedule(self, count: int) -> Schedule:
         par = self.run.parallel
         return build_schedule(par.schedule, par.pipeline_parallel, self.run.num_microbatches,
                               count, first_minibatch=self.iteration,
-                              defer_step=self._defer_step())
-
-    def _defer_step(self) -> bool:
-        """2BW defers minibatch k's step to where version k + 1 is first needed, so no
-        stage waits for the model-wide sums (and the DP all-reduce is hidden), at the
-        cost of a second gradient buffer. With one stage there is nothing to wait for."""
-        par = self.run.parallel
-        return par.schedule == "2bw" and par.pipeline_parallel > 1
+                              tied_embedding=self.run.model.tie_embeddings)
 
     def _segment_end(self) -> int:
         t = self.run.train
@@ -131,7 +123,7 @@ class Trainer:
             end = self._segment_end()
             schedule = self._schedule(end - self.iteration)
             first_sample = self.iteration * t.global_batch_size
-            data = stream(self.sources.train, self.run, first_sample, self.dp_rank)
+            data = self._microbatches(self.sources.train, first_sample)
             self._last_time = time.monotonic()
             self.executor.run(schedule, data, on_step=self._on_step)
             self.iteration = end
@@ -150,7 +142,7 @@ class Trainer:
         t = self.run.train
         m = self.run.num_microbatches
         first = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
-        data = stream(self.sources.valid, self.run, first, self.dp_rank)
+        data = self._microbatches(self.sources.valid, first)
         schedule = build_eval_schedule(self.run.parallel.pipeline_parallel, m * t.eval_iters,
                                        self.executor.weights.newest)
         loss = self.executor.evaluate(schedule, itertools.islice(data, m * t.eval_iters))
@@ -161,6 +153,11 @@ class Trainer:
                "val_ppl": math.exp(min(loss, 20.0))}
         self.history.setdefault("valid", {})[iteration] = rec
         self.sink.validation(rec)
+
+    def _microbatches(self, dataset, first_sample: int):
+        """This data-parallel rank's microbatches from `first_sample` on, in Megatron's order."""
+        return microbatches(dataset, self.run.train.micro_batch_size, first_sample, self.dp_rank,
+                            self.run.parallel.data_parallel)
 
     def _dp_mean(self, values: list[float]) -> list[float]:
         stats = torch.tensor(values, dtype=torch.float64)

@@ -1,6 +1,6 @@
 """Summarise what tools/gpu_check.sh measured into gpu_check.json and gpu_check.md.
 
-    python -m megatron_2bw.bench.gpu_summary --out DIR [--peak-tflops 790] [--dry-run]
+    PYTHONPATH=tools python -m benchmarks.gpu_summary --out DIR [--peak-tflops 790] [--dry-run]
 
 Reads, from DIR: steps.tsv (name, exit status, seconds of each step), gpt_metrics.jsonl
 (pretrain_gpt.py's --metrics-file), overhead.json (tools/benchmark_schedules.py --json)

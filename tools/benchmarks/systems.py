@@ -58,8 +58,8 @@ class EngineRunner:
 
     def __init__(self, cfg: BenchConfig, spec: RunSpec, rank: int, world: int,
                  device: torch.device):
-        from ..optim.torch_updater import TorchOptimizerUpdater
-        from ..runtime import PipelineExecutor, StageLinks
+        from megatron_2bw.optim.torch_updater import TorchOptimizerUpdater
+        from megatron_2bw.runtime import PipelineExecutor, StageLinks
 
         self.cfg, self.spec, self.rank, self.world, self.device = cfg, spec, rank, world, device
         self.meter = SavedTensorMeter()
@@ -105,7 +105,7 @@ class EngineRunner:
 
     def session(self, minibatches: int, measure: int) -> list[float]:
         """Run `minibatches` back to back; the first `measure` ones under the meter."""
-        from ..schedules import build_schedule
+        from megatron_2bw.schedules import build_schedule
 
         schedule = build_schedule(self.spec.schedule, self.world, self.spec.microbatches,
                                   minibatches, first_minibatch=self.next_minibatch,
@@ -141,7 +141,7 @@ def _megatron_updater(cfg: BenchConfig, spec: RunSpec, module: torch.nn.Module):
     """The training updater; its norm/overflow all-reduce spans every stage."""
     import torch.distributed as dist
 
-    from ..optim.updater import MegatronUpdater, OptimizerConfig, ParamInfo, StepGroups
+    from megatron_2bw.optim.updater import MegatronUpdater, OptimizerConfig, ParamInfo, StepGroups
 
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     infos = [ParamInfo(n, decay=p.dim() > 1, counts_in_norm=True, tied=False) for n, p in named]

@@ -53,8 +53,8 @@ class _EngineSide:
     """A one-stage executor whose weights persist over rounds."""
 
     def __init__(self, cfg: BenchConfig, m: int, device: torch.device, pool: list[dict]):
-        from ..optim.torch_updater import TorchOptimizerUpdater
-        from ..runtime import PipelineExecutor, StageLinks
+        from megatron_2bw.optim.torch_updater import TorchOptimizerUpdater
+        from megatron_2bw.runtime import PipelineExecutor, StageLinks
 
         module = EngineStage(build_blocks(cfg, 0, 1), True, True, SavedTensorMeter()).to(device)
         updater = TorchOptimizerUpdater(list(module.parameters()),
@@ -66,7 +66,7 @@ class _EngineSide:
         self.m, self.device, self.pool, self.next_minibatch = m, device, pool, 0
 
     def session(self, n: int) -> list[float]:
-        from ..schedules import build_schedule
+        from megatron_2bw.schedules import build_schedule
 
         schedule = build_schedule("flush", 1, self.m, n, first_minibatch=self.next_minibatch)
         self.next_minibatch += n

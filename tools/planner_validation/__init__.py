@@ -1,0 +1,36 @@
+"""Check the planner's predictions against real training runs on this machine.
+
+`tools/validate_planner.py` (a thin wrapper around `cli.main`) does, on the CPU:
+
+1. **Calibrate** (`calibrate.py`). Profile the model with the planner's own profiler;
+   measure, in two worker processes (the two "devices"), gloo bandwidth, this project's
+   optimizer step and the memory a near-empty run costs; write a hardware JSON.
+2. **Predict** (`predictions.py`). Every configuration the planner enumerates for 2 devices
+   and the batch, evaluated by its `CostModel` with that hardware, the profile and fp32
+   number formats (`plans.FP32`).
+3. **Measure** (`measure.py`). Every plan as a real training run (`pretrain_gpt.py`'s
+   body with the plan's flags and `--mock-data`) in a child forked from one of two warm
+   workers (`workers.py`): median iteration time and the peak memory the run added,
+   rerun when other processes loaded the machine (`proc.py`).
+4. **Compare** (`report.py`). Relative errors, the planner's pick against the fastest
+   measured plan, a markdown table, a scatter plot, JSON.
+
+`plans.py` holds what is validated (`Setup`, each plan's flags), `run.py` the four
+steps strung together. Only the worker and calibration functions import torch, lazily;
+the comparison and formatting code is pure and unit-tested. The workers run as
+`python -m planner_validation _worker ...` with tools/ on PYTHONPATH.
+"""
+from .calibrate import (calibrate_bandwidth, calibration_jobs, run_calibration,  # noqa: F401
+                        hardware_from_calibration, profile_layer, run_profile)
+from .cli import build_parser, main  # noqa: F401
+from .measure import (measure_plans, read_iteration_times, record_attempt,  # noqa: F401
+                      steady_median)
+from .plans import (FP32, Setup, model_flags, null_setup, plan_flags, plan_key,  # noqa: F401
+                    profile_sizes)
+from .predictions import cost_model, predict  # noqa: F401
+from .proc import machine_busy_share, other_load, wait_for_quiet  # noqa: F401
+from .report import (MB, TARGETS, Row, markdown_table, rel_error, render,  # noqa: F401
+                     rows_from_estimates, rows_from_report, scatter_plot, summarize,
+                     summary_text)
+from .run import validate  # noqa: F401
+from .workers import ALLOCATOR_ENV, ROOT, run_jobs  # noqa: F401
