@@ -23,8 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .adam import AdamDirection
+from .compensation import COMPENSATIONS, DelayCompensation
 from .loss_scale import LossScaleConfig, LossScaler
+from .muon import MuonConfig, MuonDirection, MuonParamSpec, TensorParallel
 from .torch_updater import alias_parameter
+
+OPTIMIZERS = ("adam", "muon")
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,18 @@ class OptimizerConfig:
     lr_decay_samples: int = 1        # from --lr-decay-iters (default --train-iters)
     global_batch_size: int = 1       # samples per step (the scheduler counts samples)
     loss_scale: LossScaleConfig = LossScaleConfig()
+    optimizer: str = "adam"          # --optimizer {adam,muon}: muon = Muon on 2D hidden
+    #                                  weights, AdamW on the rest (Megatron-LM's split)
+    muon: MuonConfig = MuonConfig()  # --muon-* flags
+    delay_compensation: str = "none"  # --delay-compensation (2BW only)
+    delay_compensation_alpha: float = 1.0  # --delay-compensation-alpha
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer {self.optimizer!r}: choose one of {OPTIMIZERS}")
+        if self.delay_compensation not in COMPENSATIONS:
+            raise ValueError(f"--delay-compensation {self.delay_compensation!r}: choose one "
+                             f"of {COMPENSATIONS}")
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,7 @@ class ParamInfo:
     decay: bool          # weight decay applies (not biases, not norms)
     counts_in_norm: bool  # not a tensor-parallel duplicate, not the last stage's tied copy
     tied: bool           # the tied word embedding / output weight
+    muon: Optional[MuonParamSpec] = None  # set: Muon steps it (--optimizer muon), else AdamW
 
 
 @dataclass(frozen=True)
@@ -62,24 +80,55 @@ class StepGroups:
     model_parallel: Optional[dist.ProcessGroup] = None
 
 
+class _ParamGroups:
+    """What megatron-core's OptimizerParamScheduler drives: a decay and a no-decay group
+    whose "lr" and "weight_decay" it sets before every step."""
+
+    def __init__(self) -> None:
+        self.param_groups = [{"wd_mult": 1.0}, {"wd_mult": 0.0}]
+
+    @property
+    def lr(self) -> float:
+        return self.param_groups[0]["lr"]
+
+    @property
+    def weight_decay(self) -> float:
+        return self.param_groups[0]["weight_decay"]
+
+
 class MegatronUpdater:
-    """AdamW + LR schedule + loss scaling + global clipping for any weight-version scheme."""
+    """AdamW or Muon + LR schedule + loss scaling + global clipping + 2BW delay
+    compensation, for any weight-version scheme.
+
+    The step is written as directions: each optimizer returns the update direction u of
+    its parameters and `DelayCompensation` applies W <- W (1 - lr wd) - lr u (or its
+    compensated form) to the true weights (the fp32 masters), then publishes them, or
+    with weight prediction a prediction of the next version, into the target buffer.
+    """
 
     def __init__(self, params: list[nn.Parameter], infos: list[ParamInfo],
-                 config: OptimizerConfig, groups: StepGroups = StepGroups()):
+                 config: OptimizerConfig, groups: StepGroups = StepGroups(),
+                 tp: TensorParallel = TensorParallel()):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.config, self.groups, self.infos = config, groups, infos
         self.fp32 = all(p.dtype == torch.float32 for p in params)
-        self.masters = [_master(p, self.fp32) for p in params]
-        decay = [m for m, i in zip(self.masters, infos) if i.decay]
-        no_decay = [m for m, i in zip(self.masters, infos) if not i.decay]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-            lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            weight_decay=config.weight_decay, foreach=True)
+        # fp32 weights are updated in place in the target buffer, unless the buffers hold
+        # predictions: then the true weights need their own (third) buffer.
+        self.alias = self.fp32 and config.delay_compensation != "weight-prediction"
+        self.masters = [_master(p, self.alias) for p in params]
+        self._muon_idx = [i for i, info in enumerate(infos) if info.muon is not None]
+        self._adam_idx = [i for i, info in enumerate(infos) if info.muon is None]
+        self.adam = AdamDirection([self.masters[i] for i in self._adam_idx], config.adam_beta1,
+                                  config.adam_beta2, config.adam_eps)
+        self.muon = MuonDirection([infos[i].muon for i in self._muon_idx], config.muon, tp,
+                                  device=params[0].device if params else None)
+        self.compensation = DelayCompensation(config.delay_compensation,
+                                              config.delay_compensation_alpha, self.masters)
+        self._decay = [i.decay for i in infos]
+        self.param_groups = _ParamGroups()
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if config.lr_warmup_samples else config.lr,
+            self.param_groups, init_lr=0.0 if config.lr_warmup_samples else config.lr,
             max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=config.lr_warmup_samples,
             lr_decay_steps=max(config.lr_decay_samples, config.lr_warmup_samples + 1),
             lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
@@ -116,49 +165,61 @@ class MegatronUpdater:
             work.wait()
         norm, found_inf = stats[0].sqrt().item(), bool(stats[1].item() > 0)
         self.scaler.update(found_inf)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = self.param_groups.lr
         if found_inf:
-            self._publish(newest, target, from_masters=False)
+            _copy(target, newest)
             return {"grad_norm": float("nan"), "skipped": 1.0, "loss_scale": self.scaler.scale,
                     "lr": lr}
         if self.config.clip_grad > 0:
             coef = self.config.clip_grad / (norm + 1e-6)
             if coef < 1.0:
                 flat_grad.mul_(coef)
-        self._adam(newest, target, grads)
-        self.scheduler.step(increment=self.config.global_batch_size)
+        self._step(newest, target, grads)
         return {"grad_norm": norm, "skipped": 0.0, "loss_scale": self.scaler.scale, "lr": lr}
 
-    def _adam(self, newest: list[torch.Tensor], target: list[torch.Tensor],
+    def _step(self, newest: list[torch.Tensor], target: list[torch.Tensor],
               grads: list[torch.Tensor]) -> None:
-        if self.fp32:
-            with torch.no_grad():
-                if target[0] is not newest[0]:
-                    torch._foreach_copy_(target, newest)
+        """Directions, the (compensated) update of the true weights, then publication."""
+        if self.alias:  # the true weights are the target buffer, starting from the newest
+            _copy(target, newest)
             for master, weight in zip(self.masters, target):
                 master.data = weight.data
-        for master, grad in zip(self.masters, grads):
-            master.grad = grad
-        self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        if not self.fp32:
-            self._publish(newest, target, from_masters=True)
-
-    def _publish(self, newest: list[torch.Tensor], target: list[torch.Tensor],
-                 from_masters: bool) -> None:
-        source = self.masters if from_masters else newest
+        u = self.directions(grads)
+        lr, wd = self.param_groups.lr, self.param_groups.weight_decay
         with torch.no_grad():
-            if target[0] is not source[0]:
-                torch._foreach_copy_(target, [s.data for s in source])
+            self.compensation.update(self.masters, u, lr, [wd if d else 0.0 for d in self._decay])
+        self.scheduler.step(increment=self.config.global_batch_size)
+        if self.compensation.predicts:  # publish W - lr_next * u, where it will be applied
+            with torch.no_grad():
+                _copy(target, torch._foreach_add(self.masters, u, alpha=-self.param_groups.lr))
+        elif not self.alias:
+            _copy(target, self.masters)
+
+    def directions(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter's update direction u, in parameter order (Adam or Muon)."""
+        u: list[Optional[torch.Tensor]] = [None] * len(grads)
+        for indices, optimizer in ((self._adam_idx, self.adam), (self._muon_idx, self.muon)):
+            if indices:
+                for idx, d in zip(indices, optimizer.direction([grads[i] for i in indices])):
+                    u[idx] = d
+        return u
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state beyond the weight buffers (moments, masters, compensation)."""
+        tensors = (self.adam.exp_avg + self.adam.exp_avg_sq + self.muon.buffers
+                   + self.compensation.buffers + ([] if self.alias else self.masters))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "masters": None if self.fp32 else [m.detach().clone() for m in self.masters]}
+        return {"adam": self.adam.state_dict(), "muon": self.muon.state_dict(),
+                "compensation": self.compensation.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "masters": None if self.alias else [m.detach().clone() for m in self.masters]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.adam.load_state_dict(state["adam"])
+        self.muon.load_state_dict(state["muon"])
+        self.compensation.load_state_dict(state["compensation"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         if state.get("masters") is not None:
@@ -166,6 +227,12 @@ class MegatronUpdater:
                 for m, saved in zip(self.masters, state["masters"]):
                     m.copy_(saved)
 
+
+def _copy(target: list[torch.Tensor], source: list[torch.Tensor]) -> None:
+    """target <- source (cast to the target's dtype), unless they are the same buffer."""
+    with torch.no_grad():
+        if target and target[0].data_ptr() != source[0].data_ptr():
+            torch._foreach_copy_(target, [s.data for s in source])
 
 
 def _master(param: nn.Parameter, alias: bool) -> nn.Parameter:

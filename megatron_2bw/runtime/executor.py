@@ -112,15 +112,20 @@ class PipelineExecutor:
                              f"{held}")
 
     def evaluate(self, schedule: Schedule, data: Iterator[dict]) -> Optional[float]:
-        """Run a forward-only schedule without autograd; the mean loss on the last stage."""
+        """Run a forward-only schedule without autograd, in eval mode (dropout off, so the
+        training RNG stream is untouched); the mean loss on the last stage."""
         self._reset(schedule, data)
         self._train = False
+        for module in self.weights.modules:  # no dropout: a clean loss, no RNG draws
+            module.eval()
         try:
             with torch.no_grad():
                 for action in schedule[self.links.stage]:
                     self._handlers[action.kind](action)
         finally:
             self._train = True
+            for module in self.weights.modules:
+                module.train()
         self.p2p.wait_all()
         losses = [loss for per_mb in self._micro_losses.values() for loss in per_mb]
         return torch.stack(losses).mean().item() if losses else None

@@ -13,6 +13,8 @@ import torch
 
 from ..models.config import ModelConfig, pad_vocab_size
 from ..optim.loss_scale import LossScaleConfig
+from ..optim.compensation import COMPENSATIONS
+from ..optim.muon import FP16_REFUSAL, MuonConfig
 from ..optim.updater import OptimizerConfig
 from ..schedules import SCHEDULE_NAMES, canonical_name
 from .config import DataConfig, ParallelConfig, RunConfig, TrainConfig
@@ -63,7 +65,9 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
 
 def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=["adam"], default="adam", help="adam (AdamW)")
+    g.add_argument("--optimizer", choices=["adam", "muon"], default="adam",
+                   help="adam (AdamW), or muon: Muon on the 2D hidden weights, AdamW on "
+                        "embeddings, output layer, biases and norms (as Megatron-LM)")
     g.add_argument("--lr", type=float, required=True, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0, help="final learning rate")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"],
@@ -76,6 +80,8 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
     g.add_argument("--clip-grad", type=float, default=1.0, help="global-norm clip (0 = off)")
+    _muon_flags(p)
+    _compensation_flags(p)
     g.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     g.add_argument("--bf16", action="store_true", help="bf16 (fp32 master weights)")
     g.add_argument("--loss-scale", type=float, help="fp16: a constant loss scale")
@@ -86,6 +92,37 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
                    help="fp16: clean steps before the scale doubles")
     g.add_argument("--hysteresis", type=int, default=2,
                    help="fp16: overflowing steps before the scale halves")
+
+
+def _muon_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's Muon flags and defaults (core_v0.16.1 arguments.py)."""
+    g = p.add_argument_group("muon (--optimizer muon)")
+    g.add_argument("--muon-momentum", type=float, default=0.9, help="momentum coefficient")
+    g.add_argument("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
+                   help="orthogonalize the fused QKV weight as one matrix (default: q, k, v "
+                        "separately)")
+    g.add_argument("--muon-use-nesterov", action="store_true", help="Nesterov momentum")
+    g.add_argument("--muon-scale-mode", choices=["spectral", "unit_rms_norm", "shape_scaling"],
+                   default="spectral", help="scale of the orthogonalized update")
+    g.add_argument("--muon-fp32-matmul-prec", choices=["low", "medium", "high"],
+                   default="medium", help="Newton-Schulz matmul precision (medium: bf16)")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz steps")
+    g.add_argument("--muon-tp-mode", choices=["blockwise", "duplicated"], default="blockwise",
+                   help="blockwise: orthogonalize each tensor-parallel shard; duplicated: "
+                        "gather the whole matrix (TP=N equals TP=1)")
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0,
+                   help="extra factor on the update")
+
+
+def _compensation_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("2BW delay compensation (--pipeline-schedule 2bw)")
+    g.add_argument("--delay-compensation", choices=list(COMPENSATIONS), default="none",
+                   help="none: the paper's one-step-stale update; error-feedback: extrapolate "
+                        "the update by alpha x its last change; weight-prediction: run each "
+                        "minibatch on a prediction of the weights its gradient is applied to "
+                        "(docs/training.md)")
+    g.add_argument("--delay-compensation-alpha", type=float, default=1.0,
+                   help="error-feedback: extrapolation factor alpha")
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
@@ -172,7 +209,27 @@ def _optimizer_config(args, gbs: int, precision: str) -> OptimizerConfig:
                            lr_decay_style=args.lr_decay_style,
                            lr_warmup_samples=warmup_iters * gbs,
                            lr_decay_samples=decay_iters * gbs, global_batch_size=gbs,
-                           loss_scale=scale)
+                           loss_scale=scale, optimizer=args.optimizer, muon=_muon_config(args),
+                           delay_compensation=args.delay_compensation,
+                           delay_compensation_alpha=args.delay_compensation_alpha)
+
+
+def _muon_config(args) -> MuonConfig:
+    return MuonConfig(momentum=args.muon_momentum, split_qkv=args.muon_split_qkv,
+                      use_nesterov=args.muon_use_nesterov, scale_mode=args.muon_scale_mode,
+                      fp32_matmul_prec=args.muon_fp32_matmul_prec,
+                      num_ns_steps=args.muon_num_ns_steps, tp_mode=args.muon_tp_mode,
+                      extra_scale_factor=args.muon_extra_scale_factor)
+
+
+def _check_optimizer(args, schedule: str, precision: str) -> None:
+    """Cross-flag rules of the optimizer and the delay compensation."""
+    if args.optimizer == "muon" and precision == "fp16":
+        raise ValueError(f"{FP16_REFUSAL} (--optimizer muon with --fp16); use --bf16 or fp32")
+    if args.delay_compensation != "none" and schedule != "2bw":
+        raise ValueError(f"--delay-compensation {args.delay_compensation} compensates 2BW's "
+                         f"one-step delay; --pipeline-schedule {schedule} has none (use "
+                         "--pipeline-schedule 2bw or --delay-compensation none)")
 
 
 def config_from_args(args: argparse.Namespace, model: str, world_size: int,
@@ -194,6 +251,7 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
         raise ValueError(f"--num-layers {args.num_layers} is not divisible by "
                          f"--pipeline-model-parallel-size {parallel.pipeline_parallel}")
     precision, dtype = _precision(args)
+    _check_optimizer(args, parallel.schedule, precision)
     padded = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, parallel.tensor_parallel)
     data = DataConfig(data_path=tuple(args.data_path), split=args.split, mock_data=args.mock_data,
                       tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,

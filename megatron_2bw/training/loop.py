@@ -17,6 +17,8 @@ from megatron.core import parallel_state as ps
 
 from ..data.datasets import microbatches
 from ..models import build_stage, model_parallel_manual_seed
+from ..optim.muon import (MuonParamSpec, TensorParallel, is_megatron_muon_param,
+                          is_megatron_qkv_param, make_tp_gather, qkv_split_rows)
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
 from ..runtime.grad_sync import TiedGradSync
@@ -37,7 +39,19 @@ MAX_SEGMENT = 1000
 
 
 
-def _param_infos(module, tp_rank: int) -> list[ParamInfo]:
+def _muon_spec(name: str, p, run: RunConfig) -> MuonParamSpec | None:
+    """Megatron-LM's rule: Muon steps the 2D weights but the word embedding and output layer."""
+    if run.optimizer.optimizer != "muon" or not is_megatron_muon_param(p):
+        return None
+    m = run.model
+    qkv = (qkv_split_rows(m.num_attention_heads, m.num_attention_heads,
+                          m.hidden_size // m.num_attention_heads)
+           if is_megatron_qkv_param(name, p) else None)
+    dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
+    return MuonParamSpec(tuple(p.shape), partition_dim=dim, qkv_split=qkv)
+
+
+def _param_infos(module, tp_rank: int, run: RunConfig) -> list[ParamInfo]:
     """One entry per trained parameter, in the order the weight buffers hold them."""
     tied = module.shared_embedding_weight()
     last_copy = tied is not None and module.is_last and not module.is_first
@@ -49,7 +63,7 @@ def _param_infos(module, tp_rank: int) -> list[ParamInfo]:
         tp_dup = not getattr(p, "tensor_model_parallel", False) and tp_rank != 0
         infos.append(ParamInfo(name=name, decay=p.dim() > 1 and not name.endswith(".bias"),
                                counts_in_norm=not tp_dup and not (is_tied and last_copy),
-                               tied=is_tied))
+                               tied=is_tied, muon=_muon_spec(name, p, run)))
     return infos
 
 
@@ -88,10 +102,13 @@ class Trainer:
         """The stage, its updater and an executor allocated from `schedule`'s declarations."""
         run, par = self.run, self.run.parallel
         module = build_stage(run.model, self.stage, par.pipeline_parallel).to(self.env.device)
-        infos = _param_infos(module, ps.get_tensor_model_parallel_rank())
+        infos = _param_infos(module, ps.get_tensor_model_parallel_rank(), run)
         params = [p for p in module.parameters() if p.requires_grad]
+        tp = TensorParallel(ps.get_tensor_model_parallel_rank(),
+                            ps.get_tensor_model_parallel_world_size(),
+                            make_tp_gather(ps.get_tensor_model_parallel_group()))
         updater = MegatronUpdater(params, infos, run.optimizer,
-                                  StepGroups(model_parallel=ps.get_model_parallel_group()))
+                                  StepGroups(model_parallel=ps.get_model_parallel_group()), tp)
         links = stage_links(module.boundary_shape(run.train.micro_batch_size),
                             module.boundary_dtype, self.env.device)
         executor = PipelineExecutor(
