@@ -133,6 +133,33 @@ def test_2bw_holds_two_weight_versions_and_two_gradient_buffers():
     assert twobw.activation_bytes == pytest.approx(flush.activation_bytes)
 
 
+def test_optimizer_and_delay_compensation_state_is_counted():
+    """Muon keeps one moment (-4 B/param); error feedback its last update (+4 B, 2bw
+    only); weight prediction nothing over master weights, a third fp32 buffer without."""
+    from dataclasses import replace
+
+    from megatron_2bw.planner.spec import Precision, optimizer_precision
+
+    base = cost_model()
+    flush_cfg, twobw_cfg = (ParallelConfig(n, 1, 4, 1, 2, 8, False) for n in ("flush", "2bw"))
+
+    def per_param(precision: Precision, cfg: ParallelConfig) -> float:
+        stage = _stage0(replace(base, precision=precision), cfg)
+        return stage.weight_bytes / stage.params
+
+    ef = optimizer_precision("adam", "error-feedback")
+    assert per_param(ef, twobw_cfg) == pytest.approx(per_param(Precision(), twobw_cfg) + 4)
+    assert per_param(ef, flush_cfg) == pytest.approx(per_param(Precision(), flush_cfg))
+    muon = optimizer_precision("muon")
+    assert per_param(muon, twobw_cfg) == pytest.approx(per_param(Precision(), twobw_cfg) - 4)
+    fp32 = Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4)
+    wp = optimizer_precision("adam", "weight-prediction", fp32)
+    assert per_param(wp, twobw_cfg) == pytest.approx(per_param(fp32, twobw_cfg) + 4)
+    assert optimizer_precision("adam", "weight-prediction").compensation_bytes == 0
+    with pytest.raises(ValueError, match="--delay-compensation"):
+        optimizer_precision("adam", "magic")
+
+
 def test_gpipe_stashes_m_microbatches_flush_at_most_d():
     cm = cost_model()
     d, m = 4, 16

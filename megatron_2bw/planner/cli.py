@@ -20,7 +20,7 @@ from .explain import format_table
 from .hardware import PRESETS, Hardware, load_hardware
 from .report import to_json
 from .search import SearchResult, SearchSpace, search
-from .spec import SCHEDULES, ModelSpec
+from .spec import COMPENSATIONS, OPTIMIZERS, SCHEDULES, ModelSpec, optimizer_precision
 
 logger = logging.getLogger(__name__)
 DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--num-gpus", type=_positive_int, required=True)
     j.add_argument("--hardware", default="p3.16xlarge",
                    help=f"a preset ({', '.join(PRESETS)}) or FILE.json with Hardware's fields")
+    j.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                   help="the optimizer state the memory model counts (muon: less)")
+    j.add_argument("--delay-compensation", choices=COMPENSATIONS, default="none",
+                   help="2BW's delay compensation, whose state 2bw plans then count")
     j.add_argument("--profile", help="profile JSON from `python -m megatron_2bw.planner profile`; "
                                      "without it compute is estimated from FLOPs")
     s = p.add_argument_group("search and output")
@@ -135,7 +139,8 @@ def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
         raise PlannerArgumentError(str(err)) from None
     hw = _hardware(args)
     _check_gpus(args, hw)
-    cm = CostModel(model, _layers(args, model, hw), hw)
+    cm = CostModel(model, _layers(args, model, hw), hw,
+                   optimizer_precision(args.optimizer, args.delay_compensation))
     space = SearchSpace(args.num_gpus, args.global_batch_size, schedules=args.schedules,
                         micro_batch_sizes=args.micro_batch_sizes,
                         tensor_parallel_sizes=args.tensor_parallel_sizes)

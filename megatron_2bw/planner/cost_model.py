@@ -312,7 +312,8 @@ def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, .
     layer = _layer_times(cm, cfg)
     declared = _schedule(cfg.schedule, d, m, 1)  # what the runtime allocates, per stage
     stash = declared.stash_limit
-    per_param = prec.bytes_per_param(declared.weight_versions, declared.grad_buffers)
+    per_param = prec.bytes_per_param(declared.weight_versions, declared.grad_buffers,
+                                     compensated=cfg.schedule == "2bw")
     layers = cm.model.num_layers // d
     out = []
     for s in range(d):

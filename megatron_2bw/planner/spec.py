@@ -5,7 +5,7 @@ FLOPs, activation bytes), each with its source. No torch import: the planner run
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..vocab import pad_vocab_size
@@ -140,10 +140,46 @@ class Precision:
     step_bytes_touched: int = 34
     """Bytes the Adam step reads and writes per parameter (master, moments, gradient,
     new fp16 weights); the step is memory-bound, so its time is this over HBM bandwidth."""
+    compensation_bytes: int = 0
+    """State of 2BW's `--delay-compensation` per parameter, counted on 2bw plans only."""
 
-    def bytes_per_param(self, weight_versions: int, grad_buffers: int) -> int:
+    def bytes_per_param(self, weight_versions: int, grad_buffers: int,
+                        compensated: bool = False) -> int:
         return (self.param_bytes * weight_versions + self.grad_bytes * grad_buffers
-                + self.optimizer_bytes)
+                + self.optimizer_bytes + (self.compensation_bytes if compensated else 0))
+
+
+OPTIMIZERS = ("adam", "muon")
+COMPENSATIONS = ("none", "error-feedback", "weight-prediction")
+
+
+def optimizer_precision(optimizer: str = "adam", compensation: str = "none",
+                        base: Precision = Precision()) -> Precision:
+    """`base` (mixed precision: fp32 master weights + Adam) with the run's optimizer and
+    delay compensation, as megatron_2bw.optim holds them:
+
+    - muon: fp32 master + one fp32 momentum (8 B instead of 12 B), and a step that reads
+      and writes 8 B less (Newton-Schulz's matmuls are not modelled: a few percent of a
+      layer's compute). Counting every parameter at Muon's rate under-counts the
+      embedding and output layer, which Muon leaves to Adam, by 4 B each.
+    - error-feedback: the last update u_{t-1} in fp32, 4 B.
+    - weight-prediction: nothing with master weights (they hold the true weights); a
+      third weight buffer (param_bytes) when the model is fp32 (no masters), i.e. when
+      base.optimizer_bytes has no master copy (8 B: Adam's moments only).
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {optimizer!r}: choose one of {OPTIMIZERS}")
+    if compensation not in COMPENSATIONS:
+        raise ValueError(f"--delay-compensation {compensation!r}: choose one of "
+                         f"{COMPENSATIONS}")
+    has_masters = base.optimizer_bytes >= 12
+    optimizer_bytes, step = base.optimizer_bytes, base.step_bytes_touched
+    if optimizer == "muon":
+        optimizer_bytes, step = optimizer_bytes - 4, step - 8
+    extra = {"none": 0, "error-feedback": 4,
+             "weight-prediction": 0 if has_masters else base.param_bytes}[compensation]
+    return replace(base, optimizer_bytes=optimizer_bytes, step_bytes_touched=step,
+                   compensation_bytes=extra)
 
 
 @dataclass(frozen=True, order=True)

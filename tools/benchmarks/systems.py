@@ -130,7 +130,9 @@ class EngineRunner:
                 "engine_peak_stashes": self.peak_stashes,
                 "activation_bytes": self.meter.peak_bytes, "weight_bytes": store.weight_bytes(),
                 "grad_bytes": sum(g.numel() * g.element_size() for g in store.grad_buffers),
-                "optimizer_bytes": optimizer_bytes(self.updater.optimizer),
+                "optimizer_bytes": (self.updater.state_bytes()
+                                    if hasattr(self.updater, "state_bytes")
+                                    else optimizer_bytes(self.updater.optimizer)),
                 "peak_live_versions": store.peak_live,
                 "action_ms_per_minibatch": {k: 1e3 * v / self.profiled_minibatches for k, v
                                             in sorted(self.action_seconds.items())}
