@@ -60,6 +60,21 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
     g.add_argument("--exit-interval", type=int, help="stop at this iteration (after saving)")
     g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="allow --save to replace an existing iter_* directory")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, take the learning-rate schedule from the flags, not "
+                        "the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, take the learning-rate schedule from the checkpoint "
+                        "even where the flags differ")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, save a checkpoint at the end of the current minibatch "
+                        "and exit 0")
+    g.add_argument("--exit-duration-in-mins", type=int,
+                   help="save and exit after this many minutes of training")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="a rank that waits this long for another ends the job, naming it")
     g.add_argument("--metrics-file", help="append one JSON object per iteration to this file")
 
 
@@ -154,6 +169,8 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--mask-prob", type=float, default=0.15, help="BERT masking probability")
+    g.add_argument("--data-cache-path", help="where dataset index caches go (default: next "
+                   "to each dataset; set it when the data directory is read-only)")
 
 
 def build_parser(model: str) -> argparse.ArgumentParser:
@@ -258,13 +275,21 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                       vocab_size=args.vocab_size,
                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                      seq_length=args.seq_length, seed=args.seed, mask_prob=args.mask_prob)
+                      seq_length=args.seq_length, seed=args.seed, mask_prob=args.mask_prob,
+                      data_cache_path=args.data_cache_path)
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=gbs,
                         train_iters=args.train_iters, log_interval=args.log_interval,
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         save=args.save, load=args.load, save_interval=args.save_interval,
                         metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
-                        seed=args.seed, exit_interval=args.exit_interval)
+                        seed=args.seed, exit_interval=args.exit_interval,
+                        overwrite_checkpoints=args.overwrite_checkpoints,
+                        override_opt_param_scheduler=args.override_opt_param_scheduler,
+                        use_checkpoint_opt_param_scheduler=(
+                            args.use_checkpoint_opt_param_scheduler),
+                        exit_signal_handler=args.exit_signal_handler,
+                        exit_duration_in_mins=args.exit_duration_in_mins,
+                        distributed_timeout_minutes=args.distributed_timeout_minutes)
     return RunConfig(model=_model_config(args, model, dtype, padded), parallel=parallel,
                      optimizer=_optimizer_config(args, gbs, precision), data=data, train=train,
                      precision=precision, flags=vars(args))

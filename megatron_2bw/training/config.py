@@ -51,6 +51,7 @@ class DataConfig:
     seed: int = 1234
     mask_prob: float = 0.15              # BERT masking
     short_seq_prob: float = 0.1
+    data_cache_path: Optional[str] = None  # --data-cache-path
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,12 @@ class TrainConfig:
     tensorboard_dir: Optional[str] = None
     seed: int = 1234
     exit_interval: Optional[int] = None   # --exit-interval: stop (after saving) at this iteration
+    overwrite_checkpoints: bool = False   # --overwrite-checkpoints
+    override_opt_param_scheduler: bool = False        # --override-opt_param-scheduler
+    use_checkpoint_opt_param_scheduler: bool = False  # --use-checkpoint-opt_param-scheduler
+    exit_signal_handler: bool = False     # --exit-signal-handler: save and exit 0 on SIGTERM
+    exit_duration_in_mins: Optional[int] = None  # --exit-duration-in-mins
+    distributed_timeout_minutes: float = 10.0    # --distributed-timeout-minutes
 
 
 @dataclass(frozen=True)
