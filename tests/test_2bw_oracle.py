@@ -19,25 +19,17 @@ pytestmark = pytest.mark.slow
 def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
     from megatron.core import parallel_state as ps
 
-    from megatron_2bw.models import apply_cpu_shims, build_stage, model_parallel_manual_seed
-    from megatron_2bw.training.arguments import config_from_args, parse_args
-    from megatron_2bw.data.datasets import collate, sample_fn
-    from megatron_2bw.training.data_sources import data_sources, tokenizer_from_args
+    from megatron_2bw.data.datasets import collate
+    from megatron_2bw.training.reference import single_process_model
 
-    args = parse_args("gpt", argv)
-    tokenizer = tokenizer_from_args(args, "gpt")
-    run = config_from_args(args, "gpt", 1, tokenizer.vocab_size)
-    ps.initialize_model_parallel(1, 1)
-    apply_cpu_shims("cpu")
-    model_parallel_manual_seed(args.seed)
-    current, previous = build_stage(run.model, 0, 1), build_stage(run.model, 0, 1)
+    ref = single_process_model("gpt", argv)
+    args, run, current, previous, sample = ref.args, ref.run, ref.model, ref.build(), ref.sample
     previous.load_state_dict(current.state_dict())
     named = list(current.named_parameters())
     decay = [p for n, p in named if p.dim() > 1 and not n.endswith(".bias")]
     no_decay = [p for n, p in named if not (p.dim() > 1 and not n.endswith(".bias"))]
     opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, weight_decay=args.weight_decay, foreach=True)
-    sample = sample_fn(data_sources(run, tokenizer).train)
     gbs, mbs = run.train.global_batch_size, args.micro_batch_size
     out = []
     for k in range(args.train_iters):

@@ -56,24 +56,16 @@ class _Directions:
 def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
     from megatron.core import parallel_state as ps
 
-    from megatron_2bw.data.datasets import collate, sample_fn
-    from megatron_2bw.models import apply_cpu_shims, build_stage, model_parallel_manual_seed
-    from megatron_2bw.training.arguments import config_from_args, parse_args
-    from megatron_2bw.training.data_sources import data_sources, tokenizer_from_args
+    from megatron_2bw.data.datasets import collate
+    from megatron_2bw.training.reference import single_process_model
 
-    args = parse_args("gpt", argv)
-    tokenizer = tokenizer_from_args(args, "gpt")
-    run = config_from_args(args, "gpt", 1, tokenizer.vocab_size)
-    ps.initialize_model_parallel(1, 1)
-    apply_cpu_shims("cpu")
-    model_parallel_manual_seed(args.seed)
-    model = build_stage(run.model, 0, 1)
+    ref = single_process_model("gpt", argv)
+    args, run, model, sample = ref.args, ref.run, ref.model, ref.sample
     named = list(model.named_parameters())
     true = [p.detach().clone() for _, p in named]
     versions = {0: [t.clone() for t in true]}
     decay = [p.dim() > 1 and not n.endswith(".bias") for n, p in named]
     directions, previous_u = _Directions(named, args), [torch.zeros_like(t) for t in true]
-    sample = sample_fn(data_sources(run, tokenizer).train)
     gbs, mbs, lr, alpha = run.train.global_batch_size, args.micro_batch_size, args.lr, \
         args.delay_compensation_alpha
     out = []

@@ -186,23 +186,15 @@ def measure(extra_flags: list[str], rounds: int, steps: int, max_foreign: float,
     _init_world()
     from megatron.core import parallel_state as ps
 
-    from megatron_2bw.data.datasets import collate, sample_fn
-    from megatron_2bw.models import apply_cpu_shims, build_stage, model_parallel_manual_seed
+    from megatron_2bw.data.datasets import collate
     from megatron_2bw.optim.updater import MegatronUpdater, StepGroups
-    from megatron_2bw.training.arguments import config_from_args, parse_args
-    from megatron_2bw.training.data_sources import data_sources, tokenizer_from_args
     from megatron_2bw.training.loop import _param_infos
+    from megatron_2bw.training.reference import single_process_model
 
     argv = _megatron_argv(extra_flags)
-    args = parse_args("gpt", argv)
-    tokenizer = tokenizer_from_args(args, "gpt")
-    run = config_from_args(args, "gpt", 1, tokenizer.vocab_size)
-    ps.initialize_model_parallel(1, 1)
-    apply_cpu_shims("cpu")
-    model_parallel_manual_seed(args.seed)
-    module = build_stage(run.model, 0, 1)
+    ref = single_process_model("gpt", argv)
+    run, module, sample = ref.run, ref.model, ref.sample
     m, mbs = run.num_microbatches, run.train.micro_batch_size
-    sample = sample_fn(data_sources(run, tokenizer).train)
     batches = [collate([sample(i) for i in range(j * mbs, (j + 1) * mbs)]) for j in range(m)]
     compute = _Compute(module, batches)
     compute.run()
