@@ -5,7 +5,9 @@
         --merge-file gpt2-merges.txt --append-eod --workers 8
 
 writes data/owt_text_document.bin/.idx (``--data-path data/owt_text_document``). Exit status 1
-with a one-line message on stderr for bad flags, a missing/empty input or a malformed line.
+with a one-line message on stderr for bad flags, a missing/empty input, a vocabulary too large
+for the output dtype, or a malformed line (which includes a token id outside the tokenizer's
+vocabulary or the output dtype: ``FILE:LINE: malformed line, key 'text': token id ...``).
 """
 from __future__ import annotations
 

@@ -4,7 +4,10 @@
 ``BlendedMegatronDatasetBuilder`` call that Megatron-LM's ``pretrain_gpt.py`` /
 ``pretrain_bert.py`` make (``GPTDataset``/``MockGPTDataset``, ``BERTMaskedWordPieceDataset``,
 or this package's ``MockBERTDataset``), with the same defaults, so the same flags give the same
-samples.
+samples. Before megatron-core sees a real dataset, every prefix is checked (``check_data``:
+.idx/.bin agreement and token ids against the tokenizer, see ``integrity.py``) and the index
+cache folder must be creatable (``--data-cache-path`` for data in a read-only directory), so
+bad data is a one-line error at start-up, not a crash at some iteration.
 
 ``microbatches`` replaces Megatron-LM's ``MegatronPretrainingSampler`` + DataLoader: the
 samples after ``consumed_samples`` are cut into chunks of micro_batch_size x dp_size and data-
@@ -15,7 +18,9 @@ consumed_samples, so resuming at a checkpoint's consumed_samples continues exact
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -28,12 +33,15 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
+from megatron_2bw.data.integrity import check_indexed_dataset
 from megatron_2bw.data.mock import MockBERTDataset
 from megatron_2bw.data.tokenizers import MegatronTokenizer
 
 logger = logging.getLogger(__name__)
 
 MODELS = ("gpt", "bert")
+# errors that mean "cannot write here": megatron-core's cache writes are the only writes
+_WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 Sample = Dict[str, Optional[torch.Tensor]]
 Batch = Dict[str, Optional[torch.Tensor]]
 
@@ -107,6 +115,10 @@ class DatasetsConfig:
                 raise FileNotFoundError(f"--data-path {prefix}: no {prefix}.bin/.idx "
                                         "(run tools/preprocess_data.py first)")
         return prefixes, weights
+
+
+class DataCacheError(ValueError):
+    """megatron-core's index cache cannot be written; one line naming the folder."""
 
 
 class Datasets(NamedTuple):
@@ -209,14 +221,75 @@ def build_datasets(config: DatasetsConfig, tokenizer: MegatronTokenizer,
         core_config = bert_dataset_config(config, tokenizer)
     cls = _dataset_class(config)
     if not config.mock:
+        prefixes = core_config.blend[0]
+        check_data(prefixes, tokenizer)
+        _check_cache_writable(config, prefixes)
         _check_splits(cls, core_config)
-    with _process_group():
+    with _process_group(), _cache_write_errors():
         train, valid, test = BlendedMegatronDatasetBuilder(
             cls, config.sizes, is_built_on_rank, core_config).build()
     logger.info("built %s datasets: %s", cls.__name__,
                 ", ".join(f"{n}={len(d) if d is not None else None}"
                           for n, d in zip(("train", "valid", "test"), (train, valid, test))))
     return Datasets(train, valid, test)
+
+
+def check_data(prefixes: Sequence[str], tokenizer: MegatronTokenizer) -> None:
+    """Every prefix's .idx/.bin agree and hold only ids of this tokenizer (data/integrity.py).
+
+    Runs on every rank (the checks are deterministic, so all ranks stop together instead of
+    some waiting at megatron-core's barrier), before megatron-core memory-maps anything.
+    """
+    for prefix in dict.fromkeys(prefixes):
+        check_indexed_dataset(prefix, tokenizer.vocab_size, type(tokenizer).__name__)
+
+
+def cache_folders(config: DatasetsConfig, prefixes: Sequence[str]) -> List[str]:
+    """Where megatron-core writes its index caches: --data-cache-path, else PREFIX/cache."""
+    if config.data_cache_path:
+        return [config.data_cache_path]
+    return [os.path.join(prefix, "cache") for prefix in dict.fromkeys(prefixes)]
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_cache_writable(config: DatasetsConfig, prefixes: Sequence[str]) -> None:
+    """Refuse, before megatron-core's rank-0 build, a cache folder that cannot be created.
+
+    Data in a read-only directory needs --data-cache-path. An existing folder is accepted
+    unwritable: it may already hold every index (then megatron-core only reads it); if not,
+    ``_cache_write_errors`` names it when the write fails.
+    """
+    flag = (f"--data-cache-path {config.data_cache_path}" if config.data_cache_path
+            else "--data-path " + " ".join(dict.fromkeys(prefixes)))
+    for folder in cache_folders(config, prefixes):
+        if os.path.isdir(folder):
+            continue
+        existing = _nearest_existing(folder)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            raise DataCacheError(
+                f"cannot create the dataset index cache {folder}: {existing} is not a writable "
+                f"directory ({flag}); give --data-cache-path DIR on a writable disk")
+
+
+@contextlib.contextmanager
+def _cache_write_errors() -> Iterator[None]:
+    """megatron-core's failed cache write (an OSError, or its own Exception wrapping one
+    under torch.distributed) -> one DataCacheError naming the file."""
+    try:
+        yield
+    except Exception as err:
+        cause = err if isinstance(err, OSError) else err.__cause__
+        if not isinstance(cause, OSError) or cause.errno not in _WRITE_ERRNOS:
+            raise
+        raise DataCacheError(
+            f"cannot write the dataset index cache ({cause.filename}: {cause.strerror}); "
+            "give --data-cache-path DIR on a writable disk") from err
 
 
 def _check_splits(cls: type, core_config: GPTDatasetConfig) -> None:

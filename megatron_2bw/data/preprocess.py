@@ -7,7 +7,8 @@ so the files are interchangeable with Megatron-LM's. Tokenization runs in a proc
 (``imap`` in chunks, ordered, so the output order is the input order whatever the worker count).
 
 Malformed lines (bad JSON, missing key, a value that is neither a string nor a list of strings,
-an empty line) are never dropped silently: with ``on_error="fail"`` (the default, because a
+an empty line, a token id outside the tokenizer's vocabulary or the output dtype) are never
+dropped silently: with ``on_error="fail"`` (the default, because a
 corpus with a broken line usually has a broken producer) the run stops at the first one with its
 line number and the partial output is removed; with ``on_error="skip"`` each is logged with its
 line number, counted, and listed in the result.
@@ -22,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from megatron_2bw.data.sentences import SPLITTERS, SentenceSplitter, make_sentence_splitter
 from megatron_2bw.data.tokenizers import MegatronTokenizer, TokenizerSpec
 
@@ -33,6 +36,29 @@ _MAX_LISTED_BAD_LINES = 20  # logged individually; the rest are counted
 
 class PreprocessError(RuntimeError):
     """The input cannot be converted; the message is one line meant for the user."""
+
+
+def output_dtype(vocab_size: int) -> type:
+    """Megatron-LM's token dtype (``DType.optimal_dtype``): uint16 below 65,500 ids, else
+    int32. Kept here so that workers check ids without importing megatron-core."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def id_range_error(ids: Sequence[int], vocab_size: int, dtype: type) -> Optional[str]:
+    """Why ids cannot be stored, or None. An id outside the vocabulary would be an out-of-range
+    embedding lookup in training; one outside the dtype would be silently wrapped by numpy."""
+    if not ids:
+        return None
+    low, high = min(ids), max(ids)
+    info = np.iinfo(dtype)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        return f"token id {bad} is outside the tokenizer's vocabulary [0, {vocab_size})"
+    if low < info.min or high > info.max:
+        bad = low if low < info.min else high
+        return (f"token id {bad} does not fit the output dtype {np.dtype(dtype).name} "
+                f"[{info.min}, {info.max}]")
+    return None
 
 
 @dataclass(frozen=True)
@@ -122,6 +148,8 @@ class _Encoder:
     def __init__(self, config: PreprocessConfig) -> None:
         self.config = config
         self.tokenizer: MegatronTokenizer = config.tokenizer.build()
+        self.vocab_size = self.tokenizer.vocab_size
+        self.dtype = output_dtype(self.vocab_size)
         self.splitter: Optional[SentenceSplitter] = None
         if config.split_sentences:
             self.splitter = make_sentence_splitter(config.keep_newlines, config.sentence_splitter)
@@ -138,6 +166,10 @@ class _Encoder:
             encoded = {key: self._encode_key(value) for key, value in texts.items()}
         except ValueError as err:  # e.g. NullTokenizer given text that is not integers
             return number, nbytes, None, f"cannot tokenize: {err}"
+        for key, (ids, _) in encoded.items():
+            error = id_range_error(ids, self.vocab_size, self.dtype)
+            if error:
+                return number, nbytes, None, f"key {key!r}: {error}"
         return number, nbytes, encoded, None
 
     def _texts(self, line: str) -> Dict[str, List[str]]:
@@ -206,6 +238,11 @@ def check_tokenizer(config: PreprocessConfig) -> MegatronTokenizer:
     """Build the tokenizer once here: bad flags fail before workers start, and the vocab size
     picks the token dtype (uint16 below 65500 ids, else int32, as Megatron-LM)."""
     tokenizer = config.tokenizer.build()
+    dtype = output_dtype(tokenizer.vocab_size)
+    if tokenizer.vocab_size - 1 > np.iinfo(dtype).max:
+        raise PreprocessError(f"{config.tokenizer.tokenizer_type} has {tokenizer.vocab_size} "
+                              f"token ids, more than the {np.dtype(dtype).name} output can store "
+                              f"(ids up to {np.iinfo(dtype).max}); use a smaller vocabulary")
     if config.append_eod:
         try:
             tokenizer.eod
@@ -243,10 +280,10 @@ class _Writers:
     """One megatron-core IndexedDatasetBuilder per JSON key."""
 
     def __init__(self, config: PreprocessConfig, vocab_size: int) -> None:
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
         os.makedirs(os.path.dirname(os.path.abspath(config.output_prefix)), exist_ok=True)
-        dtype = DType.optimal_dtype(vocab_size)
+        dtype = output_dtype(vocab_size)
         self.prefixes = {key: config.output_path_prefix(key) for key in config.json_keys}
         self.builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
                          for key, prefix in self.prefixes.items()}

@@ -49,7 +49,7 @@ def data_sources(run: RunConfig, tokenizer) -> DataSources:
     config = DatasetsConfig(model=run.model.model, data_path=data.data_path, split=data.split,
                             seq_length=data.seq_length, seed=data.seed, train_samples=train,
                             valid_samples=valid, test_samples=test, mock=data.mock_data,
-                            mask_prob=data.mask_prob,
+                            mask_prob=data.mask_prob, data_cache_path=data.data_cache_path,
                             bert_binary_head=run.model.bert_binary_head)
     datasets = build_datasets(config, tokenizer)
     return DataSources(datasets.train, datasets.valid)
