@@ -4,6 +4,11 @@ Builds the embedded corpus if missing (Python's own documentation, a byte-level 
 tokenizer trained on it, Megatron's indexed format), runs `pretrain_gpt.py` under
 torchrun exactly as a user would, then prints a summary and draws the training and
 validation loss curves to runs/demo/loss.png.
+
+It trains with the 2BW setting docs/convergence.md recommends (`--optimizer muon
+--delay-compensation error-feedback`) on exactly one cell of that study (GPT, lr 1e-3,
+seed 1234, 300 iterations), so the summary can put the study's flush losses for the same
+model, data and seed beside its own.
 """
 from __future__ import annotations
 
@@ -26,13 +31,30 @@ def command(out: str, iters: int, data_flags: list[str]) -> list[str]:
             "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
             "--seq-length", "128", "--max-position-embeddings", "128",
             "--micro-batch-size", "8", "--global-batch-size", "32",
-            "--train-iters", str(iters), "--lr", "2e-3", "--min-lr", "2e-4",
+            "--train-iters", str(iters), "--lr", "1e-3", "--min-lr", "1e-4",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "30", "--hidden-dropout", "0",
-            "--attention-dropout", "0", *data_flags,
-            "--eval-interval", str(max(iters // 6, 1)), "--eval-iters", "5",
+            "--attention-dropout", "0", "--seed", "1234", *data_flags,
+            "--optimizer", "muon", "--delay-compensation", "error-feedback",
+            "--eval-interval", str(max(iters // 10, 1)), "--eval-iters", "10",
             "--log-interval", "10", "--save", os.path.join(out, "checkpoints"),
-            "--save-interval", str(iters), "--metrics-file", os.path.join(out, "metrics.jsonl"),
+            "--save-interval", str(iters), "--overwrite-checkpoints",
+            "--metrics-file", os.path.join(out, "metrics.jsonl"),
             "--tensorboard-dir", os.path.join(out, "tensorboard")]
+
+
+STUDY_CACHE = os.path.join(ROOT, "docs", "results", "convergence", "cache")
+
+
+def study_references(iters: int) -> dict[str, float]:
+    """Final validation losses of the study's cells this demo repeats (arm -> loss)."""
+    import glob
+    out = {}
+    for arm in ("flush-adam", "flush-muon", "2bw-adam", "2bw-muon-ef"):
+        pattern = f"gpt_lr1e-3_{arm}_seed1234_drop0_it{iters}_*.json"
+        for path in glob.glob(os.path.join(STUDY_CACHE, pattern)):
+            with open(path) as f:
+                out[arm] = json.load(f)["final_val_loss"]
+    return out
 
 
 def plot(train: list[dict], valid: list[dict], path: str) -> None:
@@ -55,7 +77,7 @@ def plot(train: list[dict], valid: list[dict], path: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "demo"))
-    parser.add_argument("--train-iters", type=int, default=600)
+    parser.add_argument("--train-iters", type=int, default=300)
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
     from megatron_2bw.data.default_data import ensure_default_data
@@ -89,6 +111,13 @@ def main() -> int:
           f"\n  throughput       {samples / elapsed:.1f} samples/s"
           f"\n  loss curves      {args.out}/loss.png"
           f"\n  checkpoint       {args.out}/checkpoints (resume with --load)")
+    refs = study_references(args.train_iters)
+    if refs:
+        print("  the study's runs of the same model, data and seed (docs/convergence.md):\n"
+              + "\n".join(f"    {arm:12s} validation loss {loss:.3f}"
+                          for arm, loss in refs.items())
+              + f"\n    this run     validation loss {valid[-1]['val_loss']:.3f} "
+                "(2bw-muon-ef: 2BW, Muon, error feedback)")
     return 0
 
 

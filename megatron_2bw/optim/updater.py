@@ -216,16 +216,31 @@ class MegatronUpdater:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "masters": None if self.alias else [m.detach().clone() for m in self.masters]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, scheduler_from: str = "checkpoint") -> None:
+        """Everything `state_dict` saved but the masters: those depend on which buffer
+        holds the newest weights, so the caller restores them with `restore_masters`.
+
+        `scheduler_from`: "checkpoint" keeps the saved LR schedule, "flags" this run's
+        values at the saved step count (megatron-core's use-checkpoint / override
+        switches; the caller has checked that they agree when neither was asked for).
+        """
+        if scheduler_from not in ("checkpoint", "flags"):
+            raise ValueError(f"scheduler_from {scheduler_from!r}: 'checkpoint' or 'flags'")
+        self.scheduler.override_opt_param_scheduler = scheduler_from == "flags"
+        self.scheduler.use_checkpoint_opt_param_scheduler = scheduler_from == "checkpoint"
         self.adam.load_state_dict(state["adam"])
         self.muon.load_state_dict(state["muon"])
         self.compensation.load_state_dict(state["compensation"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        if state.get("masters") is not None:
-            with torch.no_grad():
-                for m, saved in zip(self.masters, state["masters"]):
-                    m.copy_(saved)
+
+    def restore_masters(self, saved: Optional[list[torch.Tensor]],
+                        newest: list[torch.Tensor]) -> None:
+        """After a restore: the true weights from the checkpoint's masters, or, when it has
+        none (a checkpoint of an fp32 run resumed with --bf16), from the restored newest
+        weights; never the masters built from the initial weights. With fp32 weights (the
+        masters alias them) saved masters go into the newest weights themselves."""
+        _copy(newest if self.alias else self.masters, newest if saved is None else saved)
 
 
 def _copy(target: list[torch.Tensor], source: list[torch.Tensor]) -> None:

@@ -4,6 +4,9 @@ One asynchronous all-reduce of the stage's flat gradient buffer per minibatch. 2
 starts it after minibatch k's last backward and waits only at the optimizer step,
 which its schedule places where version k + 1 is first needed, so the reduction
 overlaps minibatch k + 1's compute.
+
+A wait that runs out of time (--distributed-timeout-minutes) or loses a member raises
+`PeerTimeout` naming the group's ranks: one of them stopped answering.
 """
 from __future__ import annotations
 
@@ -11,6 +14,23 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .p2p import PeerTimeout, describe_timeout, is_timeout
+
+
+def wait_collective(work: dist.Work, group: Optional[dist.ProcessGroup], what: str) -> None:
+    """Wait for `work`; a timeout or a broken member becomes an error naming the group."""
+    try:
+        work.wait()
+    except RuntimeError as err:
+        members = (f"ranks {dist.get_process_group_ranks(group)}" if group is not None
+                   else "all ranks")
+        if is_timeout(err):
+            raise PeerTimeout(f"{what} over {members} got no answer within "
+                              f"{describe_timeout(group)}: one of those ranks stopped "
+                              f"answering") from err
+        raise PeerTimeout(f"{what} over {members} lost a member: it failed or exited, "
+                          f"see its error", timed_out=False) from err
 
 
 class GradReducer:
@@ -32,7 +52,8 @@ class GradReducer:
     def wait(self, minibatch: int) -> torch.Tensor:
         work, flat_grad = self._pending.pop(minibatch)
         if work is not None:
-            work.wait()
+            wait_collective(work, self.group,
+                            f"the data-parallel gradient all-reduce of minibatch {minibatch}")
             flat_grad.div_(self.size)
         return flat_grad
 
@@ -66,5 +87,6 @@ class TiedGradSync:
         if entry is None:
             return
         work, summed, view = entry
-        work.wait()
+        wait_collective(work, self.group,
+                        f"the tied-embedding gradient sum of minibatch {minibatch}")
         view.copy_(summed)

@@ -4,10 +4,15 @@ Sends are asynchronous (`isend`) and kept alive until they complete; receives bl
 With the schedule's send/receive order checked by the validator this cannot deadlock,
 and it avoids batched isend/irecv, which hangs on gloo (pytorch issue 132644). The
 device follows the tensors, so the same code runs over gloo on CPU and NCCL on CUDA.
+
+Every wait is bounded by the process group's timeout (--distributed-timeout-minutes);
+when it runs out, or the peer's connection breaks, the error names the neighbouring
+stage and rank that stopped answering instead of gloo's anonymous timeout.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -35,12 +40,58 @@ class StageLinks:
         return self.stage == self.num_stages - 1
 
 
+class PeerTimeout(RuntimeError):
+    """Another rank did not answer within --distributed-timeout-minutes (`timed_out`), or
+    its connection broke; the message names it (or, for a collective, its group)."""
+
+    def __init__(self, message: str, timed_out: bool = True):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[timedelta]:
+    """The timeout a process group was made with (None where the backend hides it)."""
+    try:
+        pg = group or dist.group.WORLD
+        return pg._get_backend(torch.device("cpu" if dist.get_backend(pg) == "gloo"
+                                            else "cuda")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def describe_timeout(group: Optional[dist.ProcessGroup] = None) -> str:
+    """The group's timeout in words, with the flag that sets it."""
+    limit = group_timeout(group)
+    seconds = limit.total_seconds() if limit is not None else None
+    value = ("the timeout" if seconds is None else f"{seconds:g} s" if seconds < 120
+             else f"{seconds / 60:g} min")
+    return f"{value} (--distributed-timeout-minutes)"
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether an error is a wait that ran out (gloo: "Timed out waiting ...")."""
+    if isinstance(err, PeerTimeout):
+        return err.timed_out
+    return "timed out" in str(err).lower()
+
+
+def peer_failure(err: RuntimeError, peer: str, what: str) -> PeerTimeout:
+    """The error to raise when `peer` (e.g. "stage 1 (rank 1)") failed `what`."""
+    if is_timeout(err):
+        return PeerTimeout(f"{peer} stopped answering: {what} got nothing within "
+                           f"{describe_timeout()}; it stalled or hung, so this rank stops "
+                           f"and the launcher ends the job")
+    return PeerTimeout(f"lost the connection to {peer} ({what}): it failed or exited, see "
+                       f"its error; backend said: {str(err).splitlines()[0][:200]}",
+                       timed_out=False)
+
+
 class P2P:
     """Send and receive boundary tensors; counts bytes for the benchmarks."""
 
     def __init__(self, links: StageLinks):
         self.links = links
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
         self.bytes_sent = 0
 
     def _recv(self, src: Optional[int]) -> torch.Tensor:
@@ -48,20 +99,30 @@ class P2P:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to receive from")
         buf = torch.empty(self.links.boundary_shape, dtype=self.links.boundary_dtype,
                           device=self.links.device)
-        dist.recv(buf, src=src)
+        try:
+            dist.recv(buf, src=src)
+        except RuntimeError as err:
+            kind = "an activation" if src == self.links.prev_rank else "a gradient"
+            raise peer_failure(err, self._peer(src), f"stage {self.links.stage}'s receive "
+                                                     f"of {kind}") from err
         return buf
+
+    def _peer(self, rank: int) -> str:
+        """"stage s (rank r)" of a neighbour."""
+        stage = self.links.stage - 1 if rank == self.links.prev_rank else self.links.stage + 1
+        return f"stage {stage} (rank {rank})"
 
     def _send(self, tensor: torch.Tensor, dst: Optional[int]) -> None:
         if dst is None:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to send to")
         tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, dst=dst), tensor))
+        self._pending.append((dist.isend(tensor, dst=dst), tensor, dst))
         self.bytes_sent += tensor.numel() * tensor.element_size()
         self._reap()
 
     def _reap(self) -> None:
         """Forget completed sends so their buffers can be freed."""
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
 
     def recv_activation(self) -> torch.Tensor:
         return self._recv(self.links.prev_rank)
@@ -76,6 +137,10 @@ class P2P:
         self._send(tensor, self.links.prev_rank)
 
     def wait_all(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
+        for work, _, dst in self._pending:
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise peer_failure(err, self._peer(dst), f"stage {self.links.stage}'s "
+                                                         f"send") from err
         self._pending = []

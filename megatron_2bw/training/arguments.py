@@ -3,6 +3,10 @@
 Flag names and meanings follow Megatron-LM (megatron/training/arguments.py). New:
 `--pipeline-schedule {gpipe,flush,2bw}` (default flush, Megatron's semantics), with the
 PipeDream-2BW authors' spellings `--pipeline-no-flushes` (= 2bw) and `--gpipe`.
+
+Every rule on the flags' values lives in validation.py (one table); `config_from_args`
+applies it before building anything, and a parse error is a UserError like the others,
+so the entry point prints each as one line (errors.py).
 """
 from __future__ import annotations
 
@@ -14,10 +18,19 @@ import torch
 from ..models.config import ModelConfig, pad_vocab_size
 from ..optim.loss_scale import LossScaleConfig
 from ..optim.compensation import COMPENSATIONS
-from ..optim.muon import FP16_REFUSAL, MuonConfig
+from ..optim.muon import MuonConfig
 from ..optim.updater import OptimizerConfig
-from ..schedules import SCHEDULE_NAMES, canonical_name
+from ..schedules import SCHEDULE_NAMES
 from .config import DataConfig, ParallelConfig, RunConfig, TrainConfig
+from .errors import UserError
+from .validation import Flags, validate_flags
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UserError instead of printing usage and exiting on every rank."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UserError(message, "command line", f"see {self.prog} --help")
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -174,7 +187,7 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(model: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=f"pretrain_{model}.py",
         description=f"Pretrain {model.upper()} with megatron-2bw (Megatron-LM flags).")
     for add in (_model_flags, _train_flags, _optimizer_flags, _parallel_flags, _data_flags):
@@ -182,21 +195,8 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _schedule(args: argparse.Namespace) -> str:
-    chosen = [n for n, on in (("2bw", args.pipeline_no_flushes), ("gpipe", args.gpipe)) if on]
-    if args.pipeline_schedule:
-        chosen.append(canonical_name(args.pipeline_schedule))
-    if len(set(chosen)) > 1:
-        raise ValueError(f"conflicting pipeline schedules: {sorted(set(chosen))}")
-    return chosen[0] if chosen else "flush"
-
-
-def _precision(args: argparse.Namespace) -> tuple[str, torch.dtype]:
-    if args.fp16 and args.bf16:
-        raise ValueError("--fp16 and --bf16 are exclusive")
-    if args.fp16:
-        return "fp16", torch.float16
-    return ("bf16", torch.bfloat16) if args.bf16 else ("fp32", torch.float32)
+def _precision(name: str) -> torch.dtype:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(name, torch.float32)
 
 
 def _model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfig:
@@ -212,10 +212,8 @@ def _model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConf
         bert_binary_head=not args.bert_no_binary_head, seed=args.seed)
 
 
-def _optimizer_config(args, gbs: int, precision: str) -> OptimizerConfig:
-    decay_iters = args.lr_decay_iters or args.train_iters
-    warmup_iters = (int(args.lr_warmup_fraction * decay_iters) if args.lr_warmup_fraction
-                    is not None else args.lr_warmup_iters)
+def _optimizer_config(args, view: Flags, gbs: int, precision: str) -> OptimizerConfig:
+    decay_iters, warmup_iters = view.decay_iters, view.warmup_iters
     scale = LossScaleConfig(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                             min_loss_scale=args.min_loss_scale,
                             loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
@@ -239,36 +237,14 @@ def _muon_config(args) -> MuonConfig:
                       extra_scale_factor=args.muon_extra_scale_factor)
 
 
-def _check_optimizer(args, schedule: str, precision: str) -> None:
-    """Cross-flag rules of the optimizer and the delay compensation."""
-    if args.optimizer == "muon" and precision == "fp16":
-        raise ValueError(f"{FP16_REFUSAL} (--optimizer muon with --fp16); use --bf16 or fp32")
-    if args.delay_compensation != "none" and schedule != "2bw":
-        raise ValueError(f"--delay-compensation {args.delay_compensation} compensates 2BW's "
-                         f"one-step delay; --pipeline-schedule {schedule} has none (use "
-                         "--pipeline-schedule 2bw or --delay-compensation none)")
-
-
 def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                      vocab_size: int) -> RunConfig:
-    """Turn parsed flags into a RunConfig; ValueError (naming the flag) when they clash."""
+    """Turn parsed flags into a RunConfig; UserError (naming the flag) when they clash."""
+    view = validate_flags(args, model, world_size)
     parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
-                              args.pipeline_model_parallel_size, _schedule(args))
-    per_step = args.micro_batch_size * parallel.data_parallel
-    gbs = args.global_batch_size or per_step
-    if gbs % per_step:
-        raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-                         f"x data-parallel size = {per_step}")
-    m = gbs // per_step
-    if parallel.schedule == "2bw" and m < parallel.pipeline_parallel:
-        raise ValueError(f"--pipeline-schedule 2bw needs at least as many microbatches "
-                         f"({m} = global batch / (micro batch x data parallel)) as pipeline "
-                         f"stages ({parallel.pipeline_parallel}): raise --global-batch-size")
-    if args.num_layers % parallel.pipeline_parallel:
-        raise ValueError(f"--num-layers {args.num_layers} is not divisible by "
-                         f"--pipeline-model-parallel-size {parallel.pipeline_parallel}")
-    precision, dtype = _precision(args)
-    _check_optimizer(args, parallel.schedule, precision)
+                              args.pipeline_model_parallel_size, view.schedule)
+    gbs, precision = view.gbs, view.precision
+    dtype = _precision(precision)
     padded = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, parallel.tensor_parallel)
     data = DataConfig(data_path=tuple(args.data_path), split=args.split, mock_data=args.mock_data,
                       tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
@@ -291,9 +267,10 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                         exit_duration_in_mins=args.exit_duration_in_mins,
                         distributed_timeout_minutes=args.distributed_timeout_minutes)
     return RunConfig(model=_model_config(args, model, dtype, padded), parallel=parallel,
-                     optimizer=_optimizer_config(args, gbs, precision), data=data, train=train,
-                     precision=precision, flags=vars(args))
+                     optimizer=_optimizer_config(args, view, gbs, precision), data=data,
+                     train=train, precision=precision, flags=vars(args))
 
 
 def parse_args(model: str, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The flags of `pretrain_{model}.py`; UserError for what argparse refuses."""
     return build_parser(model).parse_args(argv)

@@ -1,35 +1,73 @@
-"""Checkpoints in Megatron-LM's layout.
+"""Checkpoints in Megatron-LM's layout, verified, and what a resume checks.
 
     {save}/latest_checkpointed_iteration.txt
+    {save}/iter_{iteration:07d}/manifest.json
     {save}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
 
 Only data-parallel rank 0 writes (replicas are identical). `model` holds the newest
 weights as Megatron-LM does; a 2BW checkpoint also holds the shadow version under
-`weight_versions`, so a resumed run continues the delayed update exactly. Files are
-written to a temporary name and renamed, so an interrupted save never damages an
-earlier checkpoint.
+`weight_versions`, so a resumed run continues the delayed update exactly. The file
+layer (checkpoint_files.py) writes atomically and keeps the checksum manifest; this
+module adds the process groups: every rank agrees on a failed save, so all of them
+stop with the same message instead of waiting for the rank that failed.
+
+A resume refuses, before any work, what would silently go wrong: a learning-rate
+schedule that differs from the checkpoint's (Megatron-LM's rule, with its two flags),
+--train-iters below the checkpoint's iteration, other model shapes, and a --save
+directory whose checkpoints the run would overwrite.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
+from .checkpoint_files import (TRACKER, CheckpointError, check_save_dir, clear_for_save,
+                               iteration_dir, load_state, read_tracker,
+                               refuse_unread_checkpoints, write_error, write_manifest,
+                               write_state, write_tracker)
+
 logger = logging.getLogger(__name__)
-TRACKER = "latest_checkpointed_iteration.txt"
+__all__ = ["TRACKER", "CheckpointError", "LoadedCheckpoint", "checkpoint_file",
+           "prepare_resume", "read_checkpoint", "restore", "save_checkpoint"]
+FILE_NAME = "model_optim_rng.pt"
+# flags that fix the shapes of the saved tensors: a checkpoint loads only with equal values
+SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+               "max_position_embeddings", "tensor_model_parallel_size",
+               "pipeline_model_parallel_size", "untie_embeddings_and_output_weights")
+# the LR-schedule state megatron-core's OptimizerParamScheduler checks on load, by flag
+SCHEDULE_FLAGS = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
+                  ("lr_decay_style", "--lr-decay-style"),
+                  ("lr_warmup_steps", "--lr-warmup-iters/--lr-warmup-fraction"),
+                  ("lr_decay_steps", "--lr-decay-iters"), ("start_wd", "--weight-decay"))
+
+
+def rank_file() -> str:
+    """This rank's file, relative to the iteration directory (Megatron-LM's naming)."""
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+    return os.path.join(f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pipelined else ""), FILE_NAME)
 
 
 def checkpoint_file(root: str, iteration: int) -> str:
-    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    rank_dir = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size()
-                                      > 1 else "")
-    return os.path.join(root, f"iter_{iteration:07d}", rank_dir, "model_optim_rng.pt")
+    return os.path.join(iteration_dir(root, iteration), rank_file())
+
+
+def _is_logging_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def _warn_once(message: str) -> None:
+    """A warning every rank would give alike, shown once (on the logging rank)."""
+    if _is_logging_rank():
+        logger.warning(message)
 
 
 def _rng_state() -> dict:
@@ -42,61 +80,258 @@ def _restore_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+# ---------------------------------------------------------------------------- saving
+
+
+def _agree(error: Optional[str]) -> None:
+    """Every rank raises the first rank's error, or none does (a collective)."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+
+
+def _attempt(action: Callable[[], None]) -> Optional[str]:
+    """Run a file operation; its error as one line (for `_agree`), or None."""
+    try:
+        action()
+    except CheckpointError as err:
+        return str(err)
+    except OSError as err:
+        return str(write_error(err.filename or "the --save directory", err))
+    return None
+
+
+def _state(iteration: int, executor, updater, flags: dict, schedule: str) -> dict:
+    store = executor.weights
+    versions = {v: store.modules[store.buffer_of(v)].state_dict() for v in sorted(store.valid)}
+    return {"iteration": iteration, "checkpoint_version": 3.0, "args": flags,
+            "pipeline_schedule": schedule, "model": versions[store.newest],
+            "weight_versions": versions, "newest_version": store.newest,
+            "loss_scale_of": {v: store.loss_scale_of.get(v, 1.0) for v in versions},
+            "optimizer": updater.state_dict(), "rng_state": _rng_state()}
+
+
+def _clear(root: str, iteration: int, overwrite: bool) -> None:
+    os.makedirs(root, exist_ok=True)
+    target = iteration_dir(root, iteration)
+    for path in clear_for_save(root, iteration, overwrite):
+        logger.warning(f"replacing {path}" if path == target and overwrite else
+                       f"removed {path}: left by an interrupted save")
+
+
+def _write_rank_file(root: str, iteration: int, state: dict) -> dict:
+    """This rank's file, written atomically; {its path in the iteration: checksum entry}."""
+    rel = rank_file()
+    path = os.path.join(iteration_dir(root, iteration), rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return {rel: write_state(path, state)}
+
+
+def _commit(root: str, iteration: int, entries: dict) -> None:
+    """The manifest, then the tracker: from here on the iteration is the one to load."""
+    write_manifest(root, iteration, entries)
+    write_tracker(root, iteration)
+
+
 def save_checkpoint(root: str, iteration: int, executor, updater, flags: dict,
-                    schedule: str) -> None:
-    """Every rank calls this at a drained pipeline; DP rank 0 of each (tp, pp) writes."""
+                    schedule: str, overwrite: bool = False) -> None:
+    """Every rank calls this at a drained pipeline; DP rank 0 of each (tp, pp) writes.
+
+    Rank 0 first removes what failed saves left; the manifest (all ranks' checksums)
+    and then the tracker are written only after every rank file is complete.
+    """
+    _agree(_attempt(lambda: _clear(root, iteration, overwrite)) if dist.get_rank() == 0
+           else None)
+    entries, error = {}, None
     if ps.get_data_parallel_rank() == 0:
-        store = executor.weights
-        versions = {v: store.modules[store.buffer_of(v)].state_dict() for v in sorted(store.valid)}
-        state = {"iteration": iteration, "checkpoint_version": 3.0, "args": flags,
-                 "pipeline_schedule": schedule, "model": versions[store.newest],
-                 "weight_versions": versions, "newest_version": store.newest,
-                 "loss_scale_of": {v: store.loss_scale_of.get(v, 1.0) for v in versions},
-                 "optimizer": updater.state_dict(), "rng_state": _rng_state()}
-        path = checkpoint_file(root, iteration)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    dist.barrier()
+        state = _state(iteration, executor, updater, flags, schedule)
+        error = _attempt(lambda: entries.update(_write_rank_file(root, iteration, state)))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (entries, error))
+    failed = next((e for _, e in gathered if e), None)
+    if failed:  # every rank saw the same list: all stop alike
+        raise CheckpointError(failed)
     if dist.get_rank() == 0:
-        with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
-            f.write(str(iteration))
-        os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
-    dist.barrier()
+        merged = {rel: e for part, _ in gathered for rel, e in part.items()}
+        error = _attempt(lambda: _commit(root, iteration, merged))
+    _agree(error if dist.get_rank() == 0 else None)
     logger.info(f"saved checkpoint at iteration {iteration} to {root}")
+
+
+# ---------------------------------------------------------------------------- loading
 
 
 @dataclass
 class LoadedCheckpoint:
     iteration: int
     state: dict
+    path: str = ""
 
 
-def read_checkpoint(root: str) -> Optional[LoadedCheckpoint]:
-    """The newest checkpoint under `root` for this rank, or None when there is none."""
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
-        logger.warning(f"--load {root}: no {TRACKER}; starting from scratch")
+def read_checkpoint(root: str, rel: Optional[str] = None,
+                    overwrite: bool = False) -> Optional[LoadedCheckpoint]:
+    """The newest checkpoint under `root` for this rank (`rel`: its file), verified against
+    the manifest; None when there is none. Refuses a directory with `iter_*` checkpoints
+    but no tracker, unless --overwrite-checkpoints says to start fresh over them."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        if not overwrite:
+            refuse_unread_checkpoints(root)
+        _warn_once(f"--load {root}: no {TRACKER}; starting from scratch")
         return None
-    with open(tracker) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise ValueError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
-    path = checkpoint_file(root, int(text))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--load {root}: missing {path} (saved with other parallel "
-                                "sizes? TP and PP must match the checkpoint)")
-    return LoadedCheckpoint(int(text), torch.load(path, map_location="cpu", weights_only=False))
+    rel = rel or rank_file()
+    state = load_state(root, iteration, rel, warn=_warn_once)
+    return LoadedCheckpoint(iteration, state, os.path.join(iteration_dir(root, iteration), rel))
 
 
-def restore(loaded: LoadedCheckpoint, executor, updater) -> None:
-    """Put the saved weight versions, optimizer state and RNG state back."""
+def _saved_args(state: dict) -> dict:
+    args = state.get("args") or {}
+    return vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+
+
+def _shape_value(args: dict, key: str):
+    """A flag's effective value (the defaults Megatron-LM derives when it is unset)."""
+    value = args.get(key)
+    if value is None and key == "max_position_embeddings":
+        return args.get("seq_length")
+    if value is None and key == "ffn_hidden_size" and args.get("hidden_size"):
+        return 4 * args["hidden_size"]
+    return value
+
+
+def check_shapes(saved: dict, flags: dict, path: str) -> None:
+    """Model-shape flags must equal the checkpoint's (a clear error instead of a size
+    mismatch deep in load_state_dict)."""
+    for key in SHAPE_FLAGS:
+        old, new = _shape_value(saved, key), _shape_value(flags, key)
+        if key in saved and key in flags and old != new:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(f"the checkpoint was saved with {flag} {old}, this run has "
+                                  f"{new} ({path}); resume with {flag} {old}")
+
+
+def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:
+    """Checks before the model is built; returns the iteration the run starts from."""
+    t = run.train
+    start = loaded.iteration if loaded else 0
+    if loaded:
+        if t.train_iters < start:
+            raise CheckpointError(
+                f"--train-iters {t.train_iters} is below the checkpoint's iteration {start} "
+                f"({loaded.path}); pass --train-iters above {start} to train on, or load an "
+                "earlier checkpoint")
+        if t.train_iters == start:
+            logger.info(f"the checkpoint is at iteration {start} = --train-iters: nothing "
+                        "left to train")
+        check_shapes(_saved_args(loaded.state), run.flags, loaded.path)
+    if t.save:
+        check_save_dir(t.save, start, t.overwrite_checkpoints)
+    return start
+
+
+def _fmt(key: str, value, gbs: int) -> str:
+    if key in ("lr_warmup_steps", "lr_decay_steps"):  # the scheduler counts samples
+        return f"{value // gbs} iterations" if value % gbs == 0 else f"{value} samples"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def schedule_mismatches(saved: dict, current: dict, gbs: int, decay_flag: str) -> list[str]:
+    """Where the LR schedule of these flags and the checkpoint's differ, one phrase each.
+    With constant decay both ways the decay length and the minimum LR change nothing."""
+    constant = saved.get("lr_decay_style") == current["lr_decay_style"] == "constant"
+    found = []
+    for key, flag in SCHEDULE_FLAGS:
+        if key not in saved or (constant and key in ("lr_decay_steps", "min_lr")):
+            continue
+        if saved[key] != current[key]:
+            flag = decay_flag if key == "lr_decay_steps" else flag
+            found.append(f"{flag} gives {_fmt(key, current[key], gbs)} here, "
+                         f"{_fmt(key, saved[key], gbs)} in the checkpoint")
+    return found
+
+
+def scheduler_source(loaded: LoadedCheckpoint, updater, run) -> str:
+    """"flags" or "checkpoint": Megatron-LM's rule, with a one-line error on mismatch."""
+    t, saved_args = run.train, _saved_args(loaded.state)
+    if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+        raise CheckpointError("--override-opt_param-scheduler and "
+                              "--use-checkpoint-opt_param-scheduler exclude each other; pass one")
+    explicit = run.flags.get("lr_decay_iters") or saved_args.get("lr_decay_iters")
+    decay_flag = ("--lr-decay-iters" if explicit else
+                  "--train-iters (the decay length while --lr-decay-iters is unset)")
+    found = schedule_mismatches(loaded.state["optimizer"]["scheduler"],
+                                updater.scheduler.state_dict(), t.global_batch_size, decay_flag)
+    source = "flags" if t.override_opt_param_scheduler else "checkpoint"
+    if found and not (t.override_opt_param_scheduler or t.use_checkpoint_opt_param_scheduler):
+        raise CheckpointError(
+            f"the learning-rate schedule differs from the checkpoint's: {'; '.join(found)} "
+            f"({loaded.path}); pass --override-opt_param-scheduler to use this run's values "
+            f"from iteration {loaded.iteration + 1} on, or --use-checkpoint-opt_param-scheduler "
+            "to keep the checkpoint's")
+    if found:
+        logger.info(f"learning-rate schedule from the {source}: {'; '.join(found)}")
+    return source
+
+
+def continuation_line(saved: Optional[str], schedule: str, newest: int,
+                      saved_versions: int, held: int) -> Optional[str]:
+    """What a resume under another pipeline schedule continues from, in one line."""
+    if saved in (None, schedule):
+        return None
+    head = f"resuming a {saved} checkpoint with --pipeline-schedule {schedule}:"
+    if saved_versions > held:
+        return (f"{head} continuing from its newest weight version {newest}; its shadow "
+                f"version {newest - 1} is dropped, so iteration {newest + 1} runs on version "
+                f"{newest} (2bw would run it on {newest - 1})")
+    if saved_versions < held:
+        return (f"{head} the checkpoint holds weight version {newest} only, so 2bw's shadow "
+                f"version {newest - 1} (which iteration {newest + 1} runs on) starts as a "
+                f"copy of version {newest}")
+    return f"{head} continuing from weight version {newest}"
+
+
+def _load_module(module, weights: dict, path: str) -> None:
+    try:
+        module.load_state_dict(weights)
+    except RuntimeError as err:
+        raise CheckpointError(f"the checkpoint does not fit this model: "
+                              f"{str(err).strip().splitlines()[-1].strip()} ({path}); resume "
+                              "with the model flags it was saved with") from err
+
+
+def restore(loaded: LoadedCheckpoint, executor, updater, run) -> None:
+    """Put the saved weight versions, optimizer state and RNG state back.
+
+    Masters come from the checkpoint, or from the restored newest weights when it has none
+    (a checkpoint of an fp32 run resumed with --bf16); the LR schedule as `run`'s
+    --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler say.
+    """
     state, store = loaded.state, executor.weights
+    source = scheduler_source(loaded, updater, run)
     versions = state["weight_versions"]
     newest = state["newest_version"]
+    line = continuation_line(state.get("pipeline_schedule"), run.parallel.schedule, newest,
+                             len(versions), store.num_buffers)
+    if line:
+        logger.info(line)
     for v in sorted(store.valid):
-        source = versions.get(v, versions[newest])  # a flush checkpoint has no shadow
-        store.modules[store.buffer_of(v)].load_state_dict(source)
+        source_weights = versions.get(v, versions[newest])  # a flush checkpoint has no shadow
+        _load_module(store.modules[store.buffer_of(v)], source_weights, loaded.path)
         store.loss_scale_of[v] = state["loss_scale_of"].get(v, state["loss_scale_of"][newest])
-    updater.load_state_dict(state["optimizer"])
+    updater.load_state_dict(state["optimizer"], scheduler_from=source)
+    newest_module = store.modules[store.buffer_of(store.newest)]
+    updater.restore_masters(_saved_masters(state, newest_module),
+                            store.params[store.buffer_of(store.newest)])
     _restore_rng(state["rng_state"])
+
+
+def _saved_masters(state: dict, module) -> list[torch.Tensor]:
+    """The checkpoint's fp32 masters; a checkpoint without them (an fp32 run's) has its
+    newest weights at full precision, which are the masters of a --bf16 resume."""
+    masters = state["optimizer"].get("masters")
+    if masters is not None:
+        return masters
+    weights = state["weight_versions"][state["newest_version"]]
+    return [weights[name] for name, p in module.named_parameters() if p.requires_grad]

@@ -4,10 +4,31 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+# --exit-duration-in-mins counts from here (this module is imported as the program
+# starts), as Megatron-LM counts from its program start: a job's time limit counts
+# start-up too.
+PROCESS_START = time.monotonic()
+
+# Test hook: a seconds-level --distributed-timeout-minutes, so the fault tests see a
+# stalled rank end the job in seconds. Not a user setting.
+TIMEOUT_ENV = "MEGATRON_2BW_TIMEOUT_SECONDS"
+
+# Launchers that start one process per task and say how many there are. Not SLURM_NTASKS:
+# the batch script of a multi-task allocation has it too, and one plain process is
+# legitimate there; srun sets SLURM_STEP_NUM_TASKS for the tasks it starts.
+_TASK_COUNTS = (("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "srun"),
+                ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "mpirun"),
+                ("PMI_SIZE", "PMI_RANK", "a PMI launcher"))
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
 
 @dataclass(frozen=True)
@@ -16,6 +37,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
+    timeout: timedelta = timedelta(minutes=10)  # --distributed-timeout-minutes
 
 
 def _free_port() -> int:
@@ -24,8 +46,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> DistEnv:
-    """Join (or create) the default process group: NCCL on CUDA, gloo on CPU."""
+def _refuse(message: str, first_task: bool = True) -> None:
+    """A start-up error before any process group exists: one line (from the first task
+    only), exit status 2, no traceback."""
+    if first_task:
+        prog = os.path.basename(sys.argv[0]) or "pretrain"
+        print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def distributed_timeout(minutes: float) -> timedelta:
+    """How long a rank waits for another before failing: --distributed-timeout-minutes,
+    or the test hook's seconds."""
+    seconds = os.environ.get(TIMEOUT_ENV)
+    value = float(seconds) if seconds else minutes * 60.0
+    if not value > 0:  # also NaN
+        _refuse(f"--distributed-timeout-minutes must be positive, got {minutes}" if not seconds
+                else f"{TIMEOUT_ENV} must be positive, got {seconds!r}")
+    return timedelta(seconds=value)
+
+
+def _launcher_tasks() -> Optional[tuple[str, int, int, str]]:
+    """(variable, tasks, this task, launcher) when a launcher started several tasks."""
+    for count_var, rank_var, launcher in _TASK_COUNTS:
+        try:
+            tasks = int(os.environ.get(count_var, "1"))
+            task = int(os.environ.get(rank_var, "0"))
+        except ValueError:
+            continue
+        if tasks > 1:
+            return count_var, tasks, task, launcher
+    return None
+
+
+def refuse_foreign_launcher() -> None:
+    """Without torchrun's rendezvous each of N tasks would train alone on one --save:
+    refuse (srun support comes later) with one line on the first task, exit status 2."""
+    found = _launcher_tasks()
+    missing = [v for v in _RENDEZVOUS if v not in os.environ]
+    if found is None or not missing:
+        return
+    var, tasks, task, launcher = found
+    _refuse(f"started as one of {tasks} tasks by {launcher} ({var}={tasks}) without "
+            f"torchrun's {', '.join(missing)}: each task would train alone; launch through "
+            f"torchrun (one task per node running `torchrun --nnodes N --nproc-per-node G "
+            f"...`); starting ranks by {launcher} directly is not supported yet",
+            first_task=task == 0)
+
+
+def init_distributed(timeout_minutes: float = 10.0) -> DistEnv:
+    """Join (or create) the default process group: NCCL on CUDA, gloo on CPU.
+
+    `timeout_minutes` (--distributed-timeout-minutes) bounds every wait on another rank,
+    so a stalled rank ends the job instead of blocking it for gloo's 30 minutes; it is
+    needed here, where the group is made, so it comes from the parsed flags."""
+    refuse_foreign_launcher()
+    timeout = distributed_timeout(timeout_minutes)
     if "RANK" not in os.environ:  # `python pretrain_gpt.py ...`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -37,8 +113,8 @@ def init_distributed() -> DistEnv:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world)
-    return DistEnv(rank, world, local_rank, device)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    return DistEnv(rank, world, local_rank, device, timeout)
 
 
 def setup_logging(rank: int, world_size: int) -> None:

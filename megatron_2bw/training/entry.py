@@ -1,29 +1,39 @@
-"""What `pretrain_gpt.py` and `pretrain_bert.py` run: flags -> configs -> pretrain."""
+"""What `pretrain_gpt.py` and `pretrain_bert.py` run: flags -> configs -> pretrain.
+
+All of it runs inside `errors.guarded`: a user error anywhere (flags, output paths, data,
+a checkpoint that does not fit the run) ends every rank with one `error:` line and exit
+status 2, also when only one rank found it; anything else keeps its traceback.
+"""
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Optional, Sequence
 
 from .arguments import config_from_args, parse_args
 from .data_sources import data_sources, tokenizer_from_args
 from .distributed import init_distributed, setup_logging
+from .errors import guarded, watch_peers
+from .validation import check_output_paths, check_ranges, validate_flags
 
 logger = logging.getLogger("megatron_2bw.train")
 
 
 def main(model: str, argv: Optional[Sequence[str]] = None) -> int:
+    """Train as the flags say; 0 when done, 2 on a user error (printed once)."""
+    return guarded(lambda: _pretrain(model, argv))
+
+
+def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     args = parse_args(model, argv)
-    env = init_distributed()
+    check_ranges(args)  # before a process group starts
+    env = init_distributed(timeout_minutes=args.distributed_timeout_minutes)
+    watch_peers()
     setup_logging(env.rank, env.world_size)
-    try:
-        tokenizer = tokenizer_from_args(args, model)
-        run = config_from_args(args, model, env.world_size, tokenizer.vocab_size)
-        sources = data_sources(run, tokenizer)
-    except (ValueError, OSError) as err:
-        if env.rank == 0:
-            print(f"pretrain_{model}.py: error: {err}", file=sys.stderr)
-        return 2
+    validate_flags(args, model, env.world_size)  # cross-flag rules, before reading any file
+    check_output_paths(args)                      # before the first iteration
+    tokenizer = tokenizer_from_args(args, model)
+    run = config_from_args(args, model, env.world_size, tokenizer.vocab_size)
+    sources = data_sources(run, tokenizer)
     from ..models import apply_cpu_shims
     from .loop import pretrain
     apply_cpu_shims(env.device.type)

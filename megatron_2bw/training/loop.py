@@ -10,6 +10,7 @@ import logging
 import time
 import itertools
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -22,13 +23,16 @@ from ..optim.muon import (MuonParamSpec, TensorParallel, is_megatron_muon_param,
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
 from ..runtime.grad_sync import TiedGradSync
+from ..runtime.p2p import is_timeout
 from ..runtime.topology import data_parallel_group, stage_links
 from ..schedules import Schedule, build_eval_schedule, build_schedule
-from .checkpointing import read_checkpoint, restore, save_checkpoint
+from .checkpointing import prepare_resume, read_checkpoint, restore, save_checkpoint
 from .config import RunConfig
 from .data_sources import DataSources
 from .distributed import DistEnv
 from .metrics import MetricsSink, transformer_flops
+from .signals import GracefulStop, stop_check_interval
+from .watchdog import Heartbeat
 
 logger = logging.getLogger("megatron_2bw.train")
 
@@ -83,19 +87,22 @@ class Trainer:
         self.run, self.env, self.sources = run, env, sources
         par = run.parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tensor_parallel,
-                                     pipeline_model_parallel_size=par.pipeline_parallel)
+                                     pipeline_model_parallel_size=par.pipeline_parallel,
+                                     distributed_timeout_minutes=env.timeout.total_seconds() / 60)
         model_parallel_manual_seed(run.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
-        loaded = read_checkpoint(run.train.load) if run.train.load else None
-        self.iteration = loaded.iteration if loaded else 0
+        t = run.train
+        loaded = (read_checkpoint(t.load, overwrite=t.overwrite_checkpoints) if t.load
+                  else None)
+        self.iteration = prepare_resume(loaded, run)  # refuses before any work
         self.executor, self.updater = self._build(self._schedule(1))
         if loaded:
-            restore(loaded, self.executor, self.updater)
-            logger.info(f"resumed from {run.train.load} at iteration {self.iteration}")
+            restore(loaded, self.executor, self.updater, run)
+            logger.info(f"resumed from {t.load} at iteration {self.iteration}")
         is_logger = env.rank == env.world_size - 1
-        self.sink = MetricsSink(is_logger, run.train.metrics_file, run.train.tensorboard_dir,
-                                run.train.log_interval, run.train.train_iters)
+        self.sink = MetricsSink(is_logger, t.metrics_file, t.tensorboard_dir, t.log_interval,
+                                t.train_iters, start_iteration=self.iteration)
         self.history: dict[int, dict] = {}
 
     def _build(self, schedule: Schedule) -> tuple[PipelineExecutor, MegatronUpdater]:
@@ -125,9 +132,13 @@ class Trainer:
                               count, first_minibatch=self.iteration,
                               tied_embedding=self.run.model.tie_embeddings)
 
-    def _segment_end(self) -> int:
-        t = self.run.train
+    def _segment_end(self, stop: Optional[GracefulStop] = None) -> int:
+        """Where the next segment ends: the first save, exit, validation or stop check."""
+        t, par = self.run.train, self.run.parallel
         ends = [t.train_iters, self.iteration + MAX_SEGMENT]
+        if stop is not None and stop.active:  # stops are agreed at segment ends only
+            ends.append(self.iteration + stop_check_interval(
+                par.schedule, par.pipeline_parallel, self.run.num_microbatches))
         evals = t.eval_interval if self.sources.valid is not None and t.eval_iters else None
         for interval in (t.save_interval if t.save else None, t.exit_interval, evals):
             if interval:
@@ -135,24 +146,68 @@ class Trainer:
         return min(ends)
 
     def train(self) -> dict[int, dict]:
+        """Segments up to --train-iters or --exit-interval, or until a graceful stop. A
+        wait that runs out of time ends the run with the heartbeat's verdict on which
+        ranks are frozen."""
+        t = self.run.train
+        stop = GracefulStop(t.exit_signal_handler, t.exit_duration_in_mins, self.env.device)
+        heartbeat = Heartbeat.start(self.env.rank, self.env.world_size, self.stage,
+                                    self.env.timeout)
+        try:
+            self._train_segments(stop)
+        except RuntimeError as err:
+            if heartbeat is None or not is_timeout(err):
+                raise
+            raise heartbeat.explain(err, self.stage) from err
+        finally:
+            stop.close()
+            if heartbeat is not None:
+                heartbeat.close()
+        self.sink.close()
+        return self.history
+
+    def _save_due(self, end: int) -> bool:
+        t = self.run.train
+        return bool(t.save) and (end % (t.save_interval or t.train_iters) == 0
+                                 or end == t.train_iters or end == t.exit_interval)
+
+    def _save(self, end: int) -> None:
+        t = self.run.train
+        save_checkpoint(t.save, end, self.executor, self.updater, self.run.flags,
+                        self.run.parallel.schedule, overwrite=t.overwrite_checkpoints)
+
+    def _stops(self, stop: GracefulStop, end: int) -> bool:
+        """At a segment end before the last: whether all ranks agree to stop; then save
+        (unless this iteration was just saved) so the run resumes from here."""
+        t = self.run.train
+        if end >= min(t.train_iters, t.exit_interval or t.train_iters):
+            return False  # the run ends here anyway
+        reason = stop.reason()
+        if reason is None:
+            return False
+        if t.save and not self._save_due(end):
+            self._save(end)
+        where = f"checkpoint saved in {t.save}" if t.save else "nothing saved (no --save)"
+        logger.info(f"exiting at iteration {end} after {reason}; {where}")
+        return True
+
+    def _train_segments(self, stop: GracefulStop) -> None:
         t = self.run.train
         while self.iteration < min(t.train_iters, t.exit_interval or t.train_iters):
-            end = self._segment_end()
+            end = self._segment_end(stop)
             schedule = self._schedule(end - self.iteration)
             first_sample = self.iteration * t.global_batch_size
             data = self._microbatches(self.sources.train, first_sample)
             self._last_time = time.monotonic()
             self.executor.run(schedule, data, on_step=self._on_step)
             self.iteration = end
-            if t.save and (end % (t.save_interval or t.train_iters) == 0
-                           or end == t.train_iters or end == t.exit_interval):
-                save_checkpoint(t.save, end, self.executor, self.updater, self.run.flags,
-                                self.run.parallel.schedule)
+            if self._save_due(end):
+                self._save(end)
             if self.sources.valid is not None and t.eval_iters and (
                     end % t.eval_interval == 0 or end == t.train_iters):
                 self.evaluate(end)
-        self.sink.close()
-        return self.history
+            if self._stops(stop, end):
+                return
 
     def evaluate(self, iteration: int) -> None:
         """Validation loss on the newest weights: --eval-iters global batches, as Megatron."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import time
 from typing import Optional
 
@@ -30,13 +32,23 @@ class MetricsSink:
     """Writes each iteration's record where the flags asked (only on the logging rank)."""
 
     def __init__(self, enabled: bool, metrics_file: Optional[str], tensorboard_dir: Optional[str],
-                 log_interval: int, train_iters: int):
+                 log_interval: int, train_iters: int, start_iteration: int = 0):
+        """`start_iteration`: where the run starts (the resumed checkpoint's iteration). Rows
+        after it, left by a run that crashed past its last checkpoint, are dropped from the
+        metrics file and TensorBoard, since this run writes them again: one row per
+        iteration."""
         self.enabled, self.log_interval, self.train_iters = enabled, log_interval, train_iters
-        self._file = open(metrics_file, "a") if enabled and metrics_file else None
+        self._file = None
+        if enabled and metrics_file:
+            dropped = drop_rows_after(metrics_file, start_iteration)
+            if dropped:
+                logger.info(f"{metrics_file}: dropped {dropped} rows after iteration "
+                            f"{start_iteration}, which this run trains again")
+            self._file = open(metrics_file, "a")
         self._tb = None
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+            self._tb = SummaryWriter(log_dir=tensorboard_dir, purge_step=start_iteration + 1)
         self._start = time.monotonic()
         self._first_iteration: Optional[int] = None
 
@@ -85,6 +97,33 @@ class MetricsSink:
             self._file.close()
         if self._tb:
             self._tb.close()
+
+
+def drop_rows_after(path: str, iteration: int) -> int:
+    """Remove the rows with an iteration above `iteration` (any split) and torn lines from
+    a JSON-lines file (and end the last row with its newline); returns how many went.
+    The rewrite goes to a temporary file that replaces the original, so a crash here
+    leaves the old file whole."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return 0
+    kept = [line.rstrip("\n") + "\n" for line in lines if _row_iteration(line) <= iteration]
+    if kept != lines:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+    return len(lines) - len(kept)
+
+
+def _row_iteration(line: str) -> float:
+    """A row's iteration; infinity for a torn or foreign line (dropped)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return math.inf
+    return row.get("iteration", math.inf) if isinstance(row, dict) else math.inf
 
 
 def _hms(seconds: float) -> str:

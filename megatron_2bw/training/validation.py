@@ -1,0 +1,380 @@
+"""Every flag rule in one place, as data: ranges of the numeric flags, then cross-flag rules.
+
+`validate_flags` runs before anything is built (config_from_args calls it), so a bad
+command line fails in the first second with one line naming the flag, instead of a
+traceback minutes later on every rank. A new numeric flag gets a row in RANGES (a test
+fails until it has one); a new rule between flags gets a row in RULES. The cross-flag
+rules are those Megatron-LM's `validate_args` (megatron/training/arguments.py at
+core_v0.16.1) and the classes it builds (OptimizerParamScheduler, TransformerConfig,
+the tensor-parallel layers) assert for the flags accepted here, plus this project's own
+(2BW's microbatch count, delay compensation, Muon).
+
+`check_output_paths` is the filesystem half: every path the run writes to is checked
+before the first iteration, so a typo in --save does not cost a day of training.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..optim.muon import COEFFICIENT_SETS
+from ..schedules import SCHEDULE_NAMES, canonical_name
+from .errors import UserError
+
+
+# ------------------------------------------------------------------ numeric ranges
+
+@dataclass(frozen=True)
+class Range:
+    """What a numeric flag accepts: `ok(value)` and how to say it (`wants`)."""
+
+    ok: Callable[[float], bool]
+    wants: str
+
+
+def _finite(v: float) -> bool:
+    return math.isfinite(v)
+
+
+COUNT = Range(lambda v: v >= 1, "an integer >= 1")
+COUNT_OR_ZERO = Range(lambda v: v >= 0, "an integer >= 0")
+POSITIVE = Range(lambda v: _finite(v) and v > 0, "a finite number > 0")
+NON_NEGATIVE = Range(lambda v: _finite(v) and v >= 0, "a finite number >= 0")
+PROBABILITY = Range(lambda v: 0 <= v < 1, "a number in [0, 1)")   # NaN fails both
+OPEN_UNIT = Range(lambda v: 0 < v < 1, "a number in (0, 1)")
+UNIT = Range(lambda v: 0 <= v <= 1, "a number in [0, 1]")
+SEED = Range(lambda v: 0 <= v < 2 ** 32, "an integer in [0, 2**32) (numpy's seed range)")
+
+# (flag, range, hint): every int or float flag of arguments.py; None (unset) is not checked
+RANGES: tuple[tuple[str, Range, str], ...] = (
+    ("--num-layers", COUNT, ""),
+    ("--hidden-size", COUNT, ""),
+    ("--ffn-hidden-size", COUNT, "or leave it out for 4 x --hidden-size"),
+    ("--num-attention-heads", COUNT, ""),
+    ("--seq-length", COUNT, ""),
+    ("--max-position-embeddings", COUNT, "or leave it out for --seq-length"),
+    ("--init-method-std", POSITIVE, ""),
+    ("--hidden-dropout", PROBABILITY, ""),
+    ("--attention-dropout", PROBABILITY, ""),
+    ("--micro-batch-size", COUNT, ""),
+    ("--global-batch-size", COUNT, "or leave it out for micro batch x data-parallel size"),
+    ("--train-iters", COUNT, ""),
+    ("--seed", SEED, ""),
+    ("--log-interval", COUNT, ""),
+    ("--eval-interval", COUNT, "(--eval-iters 0 turns validation off)"),
+    ("--eval-iters", COUNT_OR_ZERO, "(0 turns validation off)"),
+    ("--save-interval", COUNT, "or leave it out to save at the end"),
+    ("--exit-interval", COUNT, ""),
+    ("--exit-duration-in-mins", POSITIVE, ""),
+    ("--distributed-timeout-minutes", POSITIVE, ""),
+    ("--lr", NON_NEGATIVE, ""),
+    ("--min-lr", NON_NEGATIVE, ""),
+    ("--lr-warmup-iters", COUNT_OR_ZERO, ""),
+    ("--lr-warmup-fraction", UNIT, ""),
+    ("--lr-decay-iters", COUNT, "or leave it out for --train-iters"),
+    ("--weight-decay", NON_NEGATIVE, ""),
+    ("--adam-beta1", PROBABILITY, ""),
+    ("--adam-beta2", PROBABILITY, ""),
+    ("--adam-eps", POSITIVE, ""),
+    ("--clip-grad", NON_NEGATIVE, "(0 turns clipping off)"),
+    ("--loss-scale", POSITIVE, "or leave it out for dynamic loss scaling"),
+    ("--initial-loss-scale", POSITIVE, ""),
+    ("--min-loss-scale", POSITIVE, ""),
+    ("--loss-scale-window", COUNT, ""),
+    ("--hysteresis", COUNT, ""),
+    ("--muon-momentum", PROBABILITY, ""),
+    ("--muon-num-ns-steps", COUNT, ""),
+    ("--muon-extra-scale-factor", POSITIVE, ""),
+    ("--delay-compensation-alpha", NON_NEGATIVE, ""),
+    ("--tensor-model-parallel-size", COUNT, ""),
+    ("--pipeline-model-parallel-size", COUNT, ""),
+    ("--vocab-size", COUNT, ""),
+    ("--make-vocab-size-divisible-by", COUNT, ""),
+    ("--mask-prob", OPEN_UNIT, ""),
+)
+
+
+def dest(flag: str) -> str:
+    """argparse's attribute name for a flag."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """The first numeric flag out of its range, as a UserError."""
+    for flag, allowed, hint in RANGES:
+        value = getattr(args, dest(flag))
+        if value is not None and not allowed.ok(value):
+            raise UserError(f"invalid value {value!r}", flag,
+                            f"use {allowed.wants}" + (f" {hint}" if hint else ""))
+
+
+# ------------------------------------------------------------------ cross-flag rules
+
+@dataclass(frozen=True)
+class Flags:
+    """What a cross-flag rule sees: the parsed flags, the world, and what they imply."""
+
+    args: argparse.Namespace
+    model: str
+    world_size: int
+
+    @property
+    def grid(self) -> int:
+        return self.args.tensor_model_parallel_size * self.args.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return max(self.world_size // self.grid, 1)
+
+    @property
+    def per_step(self) -> int:
+        return self.args.micro_batch_size * self.dp
+
+    @property
+    def gbs(self) -> int:
+        return self.args.global_batch_size or self.per_step
+
+    @property
+    def microbatches(self) -> int:
+        return self.gbs // self.per_step
+
+    @property
+    def ffn(self) -> int:
+        return self.args.ffn_hidden_size or 4 * self.args.hidden_size
+
+    @property
+    def decay_iters(self) -> int:
+        return self.args.lr_decay_iters or self.args.train_iters
+
+    @property
+    def warmup_iters(self) -> int:
+        fraction = self.args.lr_warmup_fraction
+        return int(fraction * self.decay_iters) if fraction is not None else \
+            self.args.lr_warmup_iters
+
+    @property
+    def schedules(self) -> set[str]:
+        """The schedules the flags name (canonical), for the conflict rule."""
+        a = self.args
+        named = {n for n, on in (("2bw", a.pipeline_no_flushes), ("gpipe", a.gpipe)) if on}
+        return named | ({canonical_name(a.pipeline_schedule)} if a.pipeline_schedule else set())
+
+    @property
+    def named_schedules(self) -> str:
+        return ", ".join(sorted(self.schedules))
+
+    @property
+    def schedule(self) -> str:
+        return next(iter(self.schedules), "flush")
+
+    @property
+    def precision(self) -> str:
+        return "fp16" if self.args.fp16 else "bf16" if self.args.bf16 else "fp32"
+
+
+def _known_schedule(name: Optional[str]) -> bool:
+    try:
+        return name is None or bool(canonical_name(name))
+    except ValueError:
+        return False
+
+
+def _split_ok(split: str) -> bool:
+    """megatron-core's rule: up to three non-negative weights (',' or '/'), not all zero."""
+    if not re.fullmatch(r"\s*[0-9.]+(\s*[,/]\s*[0-9.]+){0,2}\s*", split):
+        return False
+    try:
+        weights = [float(w) for w in re.split(r"[,/]", split)]
+    except ValueError:
+        return False
+    return sum(weights) > 0
+
+
+_NS_PERIOD = len(COEFFICIENT_SETS["quintic"])
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One cross-flag rule: `ok(flags)`, else `what (where); fix` with `{a}` = the flags
+    and `{f}` = Flags in the format strings."""
+
+    where: str
+    ok: Callable[[Flags], bool]
+    what: str
+    fix: str
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("--pipeline-schedule", lambda f: _known_schedule(f.args.pipeline_schedule),
+         "unknown pipeline schedule {a.pipeline_schedule!r}",
+         "use one of " + ", ".join(SCHEDULE_NAMES)),
+    Rule("--pipeline-schedule, --pipeline-no-flushes, --gpipe", lambda f: len(f.schedules) <= 1,
+         "conflicting pipeline schedules: {f.named_schedules}", "name one schedule"),
+    Rule("--fp16, --bf16", lambda f: not (f.args.fp16 and f.args.bf16),
+         "--fp16 and --bf16 are exclusive", "choose one (or neither, for fp32)"),
+    Rule("--data-path, --mock-data", lambda f: not (f.args.data_path and f.args.mock_data),
+         "both --data-path and --mock-data given", "give one of them"),
+    Rule("--data-path, --mock-data", lambda f: bool(f.args.data_path or f.args.mock_data),
+         "no training data", "give --data-path PREFIX (see tools/preprocess_data.py) or "
+         "--mock-data"),
+    Rule("--tokenizer-type", lambda f: not f.args.data_path or bool(f.args.tokenizer_type),
+         "--data-path needs a tokenizer",
+         "give --tokenizer-type (and its --vocab-file, --merge-file or --tokenizer-model)"),
+    Rule("--split", lambda f: _split_ok(f.args.split), "invalid split {a.split!r}",
+         "give up to three non-negative weights, not all zero, e.g. 969,30,1"),
+    Rule("--tensor-model-parallel-size, --pipeline-model-parallel-size",
+         lambda f: f.world_size % f.grid == 0,
+         "world size {f.world_size} is not divisible by TP x PP = {f.grid}",
+         "launch a multiple of TP x PP processes, or change the sizes"),
+    Rule("--hidden-size, --num-attention-heads",
+         lambda f: f.args.hidden_size % f.args.num_attention_heads == 0,
+         "--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
+         "{a.num_attention_heads}", "make the hidden size a multiple of the head count"),
+    Rule("--num-attention-heads, --tensor-model-parallel-size",
+         lambda f: f.args.num_attention_heads % f.args.tensor_model_parallel_size == 0,
+         "{a.num_attention_heads} attention heads do not split over "
+         "--tensor-model-parallel-size {a.tensor_model_parallel_size}",
+         "use a tensor-parallel size that divides the head count"),
+    Rule("--ffn-hidden-size, --tensor-model-parallel-size",
+         lambda f: f.ffn % f.args.tensor_model_parallel_size == 0,
+         "MLP width {f.ffn} does not split over --tensor-model-parallel-size "
+         "{a.tensor_model_parallel_size}", "use a tensor-parallel size that divides it"),
+    Rule("--num-layers, --pipeline-model-parallel-size",
+         lambda f: f.args.num_layers % f.args.pipeline_model_parallel_size == 0,
+         "--num-layers {a.num_layers} is not divisible by --pipeline-model-parallel-size "
+         "{a.pipeline_model_parallel_size}", "give each stage the same number of layers"),
+    Rule("--max-position-embeddings, --seq-length",
+         lambda f: (f.args.max_position_embeddings or f.args.seq_length) >= f.args.seq_length,
+         "--max-position-embeddings {a.max_position_embeddings} is below --seq-length "
+         "{a.seq_length}", "raise it to at least the sequence length"),
+    Rule("--global-batch-size, --micro-batch-size", lambda f: f.gbs % f.per_step == 0,
+         "--global-batch-size {f.gbs} is not divisible by micro batch x data-parallel size "
+         "= {f.per_step}", "use a multiple of {f.per_step}"),
+    Rule("--global-batch-size, --pipeline-schedule",
+         lambda f: f.schedule != "2bw" or f.microbatches >= f.args.pipeline_model_parallel_size,
+         "2BW needs at least as many microbatches ({f.microbatches} = global batch / (micro "
+         "batch x data parallel)) as pipeline stages ({a.pipeline_model_parallel_size})",
+         "raise --global-batch-size to at least {f.args.pipeline_model_parallel_size} x "
+         "{f.per_step}"),
+    Rule("--lr-warmup-fraction, --lr-warmup-iters",
+         lambda f: f.args.lr_warmup_fraction is None or f.args.lr_warmup_iters == 0,
+         "both --lr-warmup-fraction and --lr-warmup-iters given", "give one of them"),
+    Rule("--min-lr, --lr", lambda f: f.args.min_lr <= f.args.lr,
+         "--min-lr {a.min_lr} is above --lr {a.lr}", "use a final rate at most the peak"),
+    Rule("--lr-warmup-iters, --lr-decay-iters",
+         lambda f: f.warmup_iters == 0 or f.warmup_iters < f.decay_iters,
+         "warm-up ({f.warmup_iters} iterations) does not end before the decay does "
+         "({f.decay_iters} iterations)", "shorten the warm-up or lengthen --lr-decay-iters"),
+    Rule("--min-loss-scale, --initial-loss-scale",
+         lambda f: f.args.min_loss_scale <= f.args.initial_loss_scale,
+         "--min-loss-scale {a.min_loss_scale} is above --initial-loss-scale "
+         "{a.initial_loss_scale}", "start the dynamic scale at or above its floor"),
+    Rule("--save-interval, --save", lambda f: f.args.save_interval is None or bool(f.args.save),
+         "--save-interval without --save would save nothing",
+         "give --save DIR, or drop --save-interval"),
+    Rule("--override-opt_param-scheduler, --use-checkpoint-opt_param-scheduler",
+         lambda f: not (f.args.override_opt_param_scheduler
+                        and f.args.use_checkpoint_opt_param_scheduler),
+         "both scheduler sources chosen", "give at most one of them"),
+    Rule("--optimizer, --fp16", lambda f: f.args.optimizer != "muon" or f.precision != "fp16",
+         "muon with fp16 is not supported", "use --bf16 or fp32 with --optimizer muon"),
+    Rule("--muon-num-ns-steps", lambda f: f.args.muon_num_ns_steps % _NS_PERIOD == 0,
+         "--muon-num-ns-steps {a.muon_num_ns_steps} does not cycle whole quintic coefficient "
+         "sets", f"use a multiple of {_NS_PERIOD}"),
+    Rule("--delay-compensation, --pipeline-schedule",
+         lambda f: f.args.delay_compensation == "none" or f.schedule == "2bw",
+         "--delay-compensation {a.delay_compensation} compensates 2BW's one-step delay; "
+         "schedule {f.schedule} has none",
+         "use --pipeline-schedule 2bw or --delay-compensation none"),
+)
+
+
+def check_rules(flags: Flags) -> None:
+    """The first cross-flag rule the flags break, as a UserError (ranges checked first)."""
+    for rule in RULES:
+        if not rule.ok(flags):
+            fmt = dict(a=flags.args, f=flags)
+            raise UserError(rule.what.format(**fmt), rule.where, rule.fix.format(**fmt))
+
+
+def validate_flags(args: argparse.Namespace, model: str, world_size: int) -> Flags:
+    """Ranges, then cross-flag rules; the Flags view of a command line that passes both."""
+    check_ranges(args)
+    flags = Flags(args, model, world_size)
+    check_rules(flags)
+    return flags
+
+
+# ------------------------------------------------------------------ output paths
+
+# (flag, attribute, kind): every path the run writes; "dir" = a directory it fills,
+# "file" = a file it appends to
+OUTPUT_PATHS: tuple[tuple[str, str, str], ...] = (
+    ("--save", "save", "dir"),
+    ("--tensorboard-dir", "tensorboard_dir", "dir"),
+    ("--metrics-file", "metrics_file", "file"),
+)
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Each output path is (or can be created as) something this process can write.
+
+    Nothing is created except the missing folders of --metrics-file (the metrics file is
+    opened for appending before training, and open() does not make folders).
+    """
+    for flag, attr, kind in OUTPUT_PATHS:
+        path = getattr(args, attr, None)
+        if path:
+            check = _writable_dir if kind == "dir" else _writable_file
+            check(flag, os.path.abspath(path))
+
+
+_FIX = "choose a writable location or fix its permissions"
+
+
+def _writable_dir(flag: str, path: str) -> None:
+    """`path` is a writable directory, or its nearest existing ancestor is one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{path} exists and is not a directory", flag, _FIX)
+    existing = _nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise UserError(f"cannot create {path}: {existing} is not a directory", flag, _FIX)
+    _attempt(flag, existing, lambda: _probe_write(existing))
+
+
+def _writable_file(flag: str, path: str) -> None:
+    """`path` can be appended to: its folder exists (made here) and takes a new file."""
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a directory", flag, "give a file name")
+    folder = os.path.dirname(path)
+    _writable_dir(flag, folder)
+    _attempt(flag, folder, lambda: os.makedirs(folder, exist_ok=True))
+    if os.path.exists(path):
+        _attempt(flag, path, lambda: open(path, "a").close())  # what the run will do
+
+
+def _attempt(flag: str, path: str, action: Callable[[], object]) -> None:
+    try:
+        action()
+    except OSError as err:
+        raise UserError(f"cannot write to {path}: {err.strerror or err}", flag,
+                        _FIX) from None
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _probe_write(folder: str) -> None:
+    """Create and remove a file in `folder`: permission bits lie to root, a real write
+    does not (read-only mounts, exhausted quotas)."""
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+    os.close(fd)
+    os.remove(probe)

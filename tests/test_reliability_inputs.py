@@ -1,0 +1,353 @@
+"""Bad inputs are one clear line before work starts (issue 11, items 3, 6 and 9a).
+
+Fast: every numeric flag's range (generated from validation.RANGES, so a new flag is
+tested as soon as it has a row), every cross-flag rule, argparse's own refusals, the
+output-path checks, the error path in one process, and the datasets' sizes under data
+parallelism. Slow (three real multi-process jobs): an error found after the process
+group started, on every rank or on one rank while the others are blocked, ends all ranks
+with exit status 2, one `error:` line and no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import pytest
+
+from megatron_2bw.training import validation as V
+from megatron_2bw.training.arguments import build_parser, config_from_args, parse_args
+from megatron_2bw.training.errors import UserError, describe, guarded
+from tests.dist_harness import free_port
+from tests.entry_harness import ROOT
+
+VOCAB = 127
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "10",
+        "--lr", "1e-2", "--mock-data"]
+
+
+def _config(extra: list[str], world: int = 2, base: Optional[list[str]] = None):
+    return config_from_args(parse_args("gpt", (BASE if base is None else base) + extra),
+                            "gpt", world, VOCAB)
+
+
+def _refused(extra: list[str], world: int = 2, base: Optional[list[str]] = None) -> UserError:
+    with pytest.raises(UserError) as info:
+        _config(extra, world, base)
+    return info.value
+
+
+# ------------------------------------------------------------------ numeric ranges
+
+# values outside each range; ints are only offered to int flags (argparse refuses the rest)
+BAD_VALUES = {V.COUNT: ["0", "-1"], V.COUNT_OR_ZERO: ["-1"],
+              V.POSITIVE: ["0", "-1", "nan", "inf"], V.NON_NEGATIVE: ["-1", "nan", "-inf"],
+              V.PROBABILITY: ["1", "-0.1", "nan"], V.OPEN_UNIT: ["0", "1", "nan"],
+              V.UNIT: ["1.5", "-0.1", "nan"], V.SEED: ["-1", str(2 ** 32)]}
+
+
+def _numeric_flags() -> dict[str, type]:
+    """Every int or float option of the parser, with its type."""
+    return {a.option_strings[0]: a.type for a in build_parser("gpt")._actions
+            if a.type in (int, float)}
+
+
+def _range_cases() -> list:
+    types = _numeric_flags()
+    cases = []
+    for flag, allowed, _ in V.RANGES:
+        for value in BAD_VALUES[allowed]:
+            if types[flag] is int and not value.lstrip("-").isdigit():
+                continue
+            cases.append(pytest.param(flag, value, id=f"{flag}={value}"))
+    return cases
+
+
+def test_every_numeric_flag_has_a_range() -> None:
+    """A new int/float flag fails here until validation.RANGES has its row."""
+    assert set(_numeric_flags()) == {flag for flag, _, _ in V.RANGES}
+    assert all(allowed in BAD_VALUES for _, allowed, _ in V.RANGES)
+
+
+@pytest.mark.parametrize("flag,value", _range_cases())
+def test_out_of_range_value_names_the_flag(flag: str, value: str) -> None:
+    err = _refused([f"{flag}={value}"])
+    assert err.where == flag and err.what.startswith("invalid value"), str(err)
+    assert err.fix.startswith("use ")
+
+
+def test_boundary_values_pass() -> None:
+    """The edges Megatron-LM accepts stay accepted: zero where zero means 'off'."""
+    run = _config(["--eval-iters", "0", "--clip-grad", "0", "--lr", "0", "--min-lr", "0",
+                   "--seed", "0", "--hidden-dropout", "0", "--lr-warmup-fraction", "0",
+                   "--weight-decay", "0", "--delay-compensation-alpha", "0"])
+    assert run.train.eval_iters == 0 and run.optimizer.lr == 0.0
+
+
+# ------------------------------------------------------------------ cross-flag rules
+
+NO_DATA = [f for f in BASE if f != "--mock-data"]
+CROSS = [  # (extra flags, world size, where, part of the message, base or None)
+    (["--pipeline-schedule", "bogus"], 2, "--pipeline-schedule", "unknown", None),
+    (["--pipeline-schedule", "flush", "--gpipe"], 2, "--gpipe", "conflicting", None),
+    (["--fp16", "--bf16"], 2, "--bf16", "exclusive", None),
+    (["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"], 2, "--mock-data", "both",
+     None),
+    ([], 2, "--mock-data", "no training data", NO_DATA),
+    (["--data-path", "x"], 2, "--tokenizer-type", "needs a tokenizer", NO_DATA),
+    (["--split", "a,b"], 2, "--split", "invalid split", None),
+    (["--split", "0,0,0"], 2, "--split", "invalid split", None),
+    (["--split", "1,2,3,4"], 2, "--split", "invalid split", None),
+    (["--pipeline-model-parallel-size", "2"], 3, "--pipeline-model-parallel-size",
+     "world size 3", None),
+    (["--hidden-size", "30"], 2, "--num-attention-heads", "not divisible", None),
+    (["--tensor-model-parallel-size", "2", "--num-attention-heads", "1"], 2,
+     "--tensor-model-parallel-size", "do not split", None),
+    (["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "33"], 2,
+     "--ffn-hidden-size", "MLP width 33", None),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, "--num-layers",
+     "not divisible", None),
+    (["--max-position-embeddings", "8"], 2, "--max-position-embeddings", "below", None),
+    (["--global-batch-size", "5"], 2, "--global-batch-size", "not divisible", None),
+    (["--pipeline-schedule", "2bw", "--pipeline-model-parallel-size", "2"], 2,
+     "--global-batch-size", "2BW needs", None),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], 2, "--lr-warmup-fraction",
+     "both", None),
+    (["--min-lr", "1"], 2, "--min-lr", "above --lr", None),
+    (["--lr-warmup-iters", "10"], 2, "--lr-decay-iters", "warm-up", None),
+    (["--lr-warmup-fraction", "1"], 2, "--lr-decay-iters", "warm-up", None),
+    (["--fp16", "--min-loss-scale", "1e6", "--initial-loss-scale", "1e3"], 2,
+     "--min-loss-scale", "above", None),
+    (["--save-interval", "5"], 2, "--save", "save nothing", None),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 2,
+     "--use-checkpoint-opt_param-scheduler", "both", None),
+    (["--optimizer", "muon", "--fp16"], 2, "--optimizer", "fp16", None),
+    (["--muon-num-ns-steps", "3"], 2, "--muon-num-ns-steps", "quintic", None),
+    (["--delay-compensation", "error-feedback"], 2, "--delay-compensation", "2BW", None),
+]
+
+
+@pytest.mark.parametrize("extra,world,where,match,base", CROSS,
+                         ids=[" ".join(c[0]) or "no-data" for c in CROSS])
+def test_cross_flag_rule(extra, world, where, match, base) -> None:
+    err = _refused(extra, world, base)
+    assert where in err.where and match in err.what, str(err)
+    assert str(err) == f"{err.what} ({err.where}); {err.fix}"
+
+
+def test_every_rule_has_a_case() -> None:
+    """Each row of validation.RULES is broken by some case above (a new rule needs one)."""
+    broken = set()
+    for extra, world, _, _, base in CROSS:
+        flags = V.Flags(parse_args("gpt", (BASE if base is None else base) + extra), "gpt",
+                        world)
+        broken |= {i for i, rule in enumerate(V.RULES) if not _rule_ok(rule, flags)}
+    assert broken == set(range(len(V.RULES)))
+
+
+def _rule_ok(rule: V.Rule, flags: V.Flags) -> bool:
+    try:
+        return rule.ok(flags)
+    except ValueError:  # an unknown schedule name breaks the rules that read it
+        return False
+
+
+def test_valid_configs_still_build() -> None:
+    """Derived values are unchanged: DP from the world, gbs, warm-up in samples."""
+    run = _config(["--pipeline-model-parallel-size", "2", "--pipeline-no-flushes",
+                   "--global-batch-size", "8", "--lr-warmup-fraction", "0.2"], world=4)
+    assert run.parallel.schedule == "2bw" and run.parallel.data_parallel == 2
+    assert run.num_microbatches == 2 and run.optimizer.lr_warmup_samples == 2 * 8
+    assert _config(["--bf16"]).precision == "bf16"
+
+
+PARSE_ERRORS = [(["--bogus"], "unrecognized arguments: --bogus"),
+                (["--micro-batch-size", "x"], "invalid int value"),
+                (["--lr-decay-style", "steps"], "invalid choice"),
+                (["--lr"], "expected one argument")]
+
+
+@pytest.mark.parametrize("extra,match", PARSE_ERRORS, ids=[e[0][0] for e in PARSE_ERRORS])
+def test_parse_errors_are_user_errors(extra, match) -> None:
+    with pytest.raises(UserError, match=match) as info:
+        parse_args("gpt", BASE + extra)
+    assert info.value.where == "command line" and "--help" in info.value.fix
+
+
+# ------------------------------------------------------------------ output paths
+
+def _paths(**paths: str) -> argparse.Namespace:
+    return argparse.Namespace(**{k: paths.get(k) for k in ("save", "tensorboard_dir",
+                                                              "metrics_file")})
+
+
+def test_output_paths_that_work_pass_and_create_only_the_metrics_folder(tmp_path) -> None:
+    save, tb, metrics = tmp_path / "a" / "ckpt", tmp_path / "tb", tmp_path / "m" / "x.jsonl"
+    V.check_output_paths(_paths(save=str(save), tensorboard_dir=str(tb),
+                                metrics_file=str(metrics)))
+    assert not save.exists() and not tb.exists() and metrics.parent.is_dir()
+    assert os.listdir(tmp_path) == ["m"] and not metrics.exists()
+
+
+@pytest.mark.parametrize("attr,flag", [("save", "--save"), ("tensorboard_dir",
+                                                           "--tensorboard-dir"),
+                                       ("metrics_file", "--metrics-file")])
+def test_output_path_under_a_file_names_flag_and_path(tmp_path, attr, flag) -> None:
+    blocker = tmp_path / "plain-file"
+    blocker.write_text("")
+    target = str(blocker / "sub" / "out")
+    with pytest.raises(UserError) as info:
+        V.check_output_paths(_paths(**{attr: target}))
+    assert info.value.where == flag and str(blocker) in info.value.what
+
+
+def test_output_path_of_the_wrong_kind(tmp_path) -> None:
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    with pytest.raises(UserError, match="is not a directory"):
+        V.check_output_paths(_paths(save=str(a_file)))
+    with pytest.raises(UserError, match="is a directory"):
+        V.check_output_paths(_paths(metrics_file=str(tmp_path)))
+
+
+def test_unwritable_directory_is_found_by_a_real_write(tmp_path, monkeypatch) -> None:
+    """The probe writes a file (permission bits say yes to root, a read-only mount does
+    not); here the write is refused as a read-only mount or a locked folder refuses it."""
+    def refuse(**_):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(V.tempfile, "mkstemp", refuse)
+    with pytest.raises(UserError) as info:
+        V.check_output_paths(_paths(save=str(tmp_path / "ckpt")))
+    assert info.value.where == "--save"
+    assert str(info.value) == (f"cannot write to {tmp_path}: Permission denied (--save); "
+                               "choose a writable location or fix its permissions")
+
+
+# ------------------------------------------------------------------ the error path, one process
+
+def test_user_error_prints_one_line_and_returns_2(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("RANK", "0")
+    assert guarded(lambda: _raise(UserError("bad thing", "--flag", "do this"))) == 2
+    assert capsys.readouterr().err == "error: bad thing (--flag); do this\n"
+    monkeypatch.setenv("RANK", "1")  # before a process group: only rank 0 prints
+    assert guarded(lambda: _raise(ValueError("x"))) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_programming_errors_keep_their_traceback() -> None:
+    with pytest.raises(KeyError):
+        guarded(lambda: _raise(KeyError("bug")))
+
+
+def test_os_errors_name_their_file() -> None:
+    err = FileNotFoundError(2, "No such file or directory", "/data/x.idx")
+    assert describe(err) == ("No such file or directory (/data/x.idx); check the path and "
+                             "its permissions")
+
+
+def test_main_refuses_bad_flags_before_the_process_group(monkeypatch, capsys) -> None:
+    """Parse and range errors come before init_distributed: nothing to tear down."""
+    from megatron_2bw.training import entry
+
+    monkeypatch.setattr(entry, "init_distributed", lambda **_: pytest.fail("started"))
+    monkeypatch.setenv("RANK", "0")
+    for argv, match in ((["--bogus"], "unrecognized"), (["--micro-batch-size=0"], "(--micro")):
+        assert entry.main("gpt", BASE + argv) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0]
+
+
+def _raise(err: BaseException) -> int:
+    raise err
+
+
+# ------------------------------------------------------------------ datasets sized for DP (9a)
+
+def test_datasets_hold_the_samples_every_data_parallel_rank_consumes(monkeypatch) -> None:
+    """Without --global-batch-size the global batch is micro batch x DP, and the datasets
+    are sized for train_iters of those (not 1/DP of them)."""
+    from megatron_2bw.data.datasets import sampler_indices
+    from megatron_2bw.training import data_sources as ds
+
+    seen = {}
+    monkeypatch.setattr(ds, "build_datasets",
+                        lambda config, tok: seen.setdefault("c", config) and _NoData())
+    run = _config(["--pipeline-model-parallel-size", "2", "--eval-interval", "4",
+                   "--eval-iters", "3"], world=8)
+    ds.data_sources(run, tokenizer=None)
+    config, dp, mbs, iters = seen["c"], 4, 2, 10
+    assert run.train.global_batch_size == dp * mbs
+    assert config.train_samples == iters * dp * mbs
+    assert config.valid_samples == (iters // 4 + 1) * 3 * dp * mbs
+    for rank in range(dp):  # each rank draws iters microbatches from within the dataset
+        drawn = list(sampler_indices(config.train_samples, 0, mbs, rank, dp))
+        assert len(drawn) == iters * run.num_microbatches
+
+
+class _NoData:
+    train = valid = None
+
+
+# ------------------------------------------------------------------ real multi-process jobs
+
+def _launch(argv: list[str], nproc: int, logs, timeout: float = 120
+            ) -> tuple[list[int], str, float]:
+    """Start nproc ranks the way any launcher does (torchrun's variables, no agent to tear
+    the job down). Returns their exit codes, joined stderr, and the seconds between the
+    first and the last rank ending: start-up is slow on a loaded machine, a hang is not."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
+    files = [open(logs / f"rank{r}.err", "w+") for r in range(nproc)]
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=files[r], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(nproc)]
+    deadline, ended = time.monotonic() + timeout, {}
+    while len(ended) < nproc and time.monotonic() < deadline:
+        ended.update({r: time.monotonic() for r, p in enumerate(procs)
+                      if r not in ended and p.poll() is not None})
+        time.sleep(0.05)
+    for p in procs:
+        p.kill()
+    assert len(ended) == nproc, f"{argv[0]}: ranks still running after {timeout} s"
+    for f in files:
+        f.seek(0)
+    stderr = "".join(f.read() for f in files)
+    return [p.wait() for p in procs], stderr, max(ended.values()) - min(ended.values())
+
+
+def _assert_one_line_exit(codes: list[int], stderr: str, spread: float) -> None:
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    print(f"exit codes {codes}, last rank ended {spread:.1f} s after the first: {errors}")
+    assert codes == [2] * len(codes), stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: "), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert spread < 15  # rank 0 keeps the store up at most errors.HOST_WAIT_S = 10 s
+
+
+@pytest.mark.slow
+def test_checkpoint_error_inside_pretrain_ends_every_rank(tmp_path) -> None:
+    """Found by every rank after the process group and the model-parallel groups exist."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")  # but no iter_0000003
+    argv = [os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--vocab-size", str(VOCAB),
+            "--pipeline-model-parallel-size", "2", "--load", str(ckpt)]
+    codes, stderr, spread = _launch(argv, 2, tmp_path)
+    _assert_one_line_exit(codes, stderr, spread)
+    assert "--load" in stderr or str(ckpt) in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", [1, 0], ids=["peer-fails", "store-host-fails"])
+def test_one_rank_error_ends_blocked_peers(tmp_path, bad: int) -> None:
+    """One rank finds the error while the others are blocked on it (directly or through a
+    chain of receives); rank 0 hosts the store, so both it failing and it waiting count."""
+    worker = os.path.join(ROOT, "tests", "_user_error_worker.py")
+    codes, stderr, spread = _launch([worker, str(bad)], 3, tmp_path)
+    _assert_one_line_exit(codes, stderr, spread)
+    assert f"error: injected on rank {bad} (--test-flag); nothing to fix" in stderr
