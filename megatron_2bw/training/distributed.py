@@ -94,6 +94,25 @@ def refuse_foreign_launcher() -> None:
             first_task=task == 0)
 
 
+def check_launch_env() -> None:
+    """torchrun's variables, when RANK is set, must all be there and agree: a half-set
+    environment would otherwise end in a KeyError or a rendezvous that waits forever."""
+    if "RANK" not in os.environ:
+        return
+    missing = [v for v in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        _refuse(f"RANK is set but {', '.join(missing)} not: set all of RANK, WORLD_SIZE, "
+                "MASTER_ADDR, MASTER_PORT (torchrun does), or none for a single process")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        _refuse(f"RANK={os.environ['RANK']!r} and WORLD_SIZE={os.environ['WORLD_SIZE']!r} "
+                "must be integers; launch through torchrun")
+        return
+    if not 0 <= rank < world:
+        _refuse(f"RANK={rank} is not in [0, WORLD_SIZE={world}); launch through torchrun")
+
+
 def init_distributed(timeout_minutes: float = 10.0) -> DistEnv:
     """Join (or create) the default process group: NCCL on CUDA, gloo on CPU.
 
@@ -102,6 +121,7 @@ def init_distributed(timeout_minutes: float = 10.0) -> DistEnv:
     needed here, where the group is made, so it comes from the parsed flags."""
     refuse_foreign_launcher()
     timeout = distributed_timeout(timeout_minutes)
+    check_launch_env()
     if "RANK" not in os.environ:  # `python pretrain_gpt.py ...`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

@@ -1,0 +1,1067 @@
+"""Fault matrix (issue 11): bad inputs and faults against pretrain_gpt.py, tools/preprocess_data.py
+and the planner, one probe at a time, each in its own temporary directory with a timeout.
+
+    OMP_NUM_THREADS=1 python tools/fault_matrix.py --markdown runs/fault_matrix.md \\
+        --json runs/fault_matrix.json [--only CLASS] [--probe NAME] [--jobs 1]
+
+Classes: 1 resume semantics, 2 checkpoints, 3 late failures / output paths, 4 graceful stop,
+5 hangs, 6 tracebacks for user errors, 7 bad data, 8 launcher misdetection, 9 the bugs.
+
+A probe expects one of
+- "error": a clean refusal: the expected exit status (2 for the trainer, 1 for preprocessing,
+  2 for argparse), an `error:` line, no traceback, within the timeout;
+- "ok": exit status 0 and the probe's check (a log line, the checkpoints, the metrics);
+- "fault": an injected fault (a killed or frozen rank) ends every process within the timeout.
+Its outcome is "pass", or one of "traceback" (a user error shown as a traceback), "silent"
+(exit 0 where an error was due, or a wrong result without a word), "hang" (the timeout ran
+out), "wrong" (any other mismatch). "traceback" means 'Traceback (most recent call last)' in
+the workers' output (ranks are started directly with torchrun's variables, so no launcher
+traceback is mixed in). "data intact": for probes that touch checkpoints, every iteration
+that verified against its manifest before the fault still verifies afterwards and at least
+one does (checksums through megatron_2bw.training.checkpoint_files); "-" for the others.
+"""
+from __future__ import annotations
+
+import argparse
+import warnings
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PY = sys.executable
+warnings.filterwarnings("ignore")
+GPT = os.path.join(ROOT, "pretrain_gpt.py")
+PREP = os.path.join(ROOT, "tools", "preprocess_data.py")
+TIMEOUT_ENV = "MEGATRON_2BW_TIMEOUT_SECONDS"
+CLASSES = {1: "resume semantics", 2: "checkpoints", 3: "late failures / output paths",
+           4: "graceful stop", 5: "hangs", 6: "tracebacks for user errors", 7: "bad data",
+           8: "launcher misdetection", 9: "the bugs"}
+TB = "Traceback (most recent call last)"
+
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "1",
+         "--log-interval", "1"]
+MOCK = ["--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "64"]
+TINY = MODEL + MOCK + ["--lr", "1e-2", "--lr-decay-style", "constant"]
+# the shared checkpoint's schedule: linear decay, so every scheduler flag changes something
+LIN = MODEL + MOCK + ["--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "linear",
+                      "--train-iters", "4"]
+PP2 = ["--global-batch-size", "8", "--pipeline-model-parallel-size", "2"]
+VOCAB = 1000  # the probe dataset: NullTokenizer ids 0..999
+
+
+def _clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS",
+        "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- running
+
+
+@dataclass
+class Run:
+    codes: list            # exit status per process (None: still running at the timeout)
+    out: str               # all processes' stdout+stderr
+    seconds: float
+    timed_out: bool = False
+
+
+def run1(argv: list, work: str, timeout: float = 90, env: Optional[dict] = None,
+         preexec: Optional[Callable] = None) -> Run:
+    """One process, its output merged."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(argv, cwd=work, env=env or _clean_env(), capture_output=True,
+                              text=True, timeout=timeout, preexec_fn=preexec)
+        return Run([proc.returncode], proc.stdout + proc.stderr, time.monotonic() - start)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return Run([None], out, time.monotonic() - start, True)
+
+
+def gpt1(flags: list, work: str, **kw) -> Run:
+    return run1([PY, GPT, *flags], work, **kw)
+
+
+class Ranks:
+    """nproc ranks started directly with torchrun's variables (no agent): their own exit
+    codes, and signals delivered to one rank at a time."""
+
+    def __init__(self, argv: list, nproc: int, work: str, env: Optional[dict] = None) -> None:
+        base = _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                          WORLD_SIZE=str(nproc), **(env or {}))
+        self.logs = [open(os.path.join(work, f"rank{r}.log"), "w+") for r in range(nproc)]
+        self.start = time.monotonic()
+        self.procs = [subprocess.Popen(argv, cwd=work, stdout=self.logs[r],
+                                       stderr=subprocess.STDOUT,
+                                       env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+                      for r in range(nproc)]
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def wait(self, timeout: float) -> Run:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        timed_out = any(p.poll() is None for p in self.procs)
+        codes = [p.poll() for p in self.procs]
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.kill()
+            p.wait()
+        out = ""
+        for f in self.logs:
+            f.seek(0)
+            out += f.read()
+            f.close()
+        return Run(codes, out, time.monotonic() - self.start, timed_out)
+
+
+def metrics_rows(path: str, split: str = "train") -> list:
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.endswith("\n"):
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if r.get("split", "train") == split:
+                    rows.append(r)
+    return rows
+
+
+def wait_rows(path: str, count: int, alive: Callable[[], bool], limit: float = 120) -> bool:
+    deadline = time.monotonic() + limit
+    while len(metrics_rows(path)) < count:
+        if not alive() or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def sound_iterations(root: str) -> set:
+    """Iterations whose every file matches its manifest's checksum."""
+    from megatron_2bw.training import checkpoint_files as cf
+
+    good = set()
+    if not os.path.isdir(root):
+        return good
+    for it in cf.list_iterations(root):
+        try:
+            manifest = cf.read_manifest(root, it)
+            if manifest and all(cf.verify(root, it, rel) for rel in manifest):
+                good.add(it)
+        except Exception:  # noqa: BLE001 - any failure means "not sound"
+            pass
+    return good
+
+
+def flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def rank_file(ckpt: str, it: int, rank: str = "mp_rank_00") -> str:
+    return os.path.join(ckpt, f"iter_{it:07d}", rank, "model_optim_rng.pt")
+
+
+# ---------------------------------------------------------------------------- shared inputs
+
+
+class Shared:
+    """Inputs built once per matrix run and copied into each probe's directory."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._cache: dict = {}
+
+    def _once(self, key: str, build: Callable[[str], None]) -> str:
+        if key not in self._cache:
+            path = os.path.join(self.root, key)
+            os.makedirs(path)
+            build(path)
+            self._cache[key] = path
+        return self._cache[key]
+
+    def ckpt(self) -> str:
+        """1-process run of LIN stopped at iteration 2: checkpoints 1 and 2, metrics."""
+        def build(path: str) -> None:
+            r = gpt1(LIN + ["--save", "ckpt", "--save-interval", "1", "--exit-interval", "2",
+                            "--metrics-file", "m.jsonl"], path, timeout=180)
+            if r.codes != [0]:
+                raise RuntimeError("shared checkpoint failed:\n" + r.out[-3000:])
+        return self._once("ckpt1", build)
+
+    def ckpt_2bw(self) -> str:
+        """2-process 2BW PP2 run stopped at iteration 2 (checkpoints 1 and 2)."""
+        def build(path: str) -> None:
+            r = Ranks([PY, GPT, *TINY, *PP2, "--pipeline-schedule", "2bw", "--train-iters",
+                       "4", "--save", "ckpt", "--save-interval", "1", "--exit-interval", "2",
+                       "--metrics-file", "m.jsonl"], 2, path).wait(180)
+            if r.codes != [0, 0]:
+                raise RuntimeError("shared 2bw checkpoint failed:\n" + r.out[-3000:])
+        return self._once("ckpt2bw", build)
+
+    def data(self) -> str:
+        """A sound uint16 dataset of 60 documents made by the project's preprocessing."""
+        def build(path: str) -> None:
+            import random
+
+            from megatron_2bw.data.preprocess import PreprocessConfig, preprocess
+            from megatron_2bw.data.tokenizers import TokenizerSpec
+
+            rng = random.Random(3)
+            with open(os.path.join(path, "in.jsonl"), "w") as f:
+                for _ in range(60):
+                    doc = [str(rng.randrange(VOCAB)) for _ in range(rng.randrange(20, 80))]
+                    f.write(json.dumps({"text": " ".join(doc)}) + "\n")
+            preprocess(PreprocessConfig(input=os.path.join(path, "in.jsonl"),
+                                        output_prefix=os.path.join(path, "data"),
+                                        tokenizer=TokenizerSpec("NullTokenizer",
+                                                                vocab_size=VOCAB),
+                                        append_eod=True))
+        return os.path.join(self._once("data", build), "data_text_document")
+
+
+def copy_ckpt(src_dir: str, work: str, name: str = "ckpt") -> str:
+    dst = os.path.join(work, name)
+    shutil.copytree(os.path.join(src_dir, "ckpt"), dst)
+    if os.path.exists(os.path.join(src_dir, "m.jsonl")):
+        shutil.copy(os.path.join(src_dir, "m.jsonl"), os.path.join(work, "m.jsonl"))
+    return dst
+
+
+def copy_data(prefix: str, work: str) -> str:
+    folder = os.path.join(work, "d")
+    os.makedirs(folder)
+    for s in (".bin", ".idx"):
+        shutil.copy(prefix + s, os.path.join(folder, "x" + s))
+    return os.path.join(folder, "x")
+
+
+def data_flags(prefix: str, work: str, vocab: int = VOCAB) -> list:
+    return MODEL + ["--lr", "1e-3", "--train-iters", "200", "--data-path", prefix, "--split",
+                    "90,10,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
+                    "--data-cache-path", os.path.join(work, "cache")]
+
+
+# ---------------------------------------------------------------------------- probes
+
+
+@dataclass
+class Ctx:
+    work: str
+    shared: Shared
+    ckpt: Optional[str] = None    # the checkpoint dir whose soundness is "data intact"
+    before: set = field(default_factory=set)
+
+
+@dataclass
+class Probe:
+    name: str
+    klass: int
+    expect: str                     # "error" | "ok" | "fault"
+    act: Callable[[Ctx], Run]       # set up in ctx.work, run, return the run
+    match: str = ""                 # must appear in the output
+    check: Optional[Callable[[Ctx, Run], str]] = None  # "" if fine, else what is wrong
+    code: int = 2                   # the exit status of a clean refusal
+    slow: bool = False              # a multi-process probe
+    quiet: bool = False             # a refusal left to another task to explain: no output
+
+
+def _ck(ctx: Ctx, src: str = "ckpt1") -> str:
+    """Copy a shared checkpoint into the probe dir and remember what verified there."""
+    shared = ctx.shared.ckpt() if src == "ckpt1" else ctx.shared.ckpt_2bw()
+    ctx.ckpt = copy_ckpt(shared, ctx.work)
+    return ctx.ckpt
+
+
+def _mark(ctx: Ctx) -> None:
+    ctx.before = sound_iterations(ctx.ckpt) if ctx.ckpt else set()
+
+
+def gpt_err(name, klass, flags, match="", **kw) -> Probe:
+    return Probe(name, klass, "error", lambda c: gpt1(flags, c.work), match, **kw)
+
+
+def resume(extra: list, corrupt: Optional[Callable[[str], None]] = None,
+           base: list = LIN, env: Optional[dict] = None, src: str = "ckpt1",
+           preexec=None) -> Callable[[Ctx], Run]:
+    def act(ctx: Ctx) -> Run:
+        ck = _ck(ctx, src)
+        if corrupt:
+            corrupt(ck)
+        _mark(ctx)
+        flags = [*base, "--load", ck, "--save", ck, "--metrics-file", "m.jsonl", *extra]
+        if src == "ckpt2bw":
+            return Ranks([PY, GPT, *flags], 2, ctx.work, env).wait(120)
+        return gpt1(flags, ctx.work, env=_clean_env(**(env or {})), preexec=preexec)
+    return act
+
+
+def tracker_is(it: int) -> Callable[[Ctx, Run], str]:
+    def check(ctx: Ctx, r: Run) -> str:
+        from megatron_2bw.training import checkpoint_files as cf
+
+        got = cf.read_tracker(ctx.ckpt)
+        return "" if got == it else f"tracker says {got}, expected {it}"
+    return check
+
+
+def rows_once(n: int) -> Callable[[Ctx, Run], str]:
+    def check(ctx: Ctx, r: Run) -> str:
+        its = [row["iteration"] for row in metrics_rows(os.path.join(ctx.work, "m.jsonl"))]
+        return "" if its == list(range(1, n + 1)) else f"metrics iterations {its}"
+    return check
+
+
+def _rm(rel: str) -> Callable[[str], None]:
+    return lambda ck: os.remove(os.path.join(ck, rel))
+
+
+def _write(rel: str, text: str) -> Callable[[str], None]:
+    def f(ck: str) -> None:
+        with open(os.path.join(ck, rel), "w") as fh:
+            fh.write(text)
+    return f
+
+
+def _truncate_file(path: str, frac: float = 0.5) -> None:
+    os.truncate(path, int(os.path.getsize(path) * frac))
+
+
+def class1() -> list:
+    ok_sched = "learning-rate schedule"
+    sched_err = "--override-opt_param-scheduler"
+    P = []
+    for name, extra in [("new --lr", ["--lr", "2e-2"]),
+                        ("new --min-lr", ["--min-lr", "1e-4"]),
+                        ("new --lr-decay-style", ["--lr-decay-style", "cosine"]),
+                        ("new --lr-decay-iters", ["--lr-decay-iters", "10"]),
+                        ("larger --train-iters", ["--train-iters", "8"]),
+                        ("new --lr-warmup-iters", ["--lr-warmup-iters", "1"])]:
+        P.append(Probe(f"resume with {name}", 1, "error", resume(extra), sched_err))
+    P += [
+        Probe("resume new --lr with --override-opt_param-scheduler", 1, "ok",
+              resume(["--lr", "2e-2", "--override-opt_param-scheduler"]), ok_sched,
+              check=tracker_is(4)),
+        Probe("resume new --lr with --use-checkpoint-opt_param-scheduler", 1, "ok",
+              resume(["--lr", "2e-2", "--use-checkpoint-opt_param-scheduler"]),
+              check=tracker_is(4)),
+        Probe("resume --train-iters below the checkpoint", 1, "error",
+              resume(["--train-iters", "1"]), "below the checkpoint's iteration"),
+        Probe("resume with the same flags", 1, "ok", resume([]), check=tracker_is(4)),
+        Probe("resume after a crash keeps one metrics row per iteration", 1, "ok",
+              resume([], corrupt=lambda ck: _append_rows(ck)), check=rows_once(4)),
+        Probe("resume 2bw checkpoint into flush says so", 1, "ok",
+              resume(["--pipeline-schedule", "flush", "--train-iters", "3"], base=TINY + PP2,
+                     src="ckpt2bw"), "continuing from its newest weight version",
+              check=tracker_is(3), slow=True),
+    ]
+    return P
+
+
+def _append_rows(ck: str) -> None:
+    """The crashed run had logged iteration 3 and a torn line after its last save."""
+    with open(os.path.join(os.path.dirname(ck), "m.jsonl"), "a") as f:
+        f.write(json.dumps({"split": "train", "iteration": 3, "loss": 99.0}) + '\n{"spl')
+
+
+def _fsize_limit(limit: int) -> Callable[[], None]:
+    def pre() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return pre
+
+
+def _tmp_leftovers(ck: str) -> None:
+    for rel in ("latest_checkpointed_iteration.txt.tmp", "iter_0000002/mp_rank_00/x.pt.tmp",
+                "iter_0000003/mp_rank_00/model_optim_rng.pt"):
+        os.makedirs(os.path.dirname(os.path.join(ck, rel)), exist_ok=True)
+        open(os.path.join(ck, rel), "w").close()
+
+
+def _no_tmp(ctx: Ctx, r: Run) -> str:
+    left = [os.path.join(d, n) for d, _, ns in os.walk(ctx.ckpt) for n in ns
+            if n.endswith(".tmp")]
+    return f"leftovers {left}" if left else tracker_is(4)(ctx, r)
+
+
+def _fresh_over(ctx: Ctx) -> Run:
+    ck = _ck(ctx)
+    _mark(ctx)
+    return gpt1([*LIN, "--save", ck, "--save-interval", "1"], ctx.work)
+
+
+def class2() -> list:
+    it2 = rank_file("", 2).lstrip("/")
+    return [
+        Probe("flipped byte in the newest checkpoint", 2, "error",
+              resume([], lambda ck: flip_byte(os.path.join(ck, it2))), "sha256"),
+        Probe("truncated checkpoint file", 2, "error",
+              resume([], lambda ck: _truncate_file(os.path.join(ck, it2))), "truncated"),
+        Probe("corrupt manifest", 2, "error",
+              resume([], _write("iter_0000002/manifest.json", '{"files": {')),
+              "manifest is unreadable"),
+        Probe("checkpoint without manifest (Megatron-LM) loads with a warning", 2, "ok",
+              resume([], _rm("iter_0000002/manifest.json")),
+              "without checksum verification", check=tracker_is(4)),
+        Probe("tracker gone, --save equal to --load", 2, "error",
+              resume([], _rm("latest_checkpointed_iteration.txt")),
+              "no latest_checkpointed_iteration.txt"),
+        Probe("tracker gone with --overwrite-checkpoints starts fresh", 2, "ok",
+              resume(["--overwrite-checkpoints"], _rm("latest_checkpointed_iteration.txt")),
+              check=tracker_is(4)),
+        Probe("tracker names a missing iteration", 2, "error",
+              resume([], _write("latest_checkpointed_iteration.txt", "7"))),
+        Probe("tracker holds garbage", 2, "error",
+              resume([], _write("latest_checkpointed_iteration.txt", "abc"))),
+        Probe("fresh run onto existing checkpoints without --load", 2, "error", _fresh_over,
+              "starts from iteration 0"),
+        Probe("leftovers of a failed save are removed", 2, "ok",
+              resume([], _tmp_leftovers), check=_no_tmp),
+        Probe("full disk (file size limit) during a save", 2, "error",
+              resume([], preexec=_fsize_limit(60_000)), "file size limit"),
+        Probe("checkpoint of another pipeline layout", 2, "error",
+              resume(["--pipeline-schedule", "flush", "--train-iters", "3"], base=TINY,
+                     src="ckpt2bw_as1")),
+    ]
+
+
+def _file(ctx: Ctx) -> str:
+    path = os.path.join(ctx.work, "plain-file")
+    open(path, "w").close()
+    return path
+
+
+def out_probe(name: str, flag: str, target: Callable[[Ctx], str], match: str = "") -> Probe:
+    return Probe(name, 3, "error",
+                 lambda c: gpt1([*TINY, "--train-iters", "3", flag, target(c)], c.work), match)
+
+
+def class3() -> list:
+    return [
+        out_probe("--save under a plain file", "--save",
+                  lambda c: os.path.join(_file(c), "sub", "ck"), "(--save)"),
+        out_probe("--metrics-file under a plain file", "--metrics-file",
+                  lambda c: os.path.join(_file(c), "m.jsonl"), "(--metrics-file)"),
+        out_probe("--tensorboard-dir under a plain file", "--tensorboard-dir",
+                  lambda c: os.path.join(_file(c), "tb"), "(--tensorboard-dir)"),
+        out_probe("--save is a plain file", "--save", _file, "is not a directory"),
+        out_probe("--metrics-file is a directory", "--metrics-file", lambda c: c.work,
+                  "is a directory"),
+        out_probe("--save on a read-only filesystem (/proc)", "--save",
+                  lambda c: "/proc/fm_ckpt", "(--save)"),
+        out_probe("--metrics-file on a read-only filesystem (/proc)", "--metrics-file",
+                  lambda c: "/proc/fm/m.jsonl", "(--metrics-file)"),
+        out_probe("--tensorboard-dir on a read-only filesystem (/sys)", "--tensorboard-dir",
+                  lambda c: "/sys/fm_tb", "(--tensorboard-dir)"),
+        Probe("--data-cache-path under a plain file", 3, "error",
+              lambda c: gpt1(data_flags(copy_data(c.shared.data(), c.work), c.work)[:-1]
+                             + [os.path.join(_file(c), "cache")], c.work), "cache"),
+    ]
+
+
+def _signal_run(sig: Optional[int], extra: list, after_rows: int = 2, nproc: int = 1,
+                base: list = LIN) -> Callable[[Ctx], Run]:
+    """Train with --save; after `after_rows` metrics rows send `sig` to every rank."""
+    def act(ctx: Ctx) -> Run:
+        ctx.ckpt = os.path.join(ctx.work, "ckpt")
+        flags = [*base, "--save", ctx.ckpt, "--metrics-file", "m.jsonl", *extra]
+        ranks = Ranks([PY, GPT, *flags], nproc, ctx.work)
+        if sig is not None:
+            if wait_rows(os.path.join(ctx.work, "m.jsonl"), after_rows, ranks.alive):
+                for p in ranks.procs:
+                    p.send_signal(sig)
+        return ranks.wait(120)
+    return act
+
+
+def _stopped_and_saved(ctx: Ctx, r: Run) -> str:
+    from megatron_2bw.training import checkpoint_files as cf
+
+    m = re.search(r"exiting at iteration (\d+)", r.out)
+    if not m:
+        return "no 'exiting at iteration' line"
+    k, got = int(m.group(1)), cf.read_tracker(ctx.ckpt)
+    if got != k or k not in sound_iterations(ctx.ckpt):
+        return f"stopped at {k}, checkpoint tracker {got}"
+    its = [row["iteration"] for row in metrics_rows(os.path.join(ctx.work, "m.jsonl"))]
+    return "" if its == list(range(1, k + 1)) else f"metrics {its}"
+
+
+def _sigterm_then_resume(ctx: Ctx) -> Run:
+    first = _signal_run(signal.SIGTERM, ["--exit-signal-handler", "--save-interval", "1000",
+                                         "--train-iters", "2000"], 3)(ctx)
+    if first.codes != [0]:
+        return first
+    second = gpt1([*LIN, "--train-iters", "2000", "--exit-signal-handler", "--load", ctx.ckpt,
+                   "--save", ctx.ckpt, "--save-interval", "1000", "--exit-interval",
+                   str(_tracker(ctx) + 2), "--metrics-file", "m.jsonl"], ctx.work)
+    second.seconds += first.seconds
+    return second
+
+
+def _tracker(ctx: Ctx) -> int:
+    from megatron_2bw.training import checkpoint_files as cf
+
+    return cf.read_tracker(ctx.ckpt) or 0
+
+
+def _rows_continuous(ctx: Ctx, r: Run) -> str:
+    its = [row["iteration"] for row in metrics_rows(os.path.join(ctx.work, "m.jsonl"))]
+    return "" if its == list(range(1, len(its) + 1)) and len(its) >= 4 else f"metrics {its}"
+
+
+def _prev_sound(ctx: Ctx, r: Run) -> str:
+    return "" if sound_iterations(ctx.ckpt) else "no sound checkpoint left"
+
+
+def class4() -> list:
+    long = ["--train-iters", "2000", "--save-interval", "1000"]  # --exit-duration-in-mins: int
+    return [
+        Probe("SIGTERM with --exit-signal-handler (1 process)", 4, "ok",
+              _signal_run(signal.SIGTERM, ["--exit-signal-handler", *long]),
+              "after receiving SIGTERM", check=_stopped_and_saved),
+        Probe("SIGTERM with --exit-signal-handler, 2BW PP2 (2 processes)", 4, "ok",
+              _signal_run(signal.SIGTERM, ["--exit-signal-handler", "--pipeline-schedule", "2bw",
+                                           *long], 2, 2, TINY + PP2),
+              "after receiving SIGTERM", check=_stopped_and_saved, slow=True),
+        Probe("SIGTERM, then resume from where it stopped", 4, "ok", _sigterm_then_resume,
+              check=_rows_continuous),
+        Probe("--exit-duration-in-mins reached", 4, "ok",
+              _signal_run(None, ["--exit-duration-in-mins", "1", *long, "--train-iters", "1000000"]),
+              "exit-duration-in-mins", check=_stopped_and_saved),
+        Probe("--exit-interval", 4, "ok",
+              _signal_run(None, ["--exit-interval", "3", *long]), check=tracker_is(3)),
+        Probe("SIGTERM without --exit-signal-handler keeps the last save", 4, "fault",
+              _signal_run(signal.SIGTERM, ["--save-interval", "1", "--train-iters", "2000"], 3),
+              check=_prev_sound),
+        Probe("SIGKILL during frequent saves keeps a complete checkpoint", 4, "fault",
+              _signal_run(signal.SIGKILL, ["--save-interval", "1", "--train-iters", "2000"], 3),
+              check=_prev_sound),
+    ]
+
+
+def _stall(sig: int, victim: int, schedule: str = "flush", nproc: int = 2,
+           timeout: float = 4.0) -> Callable[[Ctx], Run]:
+    def act(ctx: Ctx) -> Run:
+        flags = [*TINY, *PP2, "--pipeline-schedule", schedule, "--train-iters", "2000",
+                 "--metrics-file", "m.jsonl"]
+        ranks = Ranks([PY, GPT, *flags], nproc, ctx.work, {TIMEOUT_ENV: str(timeout)})
+        if wait_rows(os.path.join(ctx.work, "m.jsonl"), 2, ranks.alive):
+            ranks.procs[victim].send_signal(sig)
+            t0 = time.monotonic()
+            others = [p for i, p in enumerate(ranks.procs) if i != victim]
+            while any(p.poll() is None for p in others) and time.monotonic() - t0 < 90:
+                time.sleep(0.05)
+            # the frozen rank itself cannot end: end it as the job's launcher would
+            if all(p.poll() is not None for p in others):
+                ranks.procs[victim].kill()
+            else:
+                return _hung(ranks)
+        return ranks.wait(30)
+    return act
+
+
+def _hung(ranks: Ranks) -> Run:
+    r = ranks.wait(0)
+    r.timed_out = True
+    return r
+
+
+def _missing_peer(ctx: Ctx) -> Run:
+    """WORLD_SIZE 2 but rank 1 never starts."""
+    base = _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+                      RANK="0", LOCAL_RANK="0", **{TIMEOUT_ENV: "4"})
+    return run1([PY, GPT, *TINY, *PP2, "--train-iters", "3"], ctx.work, timeout=90, env=base)
+
+
+def class5() -> list:
+    named = "stopped answering"
+    return [
+        Probe("rank 1 frozen (SIGSTOP), flush", 5, "fault", _stall(signal.SIGSTOP, 1),
+              "stage 1 (rank 1)", slow=True),
+        Probe("rank 0 frozen (SIGSTOP), flush", 5, "fault", _stall(signal.SIGSTOP, 0),
+              "rank 0", slow=True),
+        Probe("rank 1 frozen (SIGSTOP), 2bw", 5, "fault", _stall(signal.SIGSTOP, 1, "2bw"),
+              "stage 1 (rank 1)", slow=True),
+        Probe("rank 1 killed (SIGKILL)", 5, "fault", _stall(signal.SIGKILL, 1),
+              "rank 1", slow=True),
+        Probe("rank 0 killed (SIGKILL)", 5, "fault", _stall(signal.SIGKILL, 0),
+              "rank 0", slow=True),
+        Probe("a rank that never starts", 5, "fault", _missing_peer, slow=True),
+        Probe("user error on one of 3 blocked ranks", 5, "error",
+              lambda c: Ranks([PY, os.path.join(ROOT, "tests", "_user_error_worker.py"), "1"],
+                              3, c.work).wait(90), "injected on rank 1", slow=True),
+    ]
+
+
+def planner(flags: list) -> Callable[[Ctx], Run]:
+    return lambda c: run1([PY, "-m", "megatron_2bw.planner", *flags], c.work,
+                          env=_clean_env(PYTHONPATH=ROOT))
+
+
+PLAN = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+        "--seq-length", "1024", "--global-batch-size", "64", "--num-gpus", "8"]
+
+
+def _replace(flags: list, key: str, value: str) -> list:
+    out = list(flags)
+    out[out.index(key) + 1] = value
+    return out
+
+
+def class6() -> list:
+    T = [*TINY, "--train-iters", "3"]
+    P = [gpt_err(f"pretrain {' '.join(x)}", 6, T + x, m) for x, m in [
+        (["--micro-batch-size", "0"], "(--micro-batch-size)"),
+        (["--eval-interval", "0"], "(--eval-interval)"),
+        (["--lr=-1e-3"], "(--lr)"),
+        (["--lr", "nan"], "(--lr)"),
+        (["--hidden-size", "30"], "--num-attention-heads"),
+        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        (["--num-layers", "0"], "(--num-layers)"),
+        (["--seq-length", "32"], "--max-position-embeddings"),
+        (["--bogus-flag"], "unrecognized"),
+        (["--fp16", "--bf16"], "--bf16"),
+        (["--global-batch-size", "5"], "--global-batch-size"),
+        (["--min-lr", "1"], "--min-lr"),
+        (["--hidden-dropout", "1.5"], "--hidden-dropout"),
+        (["--seed", "-1"], "--seed"),
+        (["--pipeline-model-parallel-size", "2"], "world size"),
+        (["--clip-grad", "-1"], "--clip-grad"),
+    ]]
+    P += [
+        Probe("resume with another --hidden-size", 6, "error",
+              resume(["--hidden-size", "64"]), "--hidden-size"),
+        Probe("resume with another --num-layers", 6, "error",
+              resume(["--num-layers", "2"]), "--num-layers"),
+    ]
+    P += [Probe(f"planner {name}", 6, "error", planner(flags), m) for name, flags, m in [
+        ("--num-gpus 0", _replace(PLAN, "--num-gpus", "0"), "--num-gpus"),
+        ("--global-batch-size 0", _replace(PLAN, "--global-batch-size", "0"),
+         "--global-batch-size"),
+        ("heads not dividing hidden", _replace(PLAN, "--num-attention-heads", "7"), "heads"),
+        ("missing --num-layers", PLAN[2:], "--num-layers"),
+        ("--profile missing file", PLAN + ["--profile", "/nonexistent/p.json"], "p.json"),
+        ("--hardware unknown", PLAN + ["--hardware", "bogus-gpu"], "bogus"),
+        ("--seq-length -1", _replace(PLAN, "--seq-length", "-1"), "--seq-length"),
+    ]]
+    return P
+
+
+def _data_probe(corrupt: Callable[[str], None], vocab: int = VOCAB) -> Callable[[Ctx], Run]:
+    def act(ctx: Ctx) -> Run:
+        prefix = copy_data(ctx.shared.data(), ctx.work)
+        corrupt(prefix)
+        return gpt1(data_flags(prefix, ctx.work, vocab), ctx.work)
+    return act
+
+
+def _patch(path: str, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _cut(path: str, by: int) -> None:
+    os.truncate(path, os.path.getsize(path) - by)
+
+
+def prep(lines: list, extra: list = ()) -> Callable[[Ctx], Run]:
+    def act(ctx: Ctx) -> Run:
+        src = os.path.join(ctx.work, "in.jsonl")
+        with open(src, "w") as f:
+            f.write("".join(line + "\n" for line in lines))
+        flags = ["--input", src, "--output-prefix", os.path.join(ctx.work, "out"),
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", *extra]
+        return run1([PY, PREP, *flags], ctx.work, env=_clean_env(PYTHONPATH=ROOT))
+    return act
+
+
+def class7() -> list:
+    def bin_(p):
+        return p + ".bin"
+
+    def idx(p):
+        return p + ".idx"
+    P = [Probe(f"data: {name}", 7, "error", _data_probe(c), m) for name, c, m in [
+        (".bin truncated by 1%", lambda p: _cut(bin_(p), os.path.getsize(bin_(p)) // 100),
+         "data file truncated"),
+        (".bin tail cut inside the validation split", lambda p: _cut(bin_(p), 20),
+         "data file truncated"),
+        (".bin longer than the index", lambda p: open(bin_(p), "ab").write(b"\1\0"),
+         "do not match"),
+        (".bin missing", lambda p: os.remove(bin_(p)), ".bin"),
+        (".idx bad magic", lambda p: _patch(idx(p), 0, b"NOTANIDX\0"), "not a megatron"),
+        (".idx cut short", lambda p: _cut(idx(p), 8), "index file truncated"),
+        (".idx float dtype", lambda p: _patch(idx(p), 17, struct.pack("<B", 7)), "dtype"),
+        (".idx bad pointer", lambda p: _patch(idx(p), 34 + 4 * 60 + 8 * 30,
+                                              struct.pack("<q", 12345)), "corrupt index"),
+    ]]
+    P.append(Probe("data: token ids above the vocabulary", 7, "error",
+                   _data_probe(lambda p: None, vocab=500), "vocabulary size"))
+    P += [Probe(f"preprocess: {name}", 7, "error", prep(lines, extra), m, code=1)
+          for name, lines, extra, m in [
+        ("token id outside the vocabulary", ['{"text": "1 2"}', '{"text": "3 11"}'], [],
+         "in.jsonl:2"),
+        ("negative token id", ['{"text": "1 -1"}'], [], "in.jsonl:1"),
+        ("malformed JSON line", ['{"text": "1 2"}', '{"text": "3'], [], "in.jsonl:2"),
+        ("missing json key", ['{"body": "1 2"}'], [], "in.jsonl:1"),
+        ("empty input", [], [], "in.jsonl"),
+    ]]
+    P.append(Probe("preprocess: missing input file", 7, "error",
+                   lambda c: run1([PY, PREP, "--input", "/nonexistent/in.jsonl",
+                                   "--output-prefix", os.path.join(c.work, "o"),
+                                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
+                                  c.work, env=_clean_env(PYTHONPATH=ROOT)),
+                   "/nonexistent/in.jsonl", code=1))
+    return P
+
+
+def _launcher(env: dict, flags: Optional[list] = None) -> Callable[[Ctx], Run]:
+    return lambda c: gpt1(flags or [*TINY, "--train-iters", "2"], c.work,
+                          env=_clean_env(**env))
+
+
+def class8() -> list:
+    return [
+        Probe("srun, 2 tasks, task 0, no rendezvous", 8, "error",
+              _launcher({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}),
+              "srun (SLURM_STEP_NUM_TASKS=2)"),
+        Probe("srun, 4 tasks, task 1 (quiet refusal)", 8, "error",
+              _launcher({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}), quiet=True),
+        Probe("mpirun, 2 tasks", 8, "error", _launcher({"OMPI_COMM_WORLD_SIZE": "2"}),
+              "OMPI_COMM_WORLD_SIZE"),
+        Probe("PMI launcher, 2 tasks", 8, "error", _launcher({"PMI_SIZE": "2"}), "PMI_SIZE"),
+        Probe("sbatch script's single process (SLURM_NTASKS=4) trains", 8, "ok",
+              _launcher({"SLURM_NTASKS": "4"}), "iteration"),
+        Probe("torchrun variables under srun train", 8, "ok",
+              _launcher({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0", "RANK": "0",
+                         "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": str(free_port())}), "iteration"),
+        Probe("RANK set, WORLD_SIZE missing", 8, "error",
+              _launcher({"RANK": "0", "MASTER_ADDR": "127.0.0.1", TIMEOUT_ENV: "4"})),
+        Probe("RANK beyond WORLD_SIZE", 8, "error",
+              _launcher({"RANK": "1", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                         TIMEOUT_ENV: "4"})),
+    ]
+
+
+def _dp2_sized(ctx: Ctx) -> Run:
+    """DP 2 without --global-batch-size on a small real dataset: it must hold the samples
+    both replicas consume (a dataset sized for half runs out or repeats silently)."""
+    prefix = copy_data(ctx.shared.data(), ctx.work)
+    flags = data_flags(prefix, ctx.work)
+    flags = _replace(flags, "--train-iters", "6") + ["--metrics-file", "m.jsonl"]
+    return Ranks([PY, GPT, *flags], 2, ctx.work).wait(150)
+
+
+def _bf16_masters(ctx: Ctx) -> Run:
+    ck = _ck(ctx)
+    _mark(ctx)
+    out = os.path.join(ctx.work, "out")
+    return gpt1([*LIN, "--bf16", "--lr", "0", "--min-lr", "0", "--override-opt_param-scheduler",
+                 "--train-iters", "3", "--load", ck, "--save", out], ctx.work)
+
+
+def _masters_are_weights(ctx: Ctx, r: Run) -> str:
+    from megatron_2bw.training import checkpoint_files as cf
+
+    import torch
+    rel = "mp_rank_00/model_optim_rng.pt"
+    before = cf.load_state(ctx.ckpt, 2, rel)
+    after = cf.load_state(os.path.join(ctx.work, "out"), 3, rel)
+    weights = [t for t in before["model"].values() if t is not None]
+    masters = after["optimizer"].get("masters") or []
+    if len(masters) != len(weights):
+        return f"{len(masters)} masters for {len(weights)} weights"
+    bad = sum(not torch.equal(m, w) for m, w in zip(masters, weights))
+    return f"{bad} masters differ from the restored weights" if bad else ""
+
+
+def _bitexact(base: list, nproc: int) -> Callable[[Ctx], Run]:
+    """Uninterrupted 4 iterations vs 2 + resume 2: identical losses."""
+    def go(ctx: Ctx, flags: list, metrics: str) -> Run:
+        argv = [PY, GPT, *base, "--train-iters", "4", "--metrics-file", metrics, *flags]
+        if nproc == 1:
+            return run1(argv, ctx.work, timeout=120)
+        return Ranks(argv, nproc, ctx.work).wait(150)
+
+    def act(ctx: Ctx) -> Run:
+        ctx.ckpt = os.path.join(ctx.work, "ckpt")
+        total = 0.0
+        for flags, m in ((["--save", ctx.ckpt, "--save-interval", "2", "--exit-interval", "2"],
+                          "a.jsonl"),
+                         (["--load", ctx.ckpt, "--save", ctx.ckpt, "--save-interval", "2"],
+                          "a.jsonl"), ([], "ref.jsonl")):
+            r = go(ctx, flags, m)
+            total += r.seconds
+            if any(c != 0 for c in r.codes) or r.timed_out:
+                return r
+        r.seconds = total
+        return r
+    return act
+
+
+def _same_losses(ctx: Ctx, r: Run) -> str:
+    a = [x["loss"] for x in metrics_rows(os.path.join(ctx.work, "a.jsonl"))]
+    b = [x["loss"] for x in metrics_rows(os.path.join(ctx.work, "ref.jsonl"))]
+    return "" if a == b and len(a) == 4 else f"resumed {a} vs uninterrupted {b}"
+
+
+def _dp2_rows(ctx: Ctx, r: Run) -> str:
+    its = [x["iteration"] for x in metrics_rows(os.path.join(ctx.work, "m.jsonl"))]
+    return "" if its == list(range(1, 7)) else f"metrics {its}"
+
+
+def class9() -> list:
+    return [
+        Probe("DP2 without --global-batch-size: datasets sized for both replicas", 9, "ok",
+              _dp2_sized, check=_dp2_rows, slow=True),
+        Probe("fp32 checkpoint resumed with --bf16: masters are the restored weights", 9, "ok",
+              _bf16_masters, check=_masters_are_weights),
+        Probe("resume is bit-exact (1 process, flush)", 9, "ok", _bitexact(LIN, 1),
+              check=_same_losses),
+        Probe("resume is bit-exact (2BW PP2)", 9, "ok",
+              _bitexact(TINY + PP2 + ["--pipeline-schedule", "2bw"], 2), check=_same_losses,
+              slow=True),
+        Probe("resume is bit-exact (flush PP2)", 9, "ok",
+              _bitexact(TINY + PP2 + ["--pipeline-schedule", "flush"], 2), check=_same_losses,
+              slow=True),
+        Probe("resume is bit-exact with Muon", 9, "ok",
+              _bitexact(LIN + ["--optimizer", "muon"], 1), check=_same_losses),
+        Probe("resume at --train-iters equal to the checkpoint ends at once", 9, "ok",
+              resume(["--train-iters", "2", "--lr-decay-iters", "4"]), check=tracker_is(2)),
+    ]
+
+
+def all_probes() -> list:
+    probes = class1() + class2() + class3() + class4() + class5() + class6() + class7() + \
+        class8() + class9()
+    # the 'another pipeline layout' probe resumes a PP2 checkpoint in one process
+    for p in probes:
+        if p.name == "checkpoint of another pipeline layout":
+            p.act = _layout_probe
+    return probes
+
+
+def _layout_probe(ctx: Ctx) -> Run:
+    ctx.ckpt = copy_ckpt(ctx.shared.ckpt_2bw(), ctx.work)
+    _mark(ctx)
+    return gpt1([*TINY, "--train-iters", "3", "--load", ctx.ckpt, "--save", ctx.ckpt],
+                ctx.work)
+
+
+# ---------------------------------------------------------------------------- judging
+
+
+def first_line(r: Run, match: str = "") -> str:
+    lines = [ln.strip() for ln in r.out.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("error:") or " error: " in ln:
+            return ln
+    for ln in lines:
+        if match and match in ln:
+            return ln
+    if r.timed_out:
+        return "(timed out)"
+    for ln in reversed(lines):
+        if "arn" not in ln[:40] and not set(ln) <= set("-"):
+            return ln
+    return ""
+
+
+def judge(p: Probe, r: Run, ctx: Ctx) -> tuple:
+    tb = TB in r.out
+    if r.timed_out:
+        return "hang", "timed out"
+    codes = r.codes
+    if p.match and p.match not in r.out:
+        missing = f"output lacks {p.match!r}"
+    else:
+        missing = ""
+    if p.expect == "error":
+        if all(c == 0 for c in codes):
+            return "silent", "exit 0 where an error was due"
+        if tb:
+            return "traceback", "traceback shown"
+        if p.quiet:
+            return ("pass", "") if codes == [p.code] else ("wrong", f"exit {codes}")
+        errs = [ln for ln in r.out.splitlines() if ln.startswith("error:") or
+                re.search(r"\berror: ", ln)]
+        if not errs and not all(c == p.code for c in codes if c is not None):
+            return "wrong", f"exit {codes}, no error line"
+        if not errs and p.code == 2 and codes[0] == 2:
+            return "wrong", "exit 2 but no error line"
+        if any(c not in (p.code, -9, 1, 2) for c in codes):
+            return "wrong", f"exit {codes}"
+        if missing:
+            return "wrong", missing
+        return "pass", ""
+    if p.expect == "ok":
+        if any(c != 0 for c in codes):
+            return ("traceback" if tb else "wrong"), f"exit {codes}"
+        if missing:
+            return "silent", missing
+        if p.check:
+            why = p.check(ctx, r)
+            if why:
+                return "silent", why
+        return "pass", ""
+    # fault: every process ended (by the fault or by itself); the survivors said why
+    if tb and p.match:
+        return "traceback", "traceback shown"
+    if missing:
+        return "wrong", missing
+    if p.check:
+        why = p.check(ctx, r)
+        if why:
+            return "wrong", why
+    return "pass", ""
+
+
+def intact(ctx: Ctx) -> str:
+    if not ctx.ckpt:
+        return "-"
+    after = sound_iterations(ctx.ckpt)
+    return "yes" if after and ctx.before <= after else "no"
+
+
+def run_probe(p: Probe, shared: Shared, tmp: str) -> dict:
+    work = tempfile.mkdtemp(prefix="probe-", dir=tmp)
+    ctx = Ctx(work, shared)
+    start = time.monotonic()
+    try:
+        r = p.act(ctx)
+        outcome, why = judge(p, r, ctx)
+        row = dict(exit=",".join("-" if c is None else str(c) for c in r.codes),
+                   first_line=first_line(r, p.match)[:160],
+                   traceback="yes" if TB in r.out else "no",
+                   seconds=round(r.seconds, 1), data_intact=intact(ctx), outcome=outcome,
+                   note=why)
+    except Exception as exc:  # noqa: BLE001 - a broken probe is a row, not the end
+        row = dict(exit="?", first_line=f"probe failed: {type(exc).__name__}: {exc}"[:160],
+                   traceback="?", seconds=round(time.monotonic() - start, 1),
+                   data_intact="?", outcome="probe-error", note=str(exc)[:300])
+    row.update(probe=p.name, klass=p.klass, klass_name=CLASSES[p.klass], expect=p.expect)
+    shutil.rmtree(work, ignore_errors=True)
+    return row
+
+
+def to_markdown(rows: list) -> str:
+    head = ("| # | probe | class | expect | exit | first line shown | traceback | s | "
+            "data intact | outcome |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    body = ""
+    for i, r in enumerate(rows, 1):
+        line = r["first_line"].replace("|", "\\|")
+        outcome = r["outcome"] + (f" ({r['note']})" if r["note"] else "")
+        body += (f"| {i} | {r['probe']} | {r['klass']} | {r['expect']} | {r['exit']} | "
+                 f"`{line}` | {r['traceback']} | {r['seconds']} | {r['data_intact']} | "
+                 f"{outcome.replace('|', '/')} |\n")
+    return head + body
+
+
+def summary(rows: list) -> dict:
+    out = {k: sum(r["outcome"] == k for r in rows)
+           for k in ("pass", "traceback", "silent", "hang", "wrong", "probe-error")}
+    out["probes"] = len(rows)
+    out["data_not_intact"] = sum(r["data_intact"] == "no" for r in rows)
+    out["per_class"] = {c: sum(r["klass"] == c for r in rows) for c in CLASSES}
+    return out
+
+
+def write(args: argparse.Namespace, rows: list, start: float, complete: bool) -> dict:
+    counts = summary(rows)
+    counts["seconds"] = round(time.monotonic() - start, 1)
+    counts["complete"] = complete
+    if args.markdown:
+        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+        with open(args.markdown, "w") as f:
+            f.write(to_markdown(rows))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"counts": counts, "rows": rows}, f, indent=1)
+    return counts
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", type=int, action="append", choices=sorted(CLASSES),
+                    help="run only this class (repeatable)")
+    ap.add_argument("--probe", action="append", help="run only probes whose name contains this")
+    ap.add_argument("--json", help="write the rows and the counts here")
+    ap.add_argument("--markdown", help="write the table here")
+    ap.add_argument("--jobs", type=int, default=1, choices=[1], help="probes run one at a time")
+    ap.add_argument("--list", action="store_true", help="list the probes and exit")
+    args = ap.parse_args(argv)
+    probes = [p for p in all_probes() if (not args.only or p.klass in args.only)
+              and (not args.probe or any(s in p.name for s in args.probe))]
+    if args.list:
+        for p in probes:
+            print(f"{p.klass} {p.expect:5} {p.name}")
+        return 0
+    tmp = tempfile.mkdtemp(prefix="fault-matrix-")
+    shared = Shared(os.path.join(tmp, "shared"))
+    rows, start = [], time.monotonic()
+    try:
+        for i, p in enumerate(probes, 1):
+            row = run_probe(p, shared, tmp)
+            rows.append(row)
+            elapsed = time.monotonic() - start
+            eta = elapsed / i * (len(probes) - i)
+            print(f"[{i}/{len(probes)}] {row['outcome']:9} {row['seconds']:6.1f}s "
+                  f"class {p.klass} {p.name}: {row['first_line'][:90]}  (ETA {eta:.0f} s)",
+                  flush=True)
+            write(args, rows, start, complete=i == len(probes))  # a partial table survives
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    counts = write(args, rows, start, complete=len(rows) == len(probes))
+    print(json.dumps(counts))
+    bad = counts["traceback"] + counts["silent"] + counts["hang"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
