@@ -41,3 +41,19 @@ def losses(records: list[dict]) -> list[float]:
 def max_rel(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def minibatch_loss(model, sample, k: int, global_batch: int, micro_batch: int) -> float:
+    """The oracles' plain step: accumulate minibatch k's mean-loss gradient into `model`
+    (its .grad, from zero) one microbatch at a time; return the mean microbatch loss."""
+    from megatron_2bw.data.datasets import collate
+
+    m = global_batch // micro_batch
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for j in range(m):
+        first = k * global_batch + j * micro_batch
+        loss = model(None, collate([sample(i) for i in range(first, first + micro_batch)]))
+        (loss / m).backward()
+        total += loss.item()
+    return total / m

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.entry_harness import TINY, launch, losses, max_rel
+from tests.entry_harness import TINY, launch, losses, max_rel, minibatch_loss
 
 ITERS = ["--train-iters", "5", "--global-batch-size", "8"]
 pytestmark = pytest.mark.slow
@@ -19,7 +19,6 @@ pytestmark = pytest.mark.slow
 def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
     from megatron.core import parallel_state as ps
 
-    from megatron_2bw.data.datasets import collate
     from megatron_2bw.training.reference import single_process_model
 
     ref = single_process_model("gpt", argv)
@@ -33,14 +32,7 @@ def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
     gbs, mbs = run.train.global_batch_size, args.micro_batch_size
     out = []
     for k in range(args.train_iters):
-        previous.zero_grad(set_to_none=True)
-        total = 0.0
-        for j in range(gbs // mbs):
-            batch = collate([sample(i) for i in range(k * gbs + j * mbs, k * gbs + (j + 1) * mbs)])
-            loss = previous(None, batch)
-            (loss / (gbs // mbs)).backward()
-            total += loss.item()
-        out.append(total / (gbs // mbs))
+        out.append(minibatch_loss(previous, sample, k, gbs, mbs))
         snapshot = {n: t.clone() if torch.is_tensor(t) else t
                     for n, t in current.state_dict().items()}
         for (_, p), q in zip(named, previous.parameters()):

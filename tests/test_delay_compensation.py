@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.entry_harness import TINY, launch, losses, max_rel
+from tests.entry_harness import TINY, launch, losses, max_rel, minibatch_loss
 
 ITERS = ["--train-iters", "5", "--global-batch-size", "8"]
 MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high"]  # fp32 Newton-Schulz
@@ -56,7 +56,6 @@ class _Directions:
 def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
     from megatron.core import parallel_state as ps
 
-    from megatron_2bw.data.datasets import collate
     from megatron_2bw.training.reference import single_process_model
 
     ref = single_process_model("gpt", argv)
@@ -73,14 +72,7 @@ def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
         with torch.no_grad():
             for (_, p), w in zip(named, versions[max(k - 1, 0)]):
                 p.copy_(w)
-        model.zero_grad(set_to_none=True)
-        total = 0.0
-        for j in range(gbs // mbs):
-            batch = collate([sample(i) for i in range(k * gbs + j * mbs, k * gbs + (j + 1) * mbs)])
-            loss = model(None, batch)
-            (loss / (gbs // mbs)).backward()
-            total += loss.item()
-        out.append(total / (gbs // mbs))
+        out.append(minibatch_loss(model, sample, k, gbs, mbs))
         grads = [p.grad.clone() for _, p in named]
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
         grads = [g * min(1.0, args.clip_grad / (norm.item() + 1e-6)) for g in grads]

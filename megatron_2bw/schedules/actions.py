@@ -134,11 +134,6 @@ class Schedule(dict):
                         stash_limit=self.stash_limit, tied_stages=self.tied_stages)
 
     @property
-    def defers_step(self) -> bool:
-        """Whether minibatch k's step waits past minibatch k + 1's backward passes."""
-        return self.grad_buffers > 1
-
-    @property
     def microbatches(self) -> range:
         """Global indices of the microbatches this schedule runs."""
         m = self.num_microbatches
