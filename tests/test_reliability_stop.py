@@ -111,36 +111,66 @@ def test_sigterm_saves_where_it_stopped_and_resumes_exactly(tmp_path) -> None:
     assert losses(first) + losses(rest) == losses(_records(ref_m))  # bit for bit
 
 
+def _ranks_by_hand(cmd: list[str], timeout: float, world: int = 2,
+                   ranks: tuple = (0, 1)) -> list[subprocess.Popen]:
+    """Ranks started with torchrun's variables but no agent: rank 0 hosts the store."""
+    port = free_port()
+    return [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=dict(ENV, RANK=str(r), WORLD_SIZE=str(world),
+                                                 LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                                 MASTER_PORT=str(port),
+                                                 **{distributed.TIMEOUT_ENV: str(timeout)}))
+            for r in ranks]
+
+
 @pytest.mark.slow
-def test_stalled_rank_is_named_within_the_timeout(tmp_path) -> None:
-    """Rank 1 frozen by SIGSTOP: rank 0 fails within the timeout (plus the heartbeat's
-    1.5 periods) naming it. Ranks are started by hand: torchrun would add its fixed 30 s
-    wait before it SIGKILLs a process that does not answer its SIGTERM (a frozen one)."""
+@pytest.mark.parametrize("victim", [1, 0])
+def test_stalled_rank_is_named_within_the_timeout(tmp_path, victim: int) -> None:
+    """One rank frozen by SIGSTOP: the other fails within the timeout (plus the
+    heartbeat's 1.5 periods) naming it. Ranks are started by hand: torchrun would add its
+    fixed 30 s wait before it SIGKILLs a process that does not answer its SIGTERM (a
+    frozen one). A frozen rank 0 also freezes the store it hosts: the survivor must not
+    wait on it while it leaves (it once did, forever)."""
     timeout = 4.0
-    port, metrics = free_port(), str(tmp_path / "m.jsonl")
+    metrics = str(tmp_path / "m.jsonl")
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--metrics-file",
            metrics, *PP2_2BW, "--pipeline-schedule", "flush"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=dict(ENV, RANK=str(r), WORLD_SIZE="2",
-                                                  LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                                  MASTER_PORT=str(port),
-                                                  **{distributed.TIMEOUT_ENV: str(timeout)}))
-             for r in range(2)]
+    procs = _ranks_by_hand(cmd, timeout)
+    survivor = procs[1 - victim]
     try:
         _wait_for(metrics, 2, procs, 120)
-        procs[1].send_signal(signal.SIGSTOP)
+        procs[victim].send_signal(signal.SIGSTOP)
         frozen_at = time.monotonic()
-        out, _ = procs[0].communicate(timeout=timeout + 30)
+        out, _ = survivor.communicate(timeout=timeout + 30)
         took = time.monotonic() - frozen_at
     finally:
         for p in procs:
             p.kill()
             p.communicate()
-    assert procs[0].returncode != 0, out[-3000:]
+    assert survivor.returncode == 1, out[-3000:]
     last = out.strip().splitlines()[-1]  # the pipeline receive or a collective timed out
     assert f"within {timeout:g} s (--distributed-timeout-minutes)" in last, out[-3000:]
-    assert last.endswith("frozen or gone (no heartbeat): stage 1 (rank 1)"), out[-3000:]
+    if victim == 1:
+        assert last.endswith("frozen or gone (no heartbeat): stage 1 (rank 1)"), out[-3000:]
+    else:
+        assert last.startswith("error: stage 0 (rank 0) stopped answering"), out[-3000:]
+        assert last.endswith("(rank 0 when no torchrun agent hosts it) is frozen, gone or "
+                             "unreachable"), out[-3000:]
     assert took < timeout + 60, took  # ends (no gloo default 30-minute hang), even on a loaded machine
+
+
+@pytest.mark.parametrize("present", [0, 1])
+def test_a_rank_that_never_starts_is_one_line(present: int) -> None:
+    """WORLD_SIZE=2 with one rank started: the rendezvous ends within the timeout with
+    one line saying who is missing, exit status 1, no C++ or Python stack trace."""
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY, *PP2_2BW]
+    (proc,) = _ranks_by_hand(cmd, 2.0, ranks=(present,))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" not in out and "frame #" not in out, out[-3000:]
+    expected = ("only 1 of 2 ranks joined the rendezvous" if present == 0
+                else "rank 1 found no rendezvous at 127.0.0.1:")
+    assert out.strip().splitlines()[-1].startswith(f"error: {expected}"), out[-3000:]
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -133,8 +134,48 @@ def init_distributed(timeout_minutes: float = 10.0) -> DistEnv:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        _join(backend, rank, world, timeout)
     return DistEnv(rank, world, local_rank, device, timeout)
+
+
+def _join(backend: str, rank: int, world: int, timeout: timedelta) -> None:
+    """init_process_group; a rendezvous that runs out of time is a one-line fault that
+    says who was missing, not a DistStoreError traceback."""
+    from ..runtime.p2p import PeerTimeout
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    where = f"{host}:{port}"
+    if rank > 0 and not _reachable(host, port, timeout.total_seconds()):
+        raise PeerTimeout(f"rank {rank} found no rendezvous at {where} within "
+                          f"{timeout.total_seconds():g} s (--distributed-timeout-minutes): "
+                          f"rank 0 hosts it when no torchrun agent does; start rank 0 "
+                          f"(or launch through torchrun) with the same MASTER_ADDR and "
+                          f"MASTER_PORT")
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    except dist.DistError as err:
+        joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
+        who = (f"only {joined.group(1)} of {joined.group(2)} ranks joined" if joined else
+               f"rank {rank} could not join (rank 0 hosts the store without torchrun)")
+        raise PeerTimeout(f"{who} the rendezvous at {where} within "
+                          f"{timeout.total_seconds():g} s (--distributed-timeout-minutes): "
+                          f"start all WORLD_SIZE={world} ranks (torchrun --nnodes N "
+                          f"--nproc-per-node G does) or raise the wait") from err
+
+
+def _reachable(host: str, port: int, seconds: float) -> bool:
+    """Whether a TCP connection to the store opens within `seconds`, tried quietly (the
+    store client itself prints a C++ stack trace on every failed try)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(
+                    1.0, deadline - time.monotonic()))):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
 
 def setup_logging(rank: int, world_size: int) -> None:

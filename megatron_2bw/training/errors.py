@@ -22,8 +22,9 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
+T = TypeVar("T")
 EXIT_USER_ERROR = 2
 EXIT_FAULT = 1  # a peer stalled or vanished: not the user's input, but no traceback either
 SHOW_TRACEBACK = "MEGATRON_2BW_TRACEBACK"  # =1: print the traceback of user errors too
@@ -136,12 +137,31 @@ def _job_store():
     return _client
 
 
+def within(seconds: float, call: Callable[[], T]) -> Optional[T]:
+    """`call()` on a helper thread, or None when it fails or has not returned in time.
+
+    A store client's request to a store host that is frozen (SIGSTOP, a swapping machine)
+    never returns: the client's own timeout does not cover a connection that stays open.
+    The helper thread is a daemon, so giving up on it never holds the exit.
+    """
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception:  # noqa: BLE001 - a failed store call reads as "no answer"
+            pass
+
+    helper = threading.Thread(target=run, daemon=True, name="megatron_2bw-store-call")
+    helper.start()
+    helper.join(seconds)
+    return out[0] if out else None
+
+
 def _counter(store, key: str, add: int = 0) -> Optional[int]:
-    """Add to a counter in the job's store; None when the store is gone."""
-    try:
-        return int(store.add(key, add))
-    except Exception:  # noqa: BLE001 - store host gone or not answering
-        return None
+    """Add to a counter in the job's store; None when the store is gone or frozen."""
+    value = within(STORE_TIMEOUT.total_seconds(), lambda: store.add(key, add))
+    return None if value is None else int(value)
 
 
 def _peer_reported(store) -> bool:

@@ -23,7 +23,7 @@ from ..optim.muon import (MuonParamSpec, TensorParallel, is_megatron_muon_param,
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
 from ..runtime.grad_sync import TiedGradSync
-from ..runtime.p2p import is_timeout
+from ..runtime.p2p import PeerTimeout, is_timeout
 from ..runtime.topology import data_parallel_group, stage_links
 from ..schedules import Schedule, build_eval_schedule, build_schedule
 from .checkpointing import prepare_resume, read_checkpoint, restore, save_checkpoint
@@ -156,7 +156,7 @@ class Trainer:
         try:
             self._train_segments(stop)
         except RuntimeError as err:
-            if heartbeat is None or not is_timeout(err):
+            if heartbeat is None or not (is_timeout(err) or isinstance(err, PeerTimeout)):
                 raise
             raise heartbeat.explain(err, self.stage) from err
         finally:

@@ -24,6 +24,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..runtime.p2p import PeerTimeout, describe_timeout
+from .errors import within
 
 _KEY = "megatron_2bw/heartbeat"
 
@@ -89,32 +90,39 @@ class Heartbeat:
             key = f"{_KEY}/stage/{rank}"
             return self.store.get(key).decode() if self.store.check([key]) else "?"
 
-    def _frozen_names(self, out: list[list[str]]) -> None:
-        try:
-            out.append([f"stage {self._stage_of(r)} (rank {r})" for r in self.frozen()])
-        except RuntimeError:
-            pass  # the store failed: reported as not answering
+    def _frozen_names(self) -> list[str]:
+        return [f"stage {self._stage_of(r)} (rank {r})" for r in self.frozen()]
+
+    def _store_down(self) -> str:
+        return (f"the job's store at {os.environ.get('MASTER_ADDR')}:"
+                f"{os.environ.get('MASTER_PORT')} does not answer either: its host (rank 0 "
+                f"when no torchrun agent hosts it) is frozen, gone or unreachable")
 
     def verdict(self) -> str:
         """One sentence: which ranks are frozen or gone, with their stages. Bounded in
-        time: a store client's request to a frozen store host never returns, so the
-        store is read from a helper thread that is given up on."""
-        out: list[list[str]] = []
-        reader = threading.Thread(target=self._frozen_names, args=(out,), daemon=True)
-        reader.start()
-        reader.join(1.5 * self.period + 5.0 + 0.01 * self.world)
-        if not out:
-            return (f"the job's store at {os.environ.get('MASTER_ADDR')}:"
-                    f"{os.environ.get('MASTER_PORT')} does not answer either: its host (rank "
-                    f"0 when no torchrun agent hosts it) is frozen or unreachable")
-        if out[0]:
-            return f"frozen or gone (no heartbeat): {', '.join(out[0])}"
+        time: a store client's request to a frozen store host never returns."""
+        names = within(1.5 * self.period + 5.0 + 0.01 * self.world, self._frozen_names)
+        if names is None:
+            return self._store_down()
+        if names:
+            return f"frozen or gone (no heartbeat): {', '.join(names)}"
         return ("every other rank's heartbeat still beats: the rank that did not answer "
                 "runs but is stuck (a hung kernel or a deadlock)")
 
+    def store_check(self) -> Optional[str]:
+        """For a broken connection (a peer exited): None while the store answers, else the
+        sentence that names its host. Quick, unlike the verdict, so that a killed rank
+        still ends its peers within seconds."""
+        answered = within(2.0, lambda: self._add(self.rank, 0))
+        return None if answered is not None else self._store_down()
+
     def explain(self, err: RuntimeError, stage: int) -> PeerTimeout:
-        """`err` (a timed-out wait) with the verdict; gloo's own words made readable."""
+        """`err` (a timed-out wait or a broken connection) with what the store tells about
+        the other ranks; gloo's own words made readable."""
         if not isinstance(err, PeerTimeout):
             err = PeerTimeout(f"a wait of stage {stage} (rank {self.rank}) got no answer "
                               f"within {describe_timeout()} ({str(err).splitlines()[0][:160]})")
+        if not err.timed_out:
+            down = self.store_check()
+            return err if down is None else PeerTimeout(f"{err}; {down}", timed_out=False)
         return PeerTimeout(f"{err}; {self.verdict()}")
