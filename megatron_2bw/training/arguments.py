@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..models.config import ModelConfig, pad_vocab_size
+from ..models.config import pad_vocab_size
 from ..optim.loss_scale import LossScaleConfig
 from ..optim.compensation import COMPENSATIONS
 from ..optim.muon import MuonConfig
@@ -23,6 +23,7 @@ from ..optim.updater import OptimizerConfig
 from ..schedules import SCHEDULE_NAMES
 from .config import DataConfig, ParallelConfig, RunConfig, TrainConfig
 from .errors import UserError
+from .model_flags import model_config, model_flags
 from .validation import Flags, validate_flags
 
 
@@ -31,30 +32,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise UserError(message, "command line", f"see {self.prog} --help")
-
-
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
-    g.add_argument("--hidden-size", type=int, required=True, help="hidden width")
-    g.add_argument("--ffn-hidden-size", type=int, help="MLP inner width (default 4 x hidden)")
-    g.add_argument("--num-attention-heads", type=int, required=True, help="attention heads")
-    g.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
-    g.add_argument("--max-position-embeddings", type=int, help="position table size "
-                   "(default --seq-length)")
-    g.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal init")
-    g.add_argument("--hidden-dropout", type=float, default=0.1, help="dropout after attention/MLP")
-    g.add_argument("--attention-dropout", type=float, default=0.1, help="attention dropout")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="separate output layer instead of the tied word embedding")
-    g.add_argument("--bert-no-binary-head", action="store_true",
-                   help="BERT: no sentence-order head")
-    g.add_argument("--recompute-activations", action="store_true",
-                   help="recompute every transformer layer in backward (= granularity full)")
-    g.add_argument("--recompute-granularity", choices=["full"],
-                   help="full: recompute each layer (selective is not supported yet)")
-    g.add_argument("--recompute-method", choices=["uniform"], default="uniform",
-                   help="uniform (one layer per recompute chunk)")
 
 
 def _train_flags(p: argparse.ArgumentParser) -> None:
@@ -190,26 +167,13 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     parser = _Parser(
         prog=f"pretrain_{model}.py",
         description=f"Pretrain {model.upper()} with megatron-2bw (Megatron-LM flags).")
-    for add in (_model_flags, _train_flags, _optimizer_flags, _parallel_flags, _data_flags):
+    for add in (model_flags, _train_flags, _optimizer_flags, _parallel_flags, _data_flags):
         add(parser)
     return parser
 
 
 def _precision(name: str) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(name, torch.float32)
-
-
-def _model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfig:
-    recompute = "full" if (args.recompute_activations or args.recompute_granularity) else None
-    return ModelConfig(
-        model=model, num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-        vocab_size=vocab, max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        recompute_granularity=recompute, params_dtype=dtype,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        bert_binary_head=not args.bert_no_binary_head, seed=args.seed)
 
 
 def _optimizer_config(args, view: Flags, gbs: int, precision: str) -> OptimizerConfig:
@@ -266,7 +230,7 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                         exit_signal_handler=args.exit_signal_handler,
                         exit_duration_in_mins=args.exit_duration_in_mins,
                         distributed_timeout_minutes=args.distributed_timeout_minutes)
-    return RunConfig(model=_model_config(args, model, dtype, padded), parallel=parallel,
+    return RunConfig(model=model_config(args, model, dtype, padded), parallel=parallel,
                      optimizer=_optimizer_config(args, view, gbs, precision), data=data,
                      train=train, precision=precision, flags=vars(args))
 
