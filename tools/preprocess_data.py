@@ -33,7 +33,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--keep-newlines", action="store_true",
                        help="keep newlines between sentences when splitting")
     group.add_argument("--sentence-splitter", choices=SPLITTERS, default="auto",
-                       help="auto: NLTK punkt if installed, else rule-based")
+                       help="nltk: punkt, English (Megatron-LM's sentences); auto (default): "
+                       "punkt, else rule-based with a warning; simple: rule-based")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", help="GPT-2 vocab.json or BERT vocab.txt")
@@ -41,6 +42,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--tokenizer-model", help="SentencePiece .model or HF tokenizer.json/dir")
     group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
     group.add_argument("--vocab-extra-ids", type=int, default=0)
+    group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer: add the template's special tokens (e.g. BOS) "
+                       "to every text, as Megatron-LM with this flag; off by default, as there")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to every document")
     group = parser.add_argument_group("output data")
@@ -57,7 +61,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def to_config(args: argparse.Namespace) -> PreprocessConfig:
     tokenizer = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file,
-                              args.tokenizer_model, args.vocab_size, args.vocab_extra_ids)
+                              args.tokenizer_model, args.vocab_size, args.vocab_extra_ids,
+                              args.tokenizer_hf_include_special_tokens)
     return PreprocessConfig(
         input=args.input, output_prefix=args.output_prefix, tokenizer=tokenizer,
         json_keys=tuple(args.json_keys), append_eod=args.append_eod,

@@ -20,12 +20,13 @@ import logging
 import multiprocessing
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_2bw.data.sentences import SPLITTERS, SentenceSplitter, make_sentence_splitter
+from megatron_2bw.data.sentences import (SPLITTERS, PunktSplitter, SentenceSplitter,
+                                         make_sentence_splitter)
 from megatron_2bw.data.tokenizers import MegatronTokenizer, TokenizerSpec
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,11 @@ class PreprocessConfig:
         json_keys: keys whose text is converted, one output per key (``--json-keys``).
         append_eod: end every non-empty document with the tokenizer's EOD (``--append-eod``).
         split_sentences: one sequence per sentence, for BERT (``--split-sentences``).
-        keep_newlines: keep the newlines between sentences when splitting.
-        sentence_splitter: "auto" (NLTK punkt if installed, else rule-based), "simple" or
-            "nltk"; "simple" gives the same output on every machine.
+        keep_newlines: keep the newlines between sentences when splitting (punkt's
+            newline-keeping variant, as Megatron-LM's ``--keep-newlines``).
+        sentence_splitter: "nltk" (punkt with English parameters: Megatron-LM's sentences),
+            "auto" (punkt, else rule-based with a warning) or "simple" (rule-based, not
+            Megatron-LM's sentences).
         workers: tokenizer processes; 1 tokenizes in this process (``--workers``).
         log_interval: documents between progress lines (``--log-interval``).
         on_error: "fail" stops at the first malformed line, "skip" reports and skips it.
@@ -252,6 +255,16 @@ def check_tokenizer(config: PreprocessConfig) -> MegatronTokenizer:
     return tokenizer
 
 
+def resolve_splitter(config: PreprocessConfig) -> PreprocessConfig:
+    """Settle "auto" to the splitter that will run, once, here: a missing requirement then
+    fails (for "nltk") or warns (for "auto") before any worker starts, and only once."""
+    if not config.split_sentences:
+        return config
+    splitter = make_sentence_splitter(config.keep_newlines, config.sentence_splitter)
+    kind = "nltk" if isinstance(splitter, PunktSplitter) else "simple"
+    return replace(config, sentence_splitter=kind)
+
+
 def _encoded_stream(config: PreprocessConfig, lines: Iterable[Tuple[int, str]],
                     pool: Optional[Any]) -> Iterator[_Encoded]:
     if pool is None:
@@ -339,6 +352,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
     """Convert config.input into Megatron .bin/.idx files; see the module docstring."""
     check_input(config.input)
     tokenizer = check_tokenizer(config)
+    config = resolve_splitter(config)
     start = time.time()
     writers = _Writers(config, tokenizer.vocab_size)
     bad_lines: List[BadLine] = []

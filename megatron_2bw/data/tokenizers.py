@@ -5,7 +5,10 @@ object with the interface megatron-core's GPT/BERT datasets and Megatron-LM's
 ``tools/preprocess_data.py`` use (``tokenize``, ``detokenize``, ``vocab_size``, ``vocab``,
 ``inv_vocab``, ``eod``, ``pad``, ``cls``, ``sep``, ``mask``, ``bos``, ``eos``,
 ``unique_identifiers``). The ids each type produces follow Megatron-LM's legacy tokenizers
-(``megatron/training/tokenizer/tokenizer.py``) so that .bin/.idx files are interchangeable.
+(``megatron/training/tokenizer/tokenizer.py``) so that .bin/.idx files are interchangeable,
+except HuggingFaceTokenizer, which follows the default (non-legacy) tokenizer that Megatron-LM's
+``tools/preprocess_data.py`` builds: no template special tokens unless
+``--tokenizer-hf-include-special-tokens`` (the legacy one always adds them).
 
 Why not megatron-core's own classes: in megatron-core 0.16.1 the GPT2BPE, BertWordPiece and
 HuggingFace tokenizers go through ``transformers.AutoTokenizer`` (not installed here), and its
@@ -310,14 +313,18 @@ _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_i
 class HuggingFaceTokenizer(MegatronTokenizer):
     """A local HuggingFace ``tokenizer.json`` (a file, or a directory holding one).
 
-    Like ``transformers``' fast tokenizers, ``tokenize`` applies the file's post-processor (e.g.
-    a BOS token). Special tokens come from ``tokenizer_config.json`` / ``special_tokens_map.json``
-    next to it; without those, EOD is the first of ``<|endoftext|>``, ``</s>``,
-    ``<|end_of_text|>``, ``<eos>``, ``<|eot_id|>``, ``[EOS]`` present in the vocab.
+    ``tokenize`` follows Megatron-LM's default (non-legacy) HuggingFace tokenizer: the text's
+    tokens only, without the template's special tokens (a BOS a post-processor would add), unless
+    ``include_special_tokens`` (``--tokenizer-hf-include-special-tokens``) asks for them, as
+    Megatron-LM's ``text_to_ids`` does. Special tokens come from ``tokenizer_config.json`` /
+    ``special_tokens_map.json`` next to it; without those, EOD is the first of
+    ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>``, ``<|eot_id|>``, ``[EOS]`` present
+    in the vocab.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, include_special_tokens: bool = False) -> None:
         super().__init__(path)
+        self.include_special_tokens = include_special_tokens
         from tokenizers import Tokenizer
 
         folder = path if os.path.isdir(path) else os.path.dirname(path)
@@ -336,7 +343,7 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         return self._missing(name)
 
     def tokenize(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+        return self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -410,6 +417,8 @@ class TokenizerSpec:
             (``--tokenizer-model``).
         vocab_size: NullTokenizer's vocabulary size without EOD (``--vocab-size``).
         vocab_extra_ids: T5 sentinel tokens (``--vocab-extra-ids``).
+        hf_include_special_tokens: HuggingFaceTokenizer adds its template's special tokens
+            (e.g. BOS) to every tokenized text (``--tokenizer-hf-include-special-tokens``).
     """
 
     tokenizer_type: str
@@ -418,6 +427,7 @@ class TokenizerSpec:
     tokenizer_model: Optional[str] = None
     vocab_size: Optional[int] = None
     vocab_extra_ids: int = 0
+    hf_include_special_tokens: bool = False
 
     def build(self) -> MegatronTokenizer:
         return build_tokenizer(**asdict(self))
@@ -432,6 +442,8 @@ class TokenizerSpec:
                 out += [flag, str(value)]
         if self.vocab_extra_ids:
             out += ["--vocab-extra-ids", str(self.vocab_extra_ids)]
+        if self.hf_include_special_tokens:
+            out.append("--tokenizer-hf-include-special-tokens")
         return out
 
 
@@ -469,7 +481,8 @@ def _build_gpt_sp(s: TokenizerSpec) -> MegatronTokenizer:
 
 def _build_hf(s: TokenizerSpec) -> MegatronTokenizer:
     return HuggingFaceTokenizer(
-        _need_file("--tokenizer-model", s.tokenizer_model, s.tokenizer_type, folder_ok=True))
+        _need_file("--tokenizer-model", s.tokenizer_model, s.tokenizer_type, folder_ok=True),
+        include_special_tokens=s.hf_include_special_tokens)
 
 
 def _build_null(s: TokenizerSpec) -> MegatronTokenizer:
@@ -491,17 +504,23 @@ _BUILDERS: Dict[str, Callable[[TokenizerSpec], MegatronTokenizer]] = {
 
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
                     merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None,
-                    vocab_size: Optional[int] = None,
-                    vocab_extra_ids: int = 0) -> MegatronTokenizer:
+                    vocab_size: Optional[int] = None, vocab_extra_ids: int = 0,
+                    hf_include_special_tokens: bool = False) -> MegatronTokenizer:
     """Build a tokenizer the way Megatron-LM's ``--tokenizer-type`` flags select one.
 
-    Raises TokenizerError (one line naming the flag) for an unknown type or a missing file.
+    Raises TokenizerError (one line naming the flag) for an unknown type or a missing file, and
+    for ``hf_include_special_tokens`` with a type other than HuggingFaceTokenizer: Megatron-LM
+    routes its BERT/GPT-2 types through ``transformers`` there (BERT would gain [CLS]/[SEP]),
+    which these tokenizers do not reproduce, so the flag is refused rather than ignored.
     """
     if tokenizer_type not in _BUILDERS:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
                              f"choose one of {', '.join(TOKENIZER_TYPES)}")
+    if hf_include_special_tokens and tokenizer_type != "HuggingFaceTokenizer":
+        raise TokenizerError("--tokenizer-hf-include-special-tokens is supported only with "
+                             f"--tokenizer-type HuggingFaceTokenizer, not {tokenizer_type}")
     spec = TokenizerSpec(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size,
-                         vocab_extra_ids)
+                         vocab_extra_ids, hf_include_special_tokens)
     return _BUILDERS[tokenizer_type](spec)
 
 
