@@ -22,6 +22,13 @@ logger = logging.getLogger(__name__)
 
 MICRO_BATCH = 2
 BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1024)
+# Every architecture option at once (GPT): Llama's (rope, RMSNorm, SwiGLU, 2 query groups
+# of 4 heads, no linear biases, untied output, head width set apart from hidden / heads)
+# plus query/key norms and zero-centred (1p) norms, whose TP paths are this project's own.
+ARCH = (("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("swiglu", True),
+        ("num_query_groups", 2), ("kv_channels", 8), ("add_bias_linear", False),
+        ("untie_embeddings_and_output_weights", True), ("qk_layernorm", True),
+        ("layernorm_zero_centered_gamma", True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +48,8 @@ def scenarios() -> list[Scenario]:
     for model in ("gpt", "bert"):
         no_dropout = (("hidden_dropout", 0.0), ("attention_dropout", 0.0))
         dropout = (("hidden_dropout", 0.1), ("attention_dropout", 0.1))
-        recompute = (("recompute_granularity", "full"),)
+        recompute = (("recompute_granularity", "full"), ("recompute_method", "uniform"),
+                     ("recompute_num_layers", 1))
         bf16 = (("params_dtype", torch.bfloat16),)
         runs += [
             Scenario(f"{model}_ref", model, 1, 1, no_dropout),
@@ -52,6 +60,17 @@ def scenarios() -> list[Scenario]:
             Scenario(f"{model}_tp2", model, 2, 1, no_dropout),
             Scenario(f"{model}_bf16_pp2", model, 1, 2, no_dropout + bf16),
         ]
+    selective = (("recompute_granularity", "selective"),)
+    runs.append(Scenario("gpt_dropout_selective", "gpt", 1, 1,
+                         (("hidden_dropout", 0.1), ("attention_dropout", 0.1)) + selective))
+    arch = (("hidden_dropout", 0.0), ("attention_dropout", 0.0)) + ARCH
+    mqa = arch + (("num_query_groups", 1),)  # fewer key/value heads than TP ranks
+    runs += [Scenario("arch_ref", "gpt", 1, 1, arch),
+             Scenario("arch_tp2", "gpt", 2, 1, arch),
+             Scenario("arch_pp2_uneven", "gpt", 1, 2,
+                      arch + (("num_layers_in_first_pipeline_stage", 1),)),
+             Scenario("arch_mqa_ref", "gpt", 1, 1, mqa),
+             Scenario("arch_mqa_tp2", "gpt", 2, 1, mqa)]
     return sorted(runs, key=lambda s: (s.tp, s.pp))
 
 
@@ -90,7 +109,10 @@ def _full(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     group = parallel_state.get_tensor_model_parallel_group()
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
+    # rank r holds pieces r, r + tp, ... of `stride` x tp (SwiGLU's fc1: [gate_r; up_r])
+    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+    return torch.cat([part.chunk(stride, dim=dim)[s] for s in range(stride) for part in parts],
+                     dim=dim)
 
 
 def _run_pipeline(stage_module, batch: dict) -> Optional[torch.Tensor]:

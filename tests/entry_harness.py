@@ -1,6 +1,8 @@
 """Run pretrain_gpt.py / pretrain_bert.py under torchrun and read their metrics."""
 from __future__ import annotations
 
+from typing import Optional
+
 import json
 import os
 import subprocess
@@ -43,16 +45,19 @@ def max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def minibatch_loss(model, sample, k: int, global_batch: int, micro_batch: int) -> float:
+def minibatch_loss(model, sample, k: int, global_batch: int, micro_batch: int,
+                   start: Optional[int] = None) -> float:
     """The oracles' plain step: accumulate minibatch k's mean-loss gradient into `model`
-    (its .grad, from zero) one microbatch at a time; return the mean microbatch loss."""
+    (its .grad, from zero) one microbatch at a time; return the mean microbatch loss.
+    Minibatch k starts at sample `start` (default k x global_batch: a constant batch)."""
     from megatron_2bw.data.datasets import collate
 
     m = global_batch // micro_batch
+    start = k * global_batch if start is None else start
     model.zero_grad(set_to_none=True)
     total = 0.0
     for j in range(m):
-        first = k * global_batch + j * micro_batch
+        first = start + j * micro_batch
         loss = model(None, collate([sample(i) for i in range(first, first + micro_batch)]))
         (loss / m).backward()
         total += loss.item()

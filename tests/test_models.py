@@ -189,3 +189,83 @@ def test_model_config_validation_names_the_bad_values():
         _tiny_config(model="t5")
     config = _tiny_config(model="bert")
     assert (config.ffn_size, config.max_positions, config.tie_embeddings) == (256, 8, True)
+
+
+# ------------------------------------------------------------------ architectures (ARCH)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["arch_tp2", "arch_mqa_tp2"])
+def test_architecture_tensor_parallel_matches_tp1(runs, name):
+    """SwiGLU's strided fc1, grouped (and single) key/value heads, tensor-parallel-shared
+    query/key norms and 1p norms: TP=2 starts from the TP=1 weights and takes its step."""
+    ref = "arch_mqa_ref" if "mqa" in name else "arch_ref"
+    assert_same_model_and_step(merged(runs[ref]), merged(runs[name]))
+
+
+@pytest.mark.slow
+def test_architecture_uneven_pipeline_matches_unsplit(runs):
+    first, last = sorted(runs["arch_pp2_uneven"], key=lambda part: part["stage"])
+    layers = {stage["stage"]: {n.split(".")[2] for n in stage["weights"] if ".layers." in n}
+              for stage in (first, last)}
+    assert layers == {0: {"0"}, 1: {"1", "2", "3"}}, "Megatron's rule: first stage 1, rest 3"
+    assert_same_model_and_step(merged(runs["arch_ref"]), merged(runs["arch_pp2_uneven"]))
+
+
+@pytest.mark.slow
+def test_architecture_norm_weights_start_at_gamma_one(runs):
+    """1p norms store gamma - 1: zeros; untied output layer is its own parameter."""
+    weights = merged(runs["arch_ref"])["weights"]
+    norms = [n for n in weights if "layernorm" in n]
+    assert {n.rsplit(".", 2)[-2] for n in norms} >= {"input_layernorm", "q_layernorm",
+                                                       "k_layernorm", "final_layernorm"}
+    assert all(torch.count_nonzero(weights[n]) == 0 for n in norms)
+    assert "output_layer.weight" in weights and WORD_EMBEDDING in weights
+
+
+@pytest.mark.slow
+def test_selective_recompute_matches_no_recompute_with_dropout(runs):
+    """Core attention recomputed in backward replays its dropout mask: same loss, grads."""
+    plain, selective = merged(runs["gpt_dropout"]), merged(runs["gpt_dropout_selective"])
+    assert runs["gpt_dropout_selective"][0]["checkpoints"] == 4, "one per layer's attention"
+    torch.testing.assert_close(selective["loss"], plain["loss"], rtol=1e-6, atol=0)
+    assert_grads_close(selective["grads"], plain["grads"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(model="bert", position_embedding_type="rope"), "BERT has learned absolute"),
+    (dict(model="bert", qk_layernorm=True), "qk_layernorm"),
+    (dict(recompute_granularity="full"), "needs recompute_method"),
+    (dict(recompute_granularity="selective", recompute_method="uniform"), "only apply to full"),
+    (dict(recompute_modules=("core_attn",)), "only apply to selective"),
+    (dict(num_query_groups=3), "not divisible by num_query_groups=3"),
+    (dict(position_embedding_type="rope", rotary_percent=0.2), "positive even number"),
+    (dict(swiglu=True, hidden_size=16), "give ffn_hidden_size"),
+])
+def test_model_config_refuses_what_megatron_core_cannot_build(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _tiny_config(**overrides)
+
+
+def test_uneven_split_follows_megatron_core():
+    config = _tiny_config(num_layers=5, num_layers_in_first_pipeline_stage=1)
+    assert config.layers_per_stage(2) == (1, 4)
+    config = _tiny_config(num_layers=6, num_layers_in_first_pipeline_stage=2,
+                          num_layers_in_last_pipeline_stage=2)
+    assert config.layers_per_stage(4) == (2, 1, 1, 2)
+    assert config.layers_per_stage(3) == (2, 2, 2)
+    with pytest.raises(ValueError, match="do not split evenly over 3 middle stages"):
+        config.layers_per_stage(5)
+    with pytest.raises(ValueError, match="2 layers are left for 0 middle stages"):
+        config.layers_per_stage(2)
+    with pytest.raises(ValueError, match="more than one pipeline stage"):
+        config.layers_per_stage(1)
+
+
+def test_tp_shard_keeps_megatron_cores_strided_layout():
+    """SwiGLU fc1 (stride 2): rank r holds [gate_r; up_r] of the TP=1 [gate; up]."""
+    from megatron_2bw.models.init import tp_shard
+
+    full = torch.arange(8.0).view(8, 1)  # gate = 0..3, up = 4..7
+    assert tp_shard(full, 0, 2, 0, 2).flatten().tolist() == [0, 1, 4, 5]
+    assert tp_shard(full, 0, 2, 1, 2).flatten().tolist() == [2, 3, 6, 7]
+    assert tp_shard(full, 0, 1, 1, 2).flatten().tolist() == [4, 5, 6, 7]

@@ -91,6 +91,7 @@ def test_boundary_values_pass() -> None:
 # ------------------------------------------------------------------ cross-flag rules
 
 NO_DATA = [f for f in BASE if f != "--mock-data"]
+NO_ITERS = BASE[:BASE.index("--train-iters")] + BASE[BASE.index("--train-iters") + 2:]
 CROSS = [  # (extra flags, world size, where, part of the message, base or None)
     (["--pipeline-schedule", "bogus"], 2, "--pipeline-schedule", "unknown", None),
     (["--pipeline-schedule", "flush", "--gpipe"], 2, "--gpipe", "conflicting", None),
@@ -98,7 +99,23 @@ CROSS = [  # (extra flags, world size, where, part of the message, base or None)
     (["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"], 2, "--mock-data", "both",
      None),
     ([], 2, "--mock-data", "no training data", NO_DATA),
-    (["--data-path", "x"], 2, "--tokenizer-type", "needs a tokenizer", NO_DATA),
+    (["--train-samples", "80"], 2, "--train-samples", "one training length", None),
+    (["--lr-decay-samples", "80"], 2, "--lr-decay-samples", "with --train-iters", None),
+    (["--train-samples", "80", "--lr-decay-iters", "5"], 2, "--lr-decay-iters",
+     "with --train-samples", NO_ITERS),
+    (["--train-samples", "80", "--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "8"], 2,
+     "--lr-warmup-samples", "both", NO_ITERS),
+    (["--train-samples", "3"], 2, "--train-samples", "less than one step", NO_ITERS),
+    (["--profile", "--profile-step-start", "3", "--profile-step-end", "3"], 2,
+     "--profile-step-end", "empty", None),
+    (["--profile", "--use-pytorch-profiler"], 2, "--tensorboard-dir", "not set", None),
+    (["--rampup-batch-size", "2", "2"], 2, "--rampup-batch-size", "takes 3 values", None),
+    (["--rampup-batch-size", "3", "2", "40"], 2, "--rampup-batch-size", "whole number", None),
+    (["--rampup-batch-size", "2", "1", "40"], 2, "--rampup-batch-size", "not divisible",
+     None),
+    (["--pipeline-schedule", "2bw", "--pipeline-model-parallel-size", "2",
+      "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "40"], 2,
+     "--rampup-batch-size", "2BW needs", None),
     (["--split", "a,b"], 2, "--split", "invalid split", None),
     (["--split", "0,0,0"], 2, "--split", "invalid split", None),
     (["--split", "1,2,3,4"], 2, "--split", "invalid split", None),
@@ -165,8 +182,7 @@ def test_valid_configs_still_build() -> None:
     assert _config(["--bf16"]).precision == "bf16"
 
 
-PARSE_ERRORS = [(["--bogus"], "unrecognized arguments: --bogus"),
-                (["--micro-batch-size", "x"], "invalid int value"),
+PARSE_ERRORS = [(["--micro-batch-size", "x"], "invalid int value"),
                 (["--lr-decay-style", "steps"], "invalid choice"),
                 (["--lr"], "expected one argument")]
 
@@ -176,6 +192,14 @@ def test_parse_errors_are_user_errors(extra, match) -> None:
     with pytest.raises(UserError, match=match) as info:
         parse_args("gpt", BASE + extra)
     assert info.value.where == "command line" and "--help" in info.value.fix
+
+
+def test_unknown_flag_names_itself() -> None:
+    """An unknown flag is named and pointed to Megatron-LM's flag table (see
+    tests/test_megatron_flags.py for abbreviations, removed and refused flags)."""
+    with pytest.raises(UserError, match="unknown flag --bogus") as info:
+        parse_args("gpt", BASE + ["--bogus"])
+    assert info.value.where == "--bogus" and "docs/megatron-flags.md" in info.value.fix
 
 
 # ------------------------------------------------------------------ output paths
@@ -256,7 +280,7 @@ def test_main_refuses_bad_flags_before_the_process_group(monkeypatch, capsys) ->
 
     monkeypatch.setattr(entry, "init_distributed", lambda **_: pytest.fail("started"))
     monkeypatch.setenv("RANK", "0")
-    for argv, match in ((["--bogus"], "unrecognized"), (["--micro-batch-size=0"], "(--micro")):
+    for argv, match in ((["--bogus"], "unknown flag --bogus"), (["--micro-batch-size=0"], "(--micro")):
         assert entry.main("gpt", BASE + argv) == 2
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0]

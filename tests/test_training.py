@@ -22,7 +22,8 @@ def gpt_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("nproc,flags", [
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
-         "--recompute-activations"]),
+         "--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "1"]),  # the paper's per-layer recomputation
     (2, ["--pipeline-model-parallel-size", "2", "--gpipe"]),
     (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "flush"]),
     (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),

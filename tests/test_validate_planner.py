@@ -120,18 +120,45 @@ def test_record_attempt_keeps_the_least_loaded_run(tmp_path):
     assert row.status == "ok" and row.attempts[-1]["status"] == "timeout"
 
 
-def test_plan_flags_parse_as_pretrain_gpt_flags():
-    from megatron_2bw.training.arguments import config_from_args, parse_args
+def _parse(flags: list[str]):
+    """The trainer's own parser (a flag it does not know fails the test)."""
+    from megatron_2bw.training.arguments import parse_args
+    return parse_args("gpt", flags)
+
+
+@pytest.mark.parametrize("recompute, words", [
+    (True, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]),
+    ("selective", ["--recompute-granularity", "selective"]),
+    (False, [])])
+def test_plan_flags_parse_as_pretrain_gpt_flags(recompute, words):
+    """The validation runs the planner's own plan flags; a True of older reports is full
+    recomputation of every layer (not --recompute-activations, which is selective in
+    Megatron-LM)."""
+    from megatron_2bw.training.arguments import config_from_args
     setup = v.Setup()
-    cfg = ParallelConfig("2bw", 1, 2, 1, 4, 4, True)
+    cfg = ParallelConfig("2bw", 1, 2, 1, 4, 4, recompute)
     flags = v.plan_flags(setup, cfg, "/tmp/m.jsonl")
-    assert "--fp16" not in flags and "--recompute-activations" in flags
-    run = config_from_args(parse_args("gpt", flags), "gpt", world_size=2,
-                           vocab_size=setup.vocab_size)
+    assert "--fp16" not in flags and "--recompute-activations" not in flags
+    assert " ".join(words) in " ".join(flags)
+    assert flags.count("--recompute-granularity") == bool(words)
+    run = config_from_args(_parse(flags), "gpt", world_size=2, vocab_size=setup.vocab_size)
     assert run.precision == "fp32"
     assert (run.parallel.pipeline_parallel, run.parallel.data_parallel,
             run.parallel.schedule) == (2, 1, "2bw")
     assert run.num_microbatches == 4 and run.train.global_batch_size == 16
+    assert run.model.recompute_granularity == (words[1] if words else None)
+
+
+def test_reports_with_the_old_boolean_recompute_still_load():
+    """Rows of reports written before the recompute options hold recompute: bool."""
+    row = _row("old rc", 1.0, 1.1, recompute=True)
+    old = v.rows_from_report({"rows": [row.to_dict()]})[0]
+    assert ParallelConfig(**old.config).recompute.name == "full"
+    new = v.rows_from_estimates([type("E", (), {
+        "config": ParallelConfig("flush", 1, 1, 2, 8, 1, "selective"),
+        "iteration_time_s": 1.0, "memory_bytes": 1.0, "fits": True})()])[0]
+    assert ParallelConfig(**json.loads(json.dumps(new.config))).recompute.name == "selective"
 
 
 def test_fp32_cost_model_enumerates_the_two_process_plans(tmp_path):
@@ -145,7 +172,10 @@ def test_fp32_cost_model_enumerates_the_two_process_plans(tmp_path):
     layouts = {(e.config.tensor_parallel, e.config.pipeline_depth, e.config.data_parallel_width)
                for e in estimates}
     assert layouts == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
+    # the documented 64-plan space: recomputation none / full, even stages
     assert len(estimates) == 64
+    assert {e.config.recompute.name for e in estimates} == {"none", "full"}
+    assert not any(e.config.uneven for e in estimates)
     assert pick in [e.config for e in estimates]
     # fp32 weights: a flush plan holds 4 (weight) + 4 (gradient) + 8 (Adam) bytes per
     # parameter; 2BW with data parallelism one more weight and gradient buffer

@@ -1,6 +1,6 @@
 """Build (or find) the embedded default corpus, tokenizers and .bin/.idx files; no download.
 
-    python tools/build_default_corpus.py [--root data/cache] [--force]
+    python tools/build_default_corpus.py [--root data/cache] [--force] [--print-dir]
 
 prints the manifest's paths and counts and the Megatron-LM flags that use the data.
 """
@@ -24,6 +24,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--bert-vocab-size", type=int, default=CorpusSpec.bert_vocab_size)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    parser.add_argument("--print-dir", action="store_true",
+                        help="print only the data folder (for scripts: $(... --print-dir))")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
@@ -33,6 +35,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                       bert_vocab_size=args.bert_vocab_size)
     start = time.time()
     data = ensure_default_data(args.root, spec, args.workers)
+    if args.print_dir:
+        print(data.root)
+        return 0
     print(f"default data in {data.root} ({time.time() - start:.1f} s)")
     print(f"  corpus: {data.corpus}: {data.num_documents} documents, "
           f"{data.corpus_bytes / 1e6:.2f} MB")

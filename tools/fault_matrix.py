@@ -662,7 +662,7 @@ def class6() -> list:
         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
         (["--num-layers", "0"], "(--num-layers)"),
         (["--seq-length", "32"], "--max-position-embeddings"),
-        (["--bogus-flag"], "unrecognized"),
+        (["--bogus-flag"], "unknown flag --bogus-flag"),
         (["--fp16", "--bf16"], "--bf16"),
         (["--global-batch-size", "5"], "--global-batch-size"),
         (["--min-lr", "1"], "--min-lr"),

@@ -89,6 +89,7 @@ class DatasetsConfig:
     short_seq_prob: float = 0.1
     bert_binary_head: bool = True
     num_dataset_builder_threads: int = 1
+    mmap_bin_files: bool = True  # --no-mmap-bin-files: read the .bin with file reads
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -154,6 +155,7 @@ def gpt_dataset_config(config: DatasetsConfig, tokenizer: MegatronTokenizer) -> 
     return GPTDatasetConfig(
         random_seed=config.seed, sequence_length=config.seq_length, blend=config.blend(),
         split=None if config.mock else config.split, path_to_cache=config.data_cache_path,
+        mmap_bin_files=config.mmap_bin_files,
         num_dataset_builder_threads=config.num_dataset_builder_threads, tokenizer=tokenizer,
         reset_position_ids=config.reset_position_ids,
         reset_attention_mask=config.reset_attention_mask, eod_mask_loss=config.eod_mask_loss,
@@ -172,6 +174,7 @@ def bert_dataset_config(config: DatasetsConfig,
     return BERTMaskedWordPieceDatasetConfig(
         random_seed=config.seed, sequence_length=config.seq_length, blend=config.blend(),
         split=None if config.mock else config.split, path_to_cache=config.data_cache_path,
+        mmap_bin_files=config.mmap_bin_files,
         num_dataset_builder_threads=config.num_dataset_builder_threads, tokenizer=tokenizer,
         masking_probability=config.mask_prob, short_sequence_probability=config.short_seq_prob,
         masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,

@@ -22,7 +22,9 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core import utils as mcore_utils
 from megatron.core.fusions import fused_softmax
+from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.models.common.language_module import language_module
+from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as transformer_utils
 
@@ -54,6 +56,9 @@ def apply_cpu_shims(device: Optional[str] = None) -> bool:
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     _wrap_setup_embeddings()
+    rotary_pos_embedding.RotaryEmbedding.get_emb = _cpu_rotary_get_emb
+    mappings._gather_along_last_dim = _cpu_gather_along_last_dim
+    mappings._reduce_scatter_along_last_dim = _cpu_reduce_scatter_along_last_dim
     _APPLIED = True
     logger.info("megatron-core CPU shims applied")
     return True
@@ -183,6 +188,59 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     `attention_mask=None`, and upstream creates it with `device="cuda"`.
     """
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+# --- rotary embeddings --------------------------------------------------------------
+
+
+def _cpu_rotary_get_emb(self: rotary_pos_embedding.RotaryEmbedding, max_seq_len: int,
+                        offset: int = 0) -> torch.Tensor:
+    """`RotaryEmbedding.get_emb` without moving the frequencies to CUDA.
+
+    Why: upstream moves `inv_freq` to `torch.cuda.current_device()` on the first call
+    whenever it sits on CPU (where `use_cpu_initialization` puts it), which fails without
+    a GPU. The angles are the same: one per (position, frequency), repeated for the two
+    rotated halves of a head, or for each (even, odd) pair when interleaved.
+    """
+    angles = self.get_freqs_non_repeated(max_seq_len, offset)  # [seq, dim / 2]
+    if self.rotary_interleaved:
+        emb = angles.repeat_interleave(2, dim=-1)
+    else:
+        emb = torch.cat((angles, angles), dim=-1)
+    return emb[:, None, None, :]  # [seq, 1, 1, dim]
+
+
+# --- tensor-parallel gather / reduce-scatter along the last dimension ----------------
+
+
+def _cpu_gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """`mappings._gather_along_last_dim` on CPU: every rank's tensor, side by side.
+
+    Why: with fewer query groups than tensor-parallel ranks, attention all-gathers the
+    fused QKV output (`get_query_key_value_tensors`); upstream allocates the gathered
+    buffer on `torch.cuda.current_device()`.
+    """
+    world = group.size()
+    if world == 1:
+        return input_
+    parts = [torch.empty_like(input_) for _ in range(world)]
+    torch.distributed.all_gather(parts, input_.contiguous(), group=group)
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def _cpu_reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """`mappings._reduce_scatter_along_last_dim` on CPU: the sum, this rank's slice.
+
+    Why: the backward of the gather above; upstream reduce-scatters into a CUDA buffer,
+    and gloo has no reduce-scatter, so this sums everything and keeps this rank's part.
+    """
+    world = group.size()
+    if world == 1:
+        return input_
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    rank = torch.distributed.get_rank(group)
+    return total.chunk(world, dim=-1)[rank].contiguous()
 
 
 # --- tied embeddings ----------------------------------------------------------------

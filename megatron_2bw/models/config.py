@@ -2,7 +2,14 @@
 
 `ModelConfig` holds only what shapes the network and its initialization; parallel sizes
 come from megatron-core's `parallel_state` at build time, so the same config describes
-a PP=1 reference run and any pipelined / tensor-parallel split of it.
+a PP=1 reference run and any pipelined / tensor-parallel split of it. The one exception
+is Megatron-LM's uneven first / last stage (`num_layers_in_first_pipeline_stage`,
+`..._last_...`), which only means something once there are stages: a PP=1 build refuses
+it, exactly as megatron-core's TransformerConfig does.
+
+Field names follow megatron-core's TransformerConfig (and so the `dest` of Megatron-LM's
+flags), except `swiglu` and `position_embedding_type` / `rotary_*`, which are Megatron-LM's
+argument names for what becomes `gated_linear_unit` + SiLU and GPTModel's arguments.
 """
 from __future__ import annotations
 
@@ -14,8 +21,58 @@ import torch
 from ..vocab import pad_vocab_size  # noqa: F401  (re-exported)
 
 MODEL_KINDS = ("gpt", "bert")
-RECOMPUTE_GRANULARITIES = (None, "full")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = (None, "uniform", "block")
+# megatron-core's selective-recompute modules of a dense local-spec model. Not "layernorm":
+# megatron-core 0.16.1's norm recomputation (CheckpointWithoutOutput) needs Transformer
+# Engine (it reads FP8GlobalStateManager, undefined without it); the MoE / MLA ones have
+# nothing to act on.
+RECOMPUTE_MODULES = ("core_attn", "mlp")
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def swiglu_ffn_size(hidden_size: int) -> int:
+    """Megatron-LM's default MLP width with --swiglu: 2/3 of 4h, rounded down to 64.
+
+    Two input projections (gate and up) keep the parameter count near the 4h GeLU MLP.
+    """
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def stage_layer_counts(num_layers: int, num_stages: int, first: Optional[int] = None,
+                       last: Optional[int] = None) -> tuple[int, ...]:
+    """Transformer layers per pipeline stage, by megatron-core's rule.
+
+    Without `first` / `last` the layers split evenly. With them, the first (last) stage
+    gets exactly that many and the remaining layers split evenly over the stages in
+    between (`get_num_layers_to_build`). ValueError when the split is not possible.
+    """
+    if num_stages <= 0:
+        raise ValueError(f"num_stages={num_stages} must be positive")
+    if first is None and last is None:
+        if num_layers % num_stages:
+            raise ValueError(f"num_layers={num_layers} is not divisible by "
+                             f"num_stages={num_stages}")
+        return (num_layers // num_stages,) * num_stages
+    if num_stages == 1:
+        raise ValueError("an uneven first / last stage needs more than one pipeline stage")
+    middle_stages = num_stages - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+        raise ValueError(f"{middle_layers} layers are left for {middle_stages} middle stages "
+                         f"(num_layers={num_layers}, first={first}, last={last})")
+    if middle_stages and middle_layers % middle_stages:
+        raise ValueError(f"the {middle_layers} middle layers do not split evenly over "
+                         f"{middle_stages} middle stages")
+    each = middle_layers // middle_stages if middle_stages else 0
+    counts = [each] * num_stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return tuple(counts)
 
 
 @dataclass(frozen=True)
@@ -40,7 +97,7 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = None
     """Rows of the learned position embedding; defaults to seq_length."""
     ffn_hidden_size: Optional[int] = None
-    """Inner width of the MLP; defaults to 4 * hidden_size."""
+    """Inner width of the MLP; defaults to 4 * hidden_size (swiglu: `swiglu_ffn_size`)."""
     init_method_std: float = 0.02
     """Std of the normal init; output projections use std / sqrt(2 * num_layers)."""
     hidden_dropout: float = 0.1
@@ -48,7 +105,16 @@ class ModelConfig:
     attention_dropout: float = 0.1
     """Dropout on attention probabilities (Megatron-LM default 0.1)."""
     recompute_granularity: Optional[str] = None
-    """None, or "full": recompute every layer in backward (uniform, one layer per chunk)."""
+    """None; "full": recompute whole layers (which ones: recompute_method); "selective":
+    recompute only `recompute_modules` inside every layer (default core attention)."""
+    recompute_method: Optional[str] = None
+    """Full recomputation only (and required there): "uniform" checkpoints chunks of
+    recompute_num_layers layers; "block" recomputes the first recompute_num_layers layers
+    of each stage."""
+    recompute_num_layers: Optional[int] = None
+    """Full recomputation only (and required there); see recompute_method."""
+    recompute_modules: Optional[tuple[str, ...]] = None
+    """Selective recomputation only: which parts of a layer; None = ("core_attn",)."""
     params_dtype: torch.dtype = torch.float32
     """Dtype of parameters and of the activations passed between stages."""
     untie_embeddings_and_output_weights: bool = False
@@ -56,50 +122,182 @@ class ModelConfig:
     bert_binary_head: bool = True
     """BERT only: add the sentence-order-prediction head and two token types."""
     layernorm_epsilon: float = 1e-5
-    """Epsilon of every LayerNorm."""
+    """Epsilon of every LayerNorm / RMSNorm (Megatron-LM's --norm-epsilon)."""
+    normalization: str = "LayerNorm"
+    """"LayerNorm" or "RMSNorm", for every norm of the model."""
+    layernorm_zero_centered_gamma: bool = False
+    """Megatron-LM's --apply-layernorm-1p: norms store gamma - 1 (initialised to 0)."""
+    position_embedding_type: str = "learned_absolute"
+    """"learned_absolute" (a learned table), "rope" (rotary, GPT only) or "none"."""
+    rotary_base: int = 10000
+    """RoPE: base of the rotary frequencies."""
+    rotary_percent: float = 1.0
+    """RoPE: fraction of each head's channels that are rotated."""
+    rotary_interleaved: bool = False
+    """RoPE: rotate (even, odd) channel pairs instead of the two halves of the head."""
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    """RoPE: positions are divided by this factor (linear position interpolation)."""
+    use_rope_scaling: bool = False
+    """RoPE: Llama 3.x frequency scaling."""
+    rope_scaling_factor: float = 8.0
+    """RoPE: the Llama 3.x scaling factor."""
+    swiglu: bool = False
+    """Gated MLP with SiLU: fc1 projects to [gate; up] (2 x ffn), fc2 reads gate * up."""
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention: key/value heads; None = num_attention_heads (MHA)."""
+    kv_channels: Optional[int] = None
+    """Channels per attention head; None = hidden_size / num_attention_heads."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer of attention and MLP (Megatron-LM's
+    --disable-bias-linear clears it)."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head (with `normalization`) before attention."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Uneven pipeline: layers on the first stage (None: the even split)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven pipeline: layers on the last stage (None: the even split)."""
     seed: int = 1234
     """Seed of the deterministic, split-independent parameter initialization."""
 
     def __post_init__(self) -> None:
-        problems = self._problems()
+        problems = (self._size_problems() + self._choice_problems() + self._rope_problems()
+                    + self._recompute_problems() + self._bert_problems())
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
-    def _problems(self) -> list[str]:
+    def _size_problems(self) -> list[str]:
         problems = []
-        if self.model not in MODEL_KINDS:
-            problems.append(f"model={self.model!r} is not one of {MODEL_KINDS}")
         sizes = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
         for name in sizes:
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
-        if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+        for name in ("ffn_hidden_size", "kv_channels", "num_query_groups",
+                     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                problems.append(f"{name}={value} must be positive")
+        if (self.kv_channels is None and self.num_attention_heads > 0
+                and self.hidden_size % self.num_attention_heads):
             problems.append(
                 f"hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}"
+                f"num_attention_heads={self.num_attention_heads} (or give kv_channels)"
             )
-        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            problems.append(
-                f"recompute_granularity={self.recompute_granularity!r} is not one of "
-                f"{RECOMPUTE_GRANULARITIES}"
-            )
-        if self.params_dtype not in PARAMS_DTYPES:
-            problems.append(f"params_dtype={self.params_dtype} is not one of {PARAMS_DTYPES}")
+        groups = self.query_groups
+        if groups > 0 and self.num_attention_heads % groups:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible "
+                            f"by num_query_groups={groups}")
+        if self.ffn_size <= 0:
+            problems.append(f"swiglu's default MLP width is {self.ffn_size} for hidden_size="
+                            f"{self.hidden_size}; give ffn_hidden_size")
         if self.max_positions < self.seq_length:
             problems.append(
                 f"max_position_embeddings={self.max_positions} < seq_length={self.seq_length}"
             )
         return problems
 
+    def _choice_problems(self) -> list[str]:
+        problems = []
+        for name, allowed in (("model", MODEL_KINDS), ("normalization", NORMALIZATIONS),
+                              ("position_embedding_type", POSITION_EMBEDDINGS),
+                              ("params_dtype", PARAMS_DTYPES)):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        return problems
+
+    def _rope_problems(self) -> list[str]:
+        if self.position_embedding_type != "rope":
+            return []
+        problems = []
+        if not 0 < self.rotary_percent <= 1:
+            problems.append(f"rotary_percent={self.rotary_percent} is not in (0, 1]")
+        elif self.rotary_dim <= 0 or self.rotary_dim % 2:
+            problems.append(f"the rotary dimension int(kv_channels x rotary_percent) = "
+                            f"{self.rotary_dim} must be a positive even number")
+        if self.rotary_base <= 0:
+            problems.append(f"rotary_base={self.rotary_base} must be positive")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and factor <= 0:
+            problems.append(f"rotary_seq_len_interpolation_factor={factor} must be positive")
+        return problems
+
+    def _recompute_problems(self) -> list[str]:
+        """megatron-core TransformerConfig's recomputation rules, checked up front."""
+        granularity, method, layers = (self.recompute_granularity, self.recompute_method,
+                                       self.recompute_num_layers)
+        if granularity not in RECOMPUTE_GRANULARITIES:
+            return [f"recompute_granularity={granularity!r} is not one of "
+                    f"{RECOMPUTE_GRANULARITIES}"]
+        if method not in RECOMPUTE_METHODS:
+            return [f"recompute_method={method!r} is not one of {RECOMPUTE_METHODS}"]
+        problems = []
+        if granularity == "full" and (method is None or layers is None or layers <= 0):
+            problems.append("full recomputation needs recompute_method (uniform or block) "
+                            "and recompute_num_layers >= 1")
+        if granularity != "full" and (method is not None or layers is not None):
+            problems.append(f"recompute_method / recompute_num_layers only apply to full "
+                            f"recomputation, not {granularity}")
+        modules = self.recompute_modules
+        if modules is not None and granularity != "selective":
+            problems.append("recompute_modules only apply to selective recomputation")
+        if modules is not None and (not modules or set(modules) - set(RECOMPUTE_MODULES)):
+            problems.append(f"recompute_modules={modules} must be a non-empty subset of "
+                            f"{RECOMPUTE_MODULES}")
+        return problems
+
+    def _bert_problems(self) -> list[str]:
+        """What megatron-core's BertModel with the local BERT spec cannot build."""
+        if self.model != "bert":
+            return []
+        problems = []
+        if self.position_embedding_type != "learned_absolute":
+            problems.append(f"BERT has learned absolute positions only, not "
+                            f"{self.position_embedding_type}")
+        if self.qk_layernorm:
+            problems.append("BERT's layer spec has no query/key norm (qk_layernorm)")
+        if self.layernorm_zero_centered_gamma:
+            problems.append("BERT's LM-head norm cannot be zero-centred "
+                            "(layernorm_zero_centered_gamma)")
+        return problems
+
     @property
     def ffn_size(self) -> int:
-        """The MLP inner width actually used (ffn_hidden_size or 4 * hidden_size)."""
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """The MLP inner width actually used (per gate / up half with swiglu)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return swiglu_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head (kv_channels or hidden / heads)."""
+        return self.kv_channels or self.hidden_size // max(self.num_attention_heads, 1)
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads (num_query_groups or, for MHA, the attention heads)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated channels per head, as megatron-core's RotaryEmbedding computes them."""
+        dim = self.head_dim
+        return int(dim * self.rotary_percent) if self.rotary_percent < 1.0 else dim
 
     @property
     def max_positions(self) -> int:
         """The position-embedding rows actually used."""
         return self.max_position_embeddings or self.seq_length
+
+    @property
+    def uneven_stages(self) -> bool:
+        """Whether the first or last pipeline stage has its own layer count."""
+        return (self.num_layers_in_first_pipeline_stage is not None
+                or self.num_layers_in_last_pipeline_stage is not None)
+
+    def layers_per_stage(self, num_stages: int) -> tuple[int, ...]:
+        """Transformer layers on each of `num_stages` stages (ValueError if impossible)."""
+        return stage_layer_counts(self.num_layers, num_stages,
+                                  self.num_layers_in_first_pipeline_stage,
+                                  self.num_layers_in_last_pipeline_stage)
 
     @property
     def fp16(self) -> bool:

@@ -8,9 +8,16 @@ from its own generator, seeded by (seed, global name): the full, unsharded tenso
 drawn with Megatron's init rules and this tensor-parallel rank keeps its slice.
 
 Global names are megatron-core's module names with local layer indices replaced by
-global ones (`decoder.layers.5.` on stage 1 of a 2 x 3-layer split). A tied output
-layer on the last stage carries the word embedding's name, since it is the same
-logical parameter (its gradient must be summed with the first stage's).
+global ones (`decoder.layers.5.` on stage 1 of a 2 x 3-layer split, also under an uneven
+split, since megatron-core numbers layers globally). A tied output layer on the last
+stage carries the word embedding's name, since it is the same logical parameter (its
+gradient must be summed with the first stage's).
+
+How a full tensor is cut into tensor-parallel parameters follows megatron-core's own CPU
+initialisation (`_initialize_affine_weight_cpu`): along `partition_dim`, in
+`partition_stride * tp` equal pieces, rank r keeping pieces r, r + tp, ... in order.
+Stride 1 is a contiguous chunk. SwiGLU's fc1 has stride 2: its TP=1 weight is
+[gate; up] and rank r holds [gate_r; up_r], not a contiguous chunk of [gate; up].
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ from torch import nn
 
 from megatron.core import parallel_state
 from megatron.core.models.common.language_module.language_module import LanguageModule
+
+from megatron_2bw.models.norms import TorchNorm
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 TIED_OUTPUT = "output_layer.weight"
@@ -63,8 +72,14 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 def _init_rule(module_name: str, module: nn.Module, param_name: str, std: float, num_layers: int):
-    """Megatron's rule for one parameter: ("normal", std) / ("ones", None) / ("zeros", None)."""
-    if isinstance(module, NORM_TYPES):
+    """Megatron's rule for one parameter: ("normal", std) / ("ones", None) / ("zeros", None).
+
+    Norm weights start at gamma = 1: stored as ones, or as zeros by a zero-centred
+    (--apply-layernorm-1p) norm, which stores gamma - 1.
+    """
+    if isinstance(module, TorchNorm) and module.zero_centered:
+        return ("zeros", None)
+    if isinstance(module, NORM_TYPES + (TorchNorm,)):
         return ("ones", None) if param_name == "weight" else ("zeros", None)
     if param_name == "bias":
         return ("zeros", None)
@@ -79,12 +94,21 @@ def _full_shape(param: nn.Parameter, tp_size: int) -> tuple[int, tuple[int, ...]
     """(partition dim or -1, the unsharded shape) of a possibly tensor-parallel parameter."""
     if not getattr(param, "tensor_model_parallel", False):
         return -1, tuple(param.shape)
-    if getattr(param, "partition_stride", 1) != 1:
-        raise ValueError("strided tensor-parallel partitions are not supported")
     dim = param.partition_dim
     shape = list(param.shape)
     shape[dim] *= tp_size
     return dim, tuple(shape)
+
+
+def tp_shard(full: torch.Tensor, dim: int, stride: int, tp_rank: int, tp_size: int
+             ) -> torch.Tensor:
+    """This rank's part of `full` along `dim`, as megatron-core lays out a stride.
+
+    The tensor is cut into `stride * tp_size` equal pieces; rank r keeps pieces
+    r, r + tp_size, ... (stride 1: the r-th contiguous chunk).
+    """
+    pieces = full.chunk(stride * tp_size, dim=dim)
+    return torch.cat(pieces[tp_rank::tp_size], dim=dim)
 
 
 def _draw(rule: tuple, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -102,11 +126,13 @@ def _draw(rule: tuple, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 def deterministic_init_(model: LanguageModule, seed: int, std: float, num_layers: int) -> None:
     """Overwrite every parameter with its split-independent initial value (in place).
 
-    Column-parallel QKV / fc1 / vocab tensors are split contiguously along
-    `partition_dim`, as megatron-core lays them out: QKV rows are grouped per query
-    group ([q, k, v] of group 0, then group 1, ...), so contiguous TP shards of the full
-    TP=1 tensor are exactly the TP>1 parameters. Gated (SwiGLU) fc1 would interleave
-    and is rejected by the stage builder.
+    Column-parallel QKV / fc1 / vocab tensors are split along `partition_dim` as
+    megatron-core lays them out (`tp_shard`). QKV rows are grouped per query group
+    ([q heads of group 0, k, v], then group 1, ...; with grouped-query attention too),
+    so contiguous TP shards of the full TP=1 tensor are exactly the TP>1 parameters
+    (with fewer groups than TP ranks each rank holds a contiguous part of a group and
+    megatron-core gathers the rest). SwiGLU's fc1 is the strided case: the full
+    [gate; up] is drawn and each half sharded.
     """
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -117,5 +143,6 @@ def deterministic_init_(model: LanguageModule, seed: int, std: float, num_layers
             rule = _init_rule(module_name, module, param_name, std, num_layers)
             dim, shape = _full_shape(param, tp_size)
             full = _draw(rule, shape, _param_seed(seed, name))
-            shard = full if dim < 0 else full.chunk(tp_size, dim=dim)[tp_rank]
+            stride = getattr(param, "partition_stride", 1)
+            shard = full if dim < 0 else tp_shard(full, dim, stride, tp_rank, tp_size)
             param.data.copy_(shard.to(dtype=param.dtype, device=param.device))

@@ -2,8 +2,9 @@
 
 `build_stage(config, stage, num_stages)` builds the megatron-core `GPTModel` /
 `BertModel` piece that pipeline stage `stage` owns (embedding on the first stage,
-output layer and loss on the last, `num_layers / num_stages` transformer layers each)
-and wraps it in a `PipelineStage` with the one interface the executor uses:
+output layer and loss on the last, `num_layers / num_stages` transformer layers each, or
+Megatron-LM's uneven split, `ModelConfig.layers_per_stage`) and wraps it in a
+`PipelineStage` with the one interface the executor uses:
 
     output = stage_module(input_tensor, batch)
 
@@ -25,8 +26,9 @@ BERT (as Megatron-LM's BERT dataset gives them):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +41,15 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_2bw.models.compat import cpu_shims_applied
 from megatron_2bw.models.config import ModelConfig
 from megatron_2bw.models.init import deterministic_init_, named_global_parameters
+from megatron_2bw.models.norms import TorchNorm
 
 logger = logging.getLogger(__name__)
 
@@ -202,14 +208,19 @@ def _target_device(device: Optional[torch.device]) -> torch.device:
 
 
 def _check_split(config: ModelConfig, stage: int, num_stages: int) -> None:
-    """Reject a split megatron-core cannot build evenly, naming the values."""
+    """Reject a split megatron-core cannot build, naming the values."""
     if num_stages <= 0 or not 0 <= stage < num_stages:
         raise ValueError(f"stage={stage} is not in range(num_stages={num_stages})")
-    if config.num_layers % num_stages:
-        raise ValueError(
-            f"num_layers={config.num_layers} is not divisible by num_stages={num_stages}; "
-            "layers are split evenly across pipeline stages"
-        )
+    try:
+        counts = config.layers_per_stage(num_stages)
+    except ValueError as err:
+        raise ValueError(f"{err}; layers are split evenly across pipeline stages unless "
+                         "num_layers_in_first/last_pipeline_stage say otherwise") from None
+    if config.recompute_method == "uniform" and any(
+            n % config.recompute_num_layers for n in counts):
+        raise ValueError(f"recompute_num_layers={config.recompute_num_layers} does not divide "
+                         f"the layers of every stage {counts}; uniform recomputation "
+                         "checkpoints whole chunks of that many layers")
 
 
 def _check_parallel_state(config: ModelConfig, stage: int, num_stages: int) -> int:
@@ -234,6 +245,10 @@ def _check_parallel_state(config: ModelConfig, stage: int, num_stages: int) -> i
     ):
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by tensor parallel size {tp}")
+    groups = config.query_groups
+    if groups % tp and tp % groups:
+        raise ValueError(f"num_query_groups={groups} is neither a multiple nor a divisor of "
+                         f"tensor parallel size {tp}")
     return tp
 
 
@@ -250,19 +265,35 @@ def _ensure_rng_tracker(seed: int) -> None:
 
 
 def transformer_config(config: ModelConfig, tp: int, num_stages: int) -> TransformerConfig:
-    """The megatron-core TransformerConfig for this model and split (local, unfused kernels)."""
-    recompute = config.recompute_granularity == "full"
+    """The megatron-core TransformerConfig for this model and split (local, unfused kernels).
+
+    Megatron-LM's `core_transformer_config_from_args` mapping: --swiglu is a gated linear
+    unit with SiLU, --group-query-attention's groups, the uneven first / last stage, and
+    the three recompute fields as given (megatron-core implements all of them).
+    """
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.ffn_size,
         num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        kv_channels=config.kv_channels,
         hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout,
         init_method_std=config.init_method_std,
         layernorm_epsilon=config.layernorm_epsilon,
+        normalization=config.normalization,
+        layernorm_zero_centered_gamma=config.layernorm_zero_centered_gamma,
+        qk_layernorm=config.qk_layernorm,
+        add_bias_linear=config.add_bias_linear,
+        gated_linear_unit=config.swiglu,
+        activation_func=F.silu if config.swiglu else F.gelu,
+        rotary_interleaved=config.rotary_interleaved,
+        apply_rope_fusion=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=num_stages,
+        num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage,
         pipeline_dtype=config.params_dtype,
         params_dtype=config.params_dtype,
         fp16=config.fp16,
@@ -272,16 +303,45 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int) -> Transfo
         # megatron-core never sets the tensor_model_parallel / partition_dim attributes.
         perform_initialization=True,
         recompute_granularity=config.recompute_granularity,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        recompute_method=config.recompute_method,
+        recompute_num_layers=config.recompute_num_layers,
+        recompute_modules=(list(config.recompute_modules)
+                           if config.recompute_modules is not None else None),
         sequence_parallel=False,
-        gated_linear_unit=False,
         attention_backend=AttnBackend.local,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
     )
+
+
+def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig
+                   ) -> Union[ModuleSpec, TransformerBlockSubmodules]:
+    """megatron-core's local GPT layer spec, with `TorchNorm` where it must differ.
+
+    RMSNorm comes from the local spec itself (`WrappedTorchNorm` reads
+    config.normalization). Query/key norms become tensor-parallel-shared `TorchNorm`s
+    (their weight gradient is summed over the TP ranks, see norms.py); with
+    --apply-layernorm-1p every norm, the block's final one included, becomes a
+    zero-centred `TorchNorm`, which needs the block spec (a layer spec cannot name the
+    final norm).
+    """
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                    normalization=config.normalization)
+    layer = spec.submodules
+    if config.qk_layernorm:
+        shared = ModuleSpec(module=TorchNorm, params={"tp_shared": True})
+        attention = dataclasses.replace(layer.self_attention.submodules,
+                                        q_layernorm=shared, k_layernorm=shared)
+        layer = dataclasses.replace(layer, self_attention=dataclasses.replace(
+            layer.self_attention, submodules=attention))
+    if not config.layernorm_zero_centered_gamma:
+        return dataclasses.replace(spec, submodules=layer)
+    layer = dataclasses.replace(layer, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
+    spec = dataclasses.replace(spec, submodules=layer)
+    layers = get_num_layers_to_build(mcore_config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchNorm)
 
 
 def _build_model(
@@ -291,14 +351,19 @@ def _build_model(
     if config.model == "gpt":
         return GPTModel(
             config=mcore_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=gpt_layer_spec(config, mcore_config),
             vocab_size=config.vocab_size,
             max_sequence_length=config.max_positions,
             pre_process=pre_process,
             post_process=post_process,
             parallel_output=True,
             share_embeddings_and_output_weights=config.tie_embeddings,
-            position_embedding_type="learned_absolute",
+            position_embedding_type=config.position_embedding_type,
+            rotary_percent=config.rotary_percent,
+            rotary_base=config.rotary_base,
+            rope_scaling=config.use_rope_scaling,
+            rope_scaling_factor=config.rope_scaling_factor,
+            seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
         )
     return BertModel(
         config=mcore_config,

@@ -44,9 +44,12 @@ class OptimizerConfig:
     adam_eps: float = 1e-8           # --adam-eps
     clip_grad: float = 1.0           # --clip-grad (0 disables)
     lr_decay_style: str = "linear"   # --lr-decay-style
-    lr_warmup_samples: int = 0       # from --lr-warmup-iters/-fraction x global batch
-    lr_decay_samples: int = 1        # from --lr-decay-iters (default --train-iters)
-    global_batch_size: int = 1       # samples per step (the scheduler counts samples)
+    lr_warmup_samples: float = 0     # --lr-warmup-samples, or -iters x global batch, or
+    #                                  -fraction x the decay samples (not rounded, as Megatron)
+    lr_decay_samples: int = 1        # from --lr-decay-iters/-samples (default the whole run)
+    lr_warmup_init: float = 0.0      # --lr-warmup-init
+    global_batch_size: int = 1       # samples per step (the scheduler counts samples); a
+    #                                  --rampup-batch-size run sets each phase's (set_batch_size)
     loss_scale: LossScaleConfig = LossScaleConfig()
     optimizer: str = "adam"          # --optimizer {adam,muon}: muon = Muon on 2D hidden
     #                                  weights, AdamW on the rest (Megatron-LM's split)
@@ -128,14 +131,20 @@ class MegatronUpdater:
         self._decay = [i.decay for i in infos]
         self.param_groups = _ParamGroups()
         self.scheduler = OptimizerParamScheduler(
-            self.param_groups, init_lr=0.0 if config.lr_warmup_samples else config.lr,
+            self.param_groups,
+            init_lr=config.lr_warmup_init if config.lr_warmup_samples else config.lr,
             max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=config.lr_warmup_samples,
             lr_decay_steps=max(config.lr_decay_samples, config.lr_warmup_samples + 1),
             lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
             end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
         self.scaler = LossScaler(config.loss_scale)
+        self.batch_size = config.global_batch_size  # samples each step advances the scheduler
         self._norm_mask = [i.counts_in_norm for i in infos]
         self._pending: dict[int, tuple] = {}
+
+    def set_batch_size(self, samples: int) -> None:
+        """The samples each following step counts (a --rampup-batch-size phase)."""
+        self.batch_size = samples
 
     @property
     def loss_scale(self) -> float:
@@ -188,7 +197,7 @@ class MegatronUpdater:
         lr, wd = self.param_groups.lr, self.param_groups.weight_decay
         with torch.no_grad():
             self.compensation.update(self.masters, u, lr, [wd if d else 0.0 for d in self._decay])
-        self.scheduler.step(increment=self.config.global_batch_size)
+        self.scheduler.step(increment=self.batch_size)
         if self.compensation.predicts:  # publish W - lr_next * u, where it will be applied
             with torch.no_grad():
                 _copy(target, torch._foreach_add(self.masters, u, alpha=-self.param_groups.lr))

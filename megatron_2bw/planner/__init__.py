@@ -1,5 +1,6 @@
 """Choose a parallel configuration: tensor, pipeline and data parallel sizes, microbatch
-size, recomputation and pipeline schedule (GPipe, PipeDream-Flush, PipeDream-2BW).
+size, recomputation (none / selective / full), uneven first/last stages and pipeline
+schedule (GPipe, PipeDream-Flush, PipeDream-2BW).
 
 Pure Python: no torch, no process groups (only `profile.py`, which measures layers,
 imports torch). Typical use:
@@ -14,6 +15,8 @@ from .compute import FlopsCompute, Profile, ProfiledCompute, load_profile  # noq
 from .cost_model import CostModel, Estimate, StageCost, pipeline_timing  # noqa: F401
 from .explain import explain, format_table  # noqa: F401
 from .hardware import PRESETS, Hardware, load_hardware  # noqa: F401
-from .report import launch_command, to_json  # noqa: F401
-from .search import SearchResult, SearchSpace, enumerate_configs, search  # noqa: F401
-from .spec import ModelSpec, ParallelConfig, Precision  # noqa: F401
+from .report import launch_command, plan_flags, to_json  # noqa: F401
+from .search import (SearchResult, SearchSpace, enumerate_configs, search,  # noqa: F401
+                     uneven_splits)
+from .spec import (FULL, NO_RECOMPUTE, SELECTIVE, ModelSpec, ParallelConfig,  # noqa: F401
+                   Precision, Recompute, split_layers)

@@ -1,4 +1,5 @@
-"""`python -m megatron_2bw.planner`: choose TP, PP, DP, microbatch, recomputation, schedule.
+"""`python -m megatron_2bw.planner`: choose TP, PP, DP, microbatch, recomputation, schedule
+and (with a large vocabulary) uneven first/last stages.
 
 Takes Megatron-LM's model flags, the batch, the device count and the cluster; prints a
 ranked table and a paragraph on why the best plan won; `--json FILE` writes
@@ -20,7 +21,8 @@ from .explain import format_table
 from .hardware import PRESETS, Hardware, load_hardware
 from .report import to_json
 from .search import SearchResult, SearchSpace, search
-from .spec import COMPENSATIONS, OPTIMIZERS, SCHEDULES, ModelSpec, optimizer_precision
+from .spec import (COMPENSATIONS, DEFAULT_RECOMPUTE_OPTIONS, OPTIMIZERS, SCHEDULES,
+                   ModelSpec, Recompute, optimizer_precision)
 
 logger = logging.getLogger(__name__)
 DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
@@ -59,6 +61,16 @@ def _schedule_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _recompute_list(text: str) -> tuple[Recompute, ...]:
+    try:
+        options = tuple(Recompute.parse(t) for t in text.split(",") if t.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if not options:
+        raise argparse.ArgumentTypeError("give at least one recompute option")
+    return tuple(dict.fromkeys(options))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m megatron_2bw.planner", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batch-sizes", type=_int_list, help="only these, e.g. 1,2,4")
     s.add_argument("--tensor-parallel-sizes", type=_int_list,
                    help="only these, e.g. 1 for the paper's pipeline x data search")
+    s.add_argument("--recompute", type=_recompute_list, default=DEFAULT_RECOMPUTE_OPTIONS,
+                   help="comma-separated recomputation options to try: none, selective, "
+                        "full (= full-uniform-1), full-uniform-N, full-block-N "
+                        "(default none,selective,full)")
+    s.add_argument("--no-uneven-stages", action="store_true",
+                   help="equal stages only (default: with a large vocabulary also try the "
+                        "first/last stage with 1 or 2 layers fewer)")
     s.add_argument("--exhaustive", action="store_true",
                    help="simulate every fitting configuration (slower; same best plan)")
     s.add_argument("--top", type=_positive_int, default=10, help="rows of the table")
@@ -143,7 +162,8 @@ def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
                    optimizer_precision(args.optimizer, args.delay_compensation))
     space = SearchSpace(args.num_gpus, args.global_batch_size, schedules=args.schedules,
                         micro_batch_sizes=args.micro_batch_sizes,
-                        tensor_parallel_sizes=args.tensor_parallel_sizes)
+                        tensor_parallel_sizes=args.tensor_parallel_sizes,
+                        recompute=args.recompute, uneven_stages=not args.no_uneven_stages)
     return cm, search(cm, space, keep=max(args.top, 20), exhaustive=args.exhaustive), args
 
 

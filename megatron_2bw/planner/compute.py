@@ -31,6 +31,8 @@ class LayerModel(Protocol):
     def embedding_s(self, b: int) -> tuple[float, float]: ...
     def output_s(self, b: int) -> tuple[float, float]: ...
     def layer_activation_bytes(self, b: int, tp: int) -> float: ...
+    def layer_selective_activation_bytes(self, b: int, tp: int) -> float: ...
+    def attention_core_forward_s(self, b: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,8 @@ class FlopsCompute:
 
     FLOPs: Narayanan et al. SC21 (see `ModelSpec.layer_forward_flops`); backward = 2x
     forward; full recomputation runs the forward again inside backward, which is where
-    the paper's "about 4/3" comes from ((1 + 2 + 1) / 3). Embedding lookups are free.
+    the paper's "about 4/3" comes from ((1 + 2 + 1) / 3); selective recomputation runs
+    only the core attention's 4bs^2h again. Embedding lookups are free.
     """
 
     model: ModelSpec
@@ -65,6 +68,14 @@ class FlopsCompute:
 
     def layer_activation_bytes(self, b: int, tp: int) -> float:
         return self.model.layer_activation_bytes(b, tp)
+
+    def layer_selective_activation_bytes(self, b: int, tp: int) -> float:
+        return self.model.layer_selective_activation_bytes(b, tp)
+
+    def attention_core_forward_s(self, b: int) -> float:
+        """QK^T and attention over V (4bs^2h FLOPs), what selective recomputation repeats;
+        no per-layer overhead: it is a few kernels inside a layer already counted."""
+        return self.model.attention_core_forward_flops(b) / self.hardware.flops_per_s
 
 
 @dataclass(frozen=True)
@@ -196,3 +207,17 @@ class ProfiledCompute:
         measured = (self._at("layer", "activation_bytes_float", b) * scale
                     + self._at("layer", "activation_bytes_other", b))
         return measured * self.model.layer_activation_bytes(b, tp) / self.model.layer_activation_bytes(b, 1)
+
+    def layer_selective_activation_bytes(self, b: int, tp: int) -> float:
+        """The measured bytes scaled by Korthikanti et al.'s selective / full ratio (the
+        profile does not measure selective recomputation; the ratio keeps the measured
+        level and the formula's share of the s^2 terms)."""
+        spec = self.model
+        return (self.layer_activation_bytes(b, tp) * spec.layer_selective_activation_bytes(b, tp)
+                / spec.layer_activation_bytes(b, tp))
+
+    def attention_core_forward_s(self, b: int) -> float:
+        """The measured forward times the core attention's share of the layer's FLOPs."""
+        spec = self.model
+        return (self.layer_forward_s(b) * spec.attention_core_forward_flops(b)
+                / spec.layer_forward_flops(b))

@@ -5,6 +5,9 @@ their sources:
 
 - per-stage compute: a `LayerModel` (measured profile, or FLOPs per Narayanan et al.
   SC21) divided by the tensor-parallel size;
+- recomputation (`spec.Recompute`, Megatron-LM's options): full recomputation runs a
+  recomputed layer's forward again in backward, selective only the core attention
+  (4bs^2h FLOPs per layer);
 - tensor-parallel traffic: Megatron's layer does 2 all-reduces of the [s, b, h]
   activation in forward and 2 in backward (Shoeybi et al. 2019, "Megatron-LM", Section 3,
   the f and g operators); full recomputation repeats the forward's 2 in backward;
@@ -17,8 +20,12 @@ their sources:
   `stash_limit`); nothing here re-derives a bubble formula;
 - memory per stage: weights x declared versions + gradient buffers + optimizer state
   (`Precision`) + activation stashes (Korthikanti et al. 2022 per-layer bytes, or the
-  profile), the first stage also holding the embedding and the last the output layer.
-  The paper's Section 3 table is the special case without the embedding and output layer.
+  profile, by recomputation option: `_kept_bytes`), the first stage also holding the
+  embedding and the last the output layer. The paper's Section 3 table is the special
+  case without the embedding and output layer;
+- stages: each has its own layer count (`ParallelConfig.stage_layers`, megatron-core's
+  split with `--decoder-first/last-pipeline-num-layers`); the simulator makes the
+  slowest stage the bottleneck, and the largest stage decides memory.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from megatron_2bw.schedules import Costs, Schedule, build_schedule, simulate
 from .compute import LayerModel
 from .hardware import GB, Hardware
 from .placement import Layout, collective_bandwidth, p2p_bandwidth, ring_allreduce_s
-from .spec import ModelSpec, ParallelConfig, Precision, padded_vocab_size
+from .spec import ModelSpec, ParallelConfig, Precision, Recompute, padded_vocab_size
 
 # 2BW never flushes: its iteration time is the steady state between two minibatches,
 # makespan(3 minibatches) - makespan(2); Flush and GPipe flush every minibatch, so one
@@ -239,15 +246,43 @@ class _MicrobatchTimes:
     tensor_parallel: float
 
 
-def _layer_times(cm: CostModel, cfg: ParallelConfig) -> _MicrobatchTimes:
-    """One transformer layer at this tp, b, recompute: per-microbatch seconds."""
+@dataclass(frozen=True)
+class _LayerTimes:
+    """One transformer layer at this tp and b, per microbatch, before recomputation (which
+    depends on the stage's layer count under `--recompute-method block`)."""
+
+    plain: _MicrobatchTimes
+    full_recompute_s: float
+    """The forward run again inside backward, compute only."""
+    full_recompute_tp_s: float
+    """Its 2 tensor-parallel all-reduces."""
+    selective_recompute_s: float
+    """The core attention (QK^T, softmax, attention over V) run again: no all-reduce."""
+
+
+def _layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
+    """One transformer layer at this tp and b: per-microbatch seconds."""
     b, t = cfg.micro_batch_size, cfg.tensor_parallel
     ar = cm.tensor_parallel_allreduce_s(cfg)
     fwd, bwd = cm.layers.layer_forward_s(b) / t, cm.layers.layer_backward_s(b) / t
-    rc = cm.layers.layer_recompute_backward_s(b) / t - bwd if cfg.recompute else 0.0
-    rc_ar = 2 * ar if cfg.recompute else 0.0
-    return _MicrobatchTimes(forward=fwd + 2 * ar, backward=bwd + rc + 2 * ar + rc_ar,
-                            compute=fwd + bwd, recompute=rc, tensor_parallel=4 * ar + rc_ar)
+    plain = _MicrobatchTimes(forward=fwd + 2 * ar, backward=bwd + 2 * ar, compute=fwd + bwd,
+                             recompute=0.0, tensor_parallel=4 * ar)
+    return _LayerTimes(plain, full_recompute_s=cm.layers.layer_recompute_backward_s(b) / t - bwd,
+                       full_recompute_tp_s=2 * ar,
+                       selective_recompute_s=cm.layers.attention_core_forward_s(b) / t)
+
+
+def _stage_layer_times(layer: _LayerTimes, rc: Recompute, n: int) -> _MicrobatchTimes:
+    """n layers of one stage under `rc`: full recomputation adds one forward (and its 2
+    all-reduces) per recomputed layer, selective the core attention of every layer."""
+    full = rc.full_layers(n)
+    selective = n if rc.granularity == "selective" else 0
+    rc_s = full * layer.full_recompute_s + selective * layer.selective_recompute_s
+    rc_tp = full * layer.full_recompute_tp_s
+    p = layer.plain
+    return _MicrobatchTimes(forward=n * p.forward, backward=n * p.backward + rc_s + rc_tp,
+                            compute=n * p.compute, recompute=rc_s,
+                            tensor_parallel=n * p.tensor_parallel + rc_tp)
 
 
 def _ends_times(cm: CostModel, cfg: ParallelConfig, first: bool, last: bool) -> _MicrobatchTimes:
@@ -271,9 +306,8 @@ def _ends_times(cm: CostModel, cfg: ParallelConfig, first: bool, last: bool) -> 
                             compute=compute, recompute=0.0, tensor_parallel=tp)
 
 
-def _stage_params(model: ModelSpec, cfg: ParallelConfig, stage: int) -> int:
+def _stage_params(model: ModelSpec, cfg: ParallelConfig, stage: int, layers: int) -> int:
     t, d = cfg.tensor_parallel, cfg.pipeline_depth
-    layers = model.num_layers // d
     params = layers * _layer_params_per_rank(model, t)
     if stage == 0:
         params += model.embedding_params(t)
@@ -289,47 +323,87 @@ def _layer_params_per_rank(model: ModelSpec, t: int) -> int:
     return (model.layer_params() - replicated) // t + replicated
 
 
-def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, stash: int) -> float:
-    """Stashed microbatches x bytes each, + one layer re-materialised when recomputing.
+@dataclass(frozen=True)
+class _LayerBytes:
+    """What one layer keeps for backward at this b and tp, per recomputation option."""
+
+    full: float
+    """No recomputation (Korthikanti et al.: sbh(34 + 5as/h) at t = 1), or the profile."""
+    selective: float
+    """Core attention dropped (34sbh at t = 1)."""
+    layer_input: float
+    """The [s, b, h] input a fully recomputed chunk keeps (2sbh at 16 bit)."""
+
+
+def _layer_bytes(cm: CostModel, b: int, t: int) -> _LayerBytes:
+    return _LayerBytes(full=cm.layers.layer_activation_bytes(b, t),
+                       selective=cm.layers.layer_selective_activation_bytes(b, t),
+                       layer_input=cm.model.boundary_bytes(b, cm.precision.activation_bytes))
+
+
+def _kept_bytes(per: _LayerBytes, rc: Recompute, n: int) -> float:
+    """Bytes n layers of a stage keep per stashed microbatch under `rc`.
+
+    none: n x full; selective: n x selective; full: one input per recomputed chunk
+    (uniform: ceil(n / N) chunks, block: each of the first N layers) and the full bytes
+    of the layers not recomputed (block: n - N).
+    """
+    if rc.granularity == "none":
+        return n * per.full
+    if rc.granularity == "selective":
+        return n * per.selective
+    return rc.kept_inputs(n) * per.layer_input + (n - rc.full_layers(n)) * per.full
+
+
+def _rebuilt_bytes(per: _LayerBytes, rc: Recompute, n: int) -> float:
+    """Bytes backward rebuilds at once, held beside the stash: a chunk of N layers
+    (uniform) or one layer (block); selective, one layer's core attention."""
+    if rc.granularity == "selective":
+        return per.full - per.selective
+    return rc.rebuilt_layers(n) * per.full
+
+
+def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, layers: int,
+                      stash: int) -> float:
+    """Stashed microbatches x bytes each, + what backward rebuilds when recomputing.
 
     Without recomputation a stashed microbatch keeps every layer's activations; with
-    full recomputation it keeps only each layer's input, and backward rebuilds one layer
-    at a time (paper Section 3; Korthikanti et al. 2022 Section 5).
+    full recomputation it keeps only each recomputed chunk's input, and backward
+    rebuilds one chunk at a time (paper Section 3; Korthikanti et al. 2022 Sections 4-5).
     """
     b, t, d = cfg.micro_batch_size, cfg.tensor_parallel, cfg.pipeline_depth
-    layer = cm.layers.layer_activation_bytes(b, t)
-    kept = cm.model.boundary_bytes(b, cm.precision.activation_bytes) if cfg.recompute else layer
-    per_microbatch = cm.model.num_layers // d * kept
+    per = _layer_bytes(cm, b, t)
+    per_microbatch = _kept_bytes(per, cfg.recompute, layers)
     if stage == 0:
         per_microbatch += cm.model.embedding_activation_bytes(b)
     if stage == d - 1:
         per_microbatch += cm.model.output_activation_bytes(b, t)
-    return stash * per_microbatch + (layer if cfg.recompute else 0.0)
+    return stash * per_microbatch + _rebuilt_bytes(per, cfg.recompute, layers)
 
 
 def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
     d, m, prec = cfg.pipeline_depth, cfg.num_microbatches, cm.precision
     layer = _layer_times(cm, cfg)
-    declared = _schedule(cfg.schedule, d, m, 1)  # what the runtime allocates, per stage
-    stash = declared.stash_limit
+    declared = _declared(cfg.schedule, d, m)  # what the runtime allocates, per stage
     per_param = prec.bytes_per_param(declared.weight_versions, declared.grad_buffers,
                                      compensated=cfg.schedule == "2bw")
-    layers = cm.model.num_layers // d
     out = []
-    for s in range(d):
+    for s, n in enumerate(cfg.stage_layers(cm.model.num_layers)):
+        body = _stage_layer_times(layer, cfg.recompute, n)
         ends = _ends_times(cm, cfg, s == 0, s == d - 1)
-        params = _stage_params(cm.model, cfg, s)
+        params = _stage_params(cm.model, cfg, s, n)
+        stash = declared.stash_limit[s]
         out.append(StageCost(
-            stage=s, layers=layers, params=params,
-            forward_s=layers * layer.forward + ends.forward,
-            backward_s=layers * layer.backward + ends.backward,
-            compute_s=layers * layer.compute + ends.compute,
-            recompute_s=layers * layer.recompute,
-            tensor_parallel_s=layers * layer.tensor_parallel + ends.tensor_parallel,
+            stage=s, layers=n, params=params,
+            forward_s=body.forward + ends.forward,
+            backward_s=body.backward + ends.backward,
+            compute_s=body.compute + ends.compute,
+            recompute_s=body.recompute,
+            tensor_parallel_s=body.tensor_parallel + ends.tensor_parallel,
             allreduce_s=cm.allreduce_s(cfg, s, params),
             step_s=params * prec.step_bytes_touched / cm.hardware.hbm_bytes_per_s,
             weight_bytes=float(params * per_param),
-            activation_bytes=_activation_bytes(cm, cfg, s, stash[s]), stash=stash[s]))
+            activation_bytes=_activation_bytes(cm, cfg, s, n, stash), stash=stash))
     return tuple(out), cm.p2p_s(cfg)
 
 
@@ -356,6 +430,28 @@ def pipeline_lower_bound_s(schedule: str, m: int, costs: Costs) -> float:
     if schedule in ("flush", "2bw") and d >= 2:
         bound = max(bound, (m - 1) // 2 * (2 * costs.p2p + work[d - 2] + work[d - 1]))
     return bound
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """What a schedule declares about its memory: stashes per stage, weight versions and
+    gradient buffers."""
+
+    stash_limit: tuple[int, ...]
+    weight_versions: int
+    grad_buffers: int
+
+
+@lru_cache(maxsize=4096)
+def _declared(name: str, d: int, m: int) -> _Declared:
+    """The declarations only, cached on their own: every configuration of a search asks,
+    and `_schedule` keeps only a few action lists. Flush and 2BW stash at most d - s
+    microbatches on stage s, so they declare the same for every m >= d and are built
+    with min(m, d) microbatches (a test checks this against full builds); GPipe stashes
+    all m and is built whole."""
+    built = m if name == "gpipe" else min(m, d)
+    sched = build_schedule(name, d, built, 1, tied_embedding=True, check=False)
+    return _Declared(tuple(sched.stash_limit), sched.weight_versions, sched.grad_buffers)
 
 
 @lru_cache(maxsize=8)

@@ -1,16 +1,24 @@
 """Turn a search result into words: a table for people, a paragraph on why the best won.
 
-The paragraph compares the best plan with the best plan of every other group (each
-schedule, and no pipeline at all) and with the fastest configurations that do not fit,
-and names the cost that separates them: memory, pipeline bubble, exposed data-parallel
-all-reduce, tensor-parallel traffic or recomputation. The seconds come from the cost
-model (`Estimate.breakdown`, `CostModel.exposed_allreduce_s`), not from new formulas.
+The paragraph says which recomputation option and stage split the best plan uses and
+what the alternatives of the same plan would cost, compares the best plan with the best
+plan of every other group (each schedule, and no pipeline at all) and with the fastest
+configurations that do not fit, and names the cost that separates them: memory, pipeline
+bubble, exposed data-parallel all-reduce, tensor-parallel traffic or recomputation. The
+seconds come from the cost model (`Estimate.breakdown`, `CostModel.exposed_allreduce_s`),
+not from new formulas.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .cost_model import CostModel, Estimate
 from .hardware import GB
-from .search import SearchResult, plan_group
+from .search import SearchResult, chunks_fit, plan_group
+from .spec import Recompute
+
+RECOMPUTE_WORDS = {"none": "none", "selective": "selective (the core attention of every layer)",
+                   "full": "full"}
 
 GROUP_NAMES = {("2bw", False): "PipeDream-2BW", ("flush", False): "PipeDream-Flush",
                ("gpipe", False): "GPipe", ("flush", True): "no pipeline (tensor + data parallel)",
@@ -57,6 +65,58 @@ def _why_slower(cm: CostModel, best: Estimate, other: Estimate) -> str:
     return ", and ".join(clauses)
 
 
+def _recompute_words(rc: Recompute) -> str:
+    """What the option recomputes, in words (a reader may not know Megatron's flags)."""
+    if rc.granularity != "full":
+        return RECOMPUTE_WORDS[rc.granularity]
+    if rc.method == "block":
+        return f"full for the first {rc.num_layers} layer(s) of each stage (block)"
+    if rc.num_layers == 1:
+        return "full (every layer recomputed in backward, only its input kept)"
+    return f"full (every layer, in chunks of {rc.num_layers}, only each chunk's input kept)"
+
+
+def _alternative(cm: CostModel, est: Estimate, other: Estimate) -> str:
+    """"none needs 17.2 GB" (does not fit) or "full: 1.20x the time at 10.3 GB"."""
+    if not other.fits:
+        return f"{other.config.recompute.name} needs {other.memory_gb:.1f} GB"
+    timed = cm.evaluate(other.config)
+    return (f"{other.config.recompute.name}: {timed.iteration_time_s / est.iteration_time_s:.2f}x "
+            f"the time at {timed.memory_gb:.1f} GB")
+
+
+def recompute_sentence(cm: CostModel, est: Estimate, options: tuple[Recompute, ...]) -> str:
+    """Which recomputation the plan uses, its cost, and the other searched options for the
+    same plan (the cheaper ones usually do not fit; the costlier ones are slower)."""
+    rc = est.config.recompute
+    text = f"Recomputation: {_recompute_words(rc)}"
+    if rc.granularity != "none":
+        text += f", {est.breakdown()['recompute_s']:.3f} s per iteration"
+    layers = est.config.stage_layers(cm.model.num_layers)
+    others = [cm.evaluate(replace(est.config, recompute=o), simulate_time=False)
+              for o in options if o != rc and chunks_fit(o, layers)]
+    if others:
+        text += "; " + ", ".join(_alternative(cm, est, o) for o in others)
+    return text + "."
+
+
+def stages_sentence(cm: CostModel, est: Estimate) -> str:
+    """For an uneven split: the layers per stage and what even stages would cost."""
+    cfg = est.config
+    if not cfg.uneven:
+        return ""
+    layers = cfg.stage_layers(cm.model.num_layers)
+    even = cm.evaluate(replace(cfg, first_stage_layers=0, last_stage_layers=0))
+    ratio = even.iteration_time_s / est.iteration_time_s
+    cost = (f"need {even.memory_gb:.1f} GB" if not even.fits else
+            f"are within 1% ({even.memory_gb:.1f} GB)" if ratio < 1.01 else
+            f"are {ratio:.2f}x slower")
+    return (f"Stages: {layers[0]} layers on the first (with the embedding), {layers[-1]} on "
+            f"the last (with the output layer and loss), {'/'.join(map(str, layers))} in "
+            f"all; even stages ({cm.model.num_layers // cfg.pipeline_depth} layers each) "
+            f"{cost}.")
+
+
 def explain(cm: CostModel, result: SearchResult) -> str:
     """One paragraph: the chosen plan, and why each runner-up lost."""
     best = result.best
@@ -67,6 +127,10 @@ def explain(cm: CostModel, result: SearchResult) -> str:
             f"({best.iteration_time_s:.3f} s per iteration of {best.config.global_batch_size}), "
             f"{best.memory_gb:.1f} of {cap:g} GB per device, pipeline idle "
             f"{best.bubble_fraction:.0%}."]
+    options = result.space.recompute if result.space else (best.config.recompute,)
+    text.append(recompute_sentence(cm, best, options))
+    if best.config.uneven:
+        text.append(stages_sentence(cm, best))
     if result.too_big:
         big = result.too_big[0]
         text.append(f"The fastest configuration, {big.config.label()} "
@@ -100,14 +164,23 @@ def best_per_group(result: SearchResult) -> dict[tuple[str, bool], Estimate]:
 
 def format_table(result: SearchResult, top: int = 10) -> str:
     """The ranked plans as a fixed-width table."""
-    head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'pp':>3} {'dp':>3} {'b':>4} {'m':>5} {'rc':>3} "
-            f"{'samples/s':>10} {'iter s':>8} {'bubble':>7} {'mem GB':>7}")
+    head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'pp':>3} {'dp':>3} {'b':>4} {'m':>5} "
+            f"{'recompute':>9} {'stages':>8} {'samples/s':>10} {'iter s':>8} {'bubble':>7} "
+            f"{'mem GB':>7}")
     rows = [head, "-" * len(head)]
     for i, est in enumerate(result.ranked[:top], 1):
         c = est.config
         rows.append(f"{i:>3} {c.schedule:8} {c.tensor_parallel:>3} {c.pipeline_depth:>3} "
                     f"{c.data_parallel_width:>3} {c.micro_batch_size:>4} {c.num_microbatches:>5} "
-                    f"{'yes' if c.recompute else 'no':>3} {est.samples_per_s:>10.1f} "
+                    f"{c.recompute.name:>9} {_stages_cell(est):>8} {est.samples_per_s:>10.1f} "
                     f"{est.iteration_time_s:>8.3f} {est.bubble_fraction:>7.1%} "
                     f"{est.memory_gb:>7.1f}")
     return "\n".join(rows)
+
+
+def _stages_cell(est: Estimate) -> str:
+    """"even", or first/middle/last layer counts of an uneven split ("3/5/3")."""
+    if not est.config.uneven:
+        return "even"
+    layers = [s.layers for s in est.stages]
+    return "/".join(str(n) for n in (layers[0], *layers[1:-1][:1], layers[-1]))

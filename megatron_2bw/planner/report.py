@@ -22,6 +22,18 @@ def model_flags(model: ModelSpec) -> list[str]:
             "--vocab-size", str(model.vocab_size)]
 
 
+def plan_flags(cfg: ParallelConfig) -> list[str]:
+    """Megatron-LM's flags for the plan itself: parallel sizes, schedule, batch,
+    recomputation (`Recompute.flags`) and uneven stages (`ParallelConfig.stage_flags`).
+    Shared with the planner validation, which runs these plans."""
+    return (["--tensor-model-parallel-size", str(cfg.tensor_parallel),
+             "--pipeline-model-parallel-size", str(cfg.pipeline_depth),
+             "--pipeline-schedule", cfg.schedule,
+             "--micro-batch-size", str(cfg.micro_batch_size),
+             "--global-batch-size", str(cfg.global_batch_size)]
+            + cfg.recompute.flags() + cfg.stage_flags())
+
+
 def launch_command(model: ModelSpec, cfg: ParallelConfig, devices_per_node: int) -> str:
     """The torchrun line that runs `cfg` (on every server when there are several)."""
     per_node = min(devices_per_node, cfg.num_gpus)
@@ -30,15 +42,7 @@ def launch_command(model: ModelSpec, cfg: ParallelConfig, devices_per_node: int)
     if nodes > 1:
         launcher += ["--nnodes", str(nodes), "--node_rank", "$NODE_RANK",
                      "--master_addr", "$MASTER_ADDR", "--master_port", "6000"]
-    flags = model_flags(model) + [
-        "--tensor-model-parallel-size", str(cfg.tensor_parallel),
-        "--pipeline-model-parallel-size", str(cfg.pipeline_depth),
-        "--pipeline-schedule", cfg.schedule,
-        "--micro-batch-size", str(cfg.micro_batch_size),
-        "--global-batch-size", str(cfg.global_batch_size)]
-    if cfg.recompute:
-        flags.append("--recompute-activations")
-    flags.append("--fp16")
+    flags = model_flags(model) + plan_flags(cfg) + ["--fp16"]
     words = launcher + [ENTRY_POINTS[model.model]] + flags
     return " ".join(w if w.startswith("$") else shlex.quote(w) for w in words)
 
@@ -49,7 +53,11 @@ def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
     out = {"schedule": c.schedule, "tensor_parallel": c.tensor_parallel,
            "pipeline_depth": c.pipeline_depth, "data_parallel_width": c.data_parallel_width,
            "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
-           "recompute": c.recompute, "global_batch_size": c.global_batch_size,
+           "recompute": c.recompute.name,
+           "stage_layers": [st.layers for st in est.stages],
+           "first_stage_layers": c.first_stage_layers or None,
+           "last_stage_layers": c.last_stage_layers or None,
+           "global_batch_size": c.global_batch_size,
            "predicted_iteration_time_s": round(est.iteration_time_s, 6),
            "predicted_samples_per_s": round(est.samples_per_s, 3),
            "predicted_memory_gb": round(est.memory_gb, 3), "fits": est.fits,
@@ -74,6 +82,9 @@ def to_json(cm: CostModel, result: SearchResult) -> dict:
         "search": {"enumerated": result.num_enumerated, "fitting": result.num_fitting,
                    "simulated": len(result.ranked), "pruned": result.num_pruned,
                    "seconds": round(result.seconds, 3),
+                   "recompute_options": [r.name for r in result.space.recompute]
+                   if result.space else [],
+                   "uneven_stages": bool(result.space and result.space.uneven_stages),
                    "compute_source": cm.layers.source, "hardware": cm.hardware.to_dict(),
                    "model": {"model": cm.model.model, "num_layers": cm.model.num_layers,
                              "hidden_size": cm.model.hidden_size,

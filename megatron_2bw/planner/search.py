@@ -1,21 +1,24 @@
 """Enumerate every valid configuration, keep those that fit, rank by predicted throughput.
 
-Search space (paper Section 4, extended with tensor parallelism and the schedule):
-TP x PP x DP = number of devices, TP inside one server and dividing the attention heads,
-PP dividing the layers (equal stages: transformer blocks repeat), every microbatch size
-dividing the per-replica batch, recomputation on and off, and the schedules GPipe
-(PP > 1), Flush and 2BW (2BW only where m >= d).
+Search space (paper Section 4, extended with tensor parallelism, the schedule, Megatron's
+recomputation options and uneven stages): TP x PP x DP = number of devices, TP inside one
+server and dividing the attention heads, PP dividing the layers (transformer blocks
+repeat), every microbatch size dividing the per-replica batch, recomputation none /
+selective / full (uniform, one layer per chunk), the schedules GPipe (PP > 1), Flush and
+2BW (2BW only where m >= d), and, for PP > 1 when the vocabulary is large, the first
+and/or last stage given one or two layers fewer than the even share (`uneven_splits`).
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from .cost_model import CostModel, Estimate
-from .spec import ParallelConfig, SCHEDULES
+from .spec import (DEFAULT_RECOMPUTE_OPTIONS, SCHEDULES, ModelSpec, ParallelConfig, Recompute,
+                   as_recompute, padded_vocab_size, split_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +36,15 @@ class SearchSpace:
     schedules: tuple[str, ...] = SCHEDULES
     micro_batch_sizes: tuple[int, ...] | None = None
     """Only these microbatch sizes (None: every divisor of the per-replica batch)."""
-    recompute: tuple[bool, ...] = (False, True)
+    recompute: tuple[Recompute, ...] = DEFAULT_RECOMPUTE_OPTIONS
+    """Recomputation options to try (bools and names are accepted: True is full)."""
     tensor_parallel_sizes: tuple[int, ...] | None = None
     """Only these tensor-parallel sizes (None: every valid one)."""
+    uneven_stages: bool = True
+    """Also try first/last stages with fewer layers (`uneven_splits`) where it may pay."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", tuple(as_recompute(r) for r in self.recompute))
 
 
 def tensor_parallel_sizes(cm: CostModel, num_gpus: int) -> list[int]:
@@ -45,8 +54,63 @@ def tensor_parallel_sizes(cm: CostModel, num_gpus: int) -> list[int]:
             and cm.model.num_attention_heads % t == 0 and cm.model.ffn % t == 0]
 
 
+def large_vocabulary(model: ModelSpec) -> bool:
+    """Whether the embedding and output layer are worth moving layers for: the word
+    embedding (first stage; its tied copy on the last) weighs at least half a transformer
+    layer, V h >= layer params / 2, i.e. V >= ~6h, which is also where the logits' 2bshV
+    FLOPs pass half a layer's 24bsh^2 (GPT-2.2B: V = 50304, 6h = 13824; the logit layer
+    costs ~1.75 layers). Below it a whole layer moved overshoots the imbalance."""
+    vocab = padded_vocab_size(model.vocab_size, 1)
+    return 2 * vocab * model.hidden_size >= model.layer_params()
+
+
+def uneven_splits(num_layers: int, depth: int) -> list[tuple[int, int]]:
+    """(first, last) stage layer counts to try (0: not given): each of them the even share
+    e = L / d, e - 1 or e - 2, not both e, kept where megatron-core can split the rest
+    evenly over the other stages; one per distinct split, fewest flags first."""
+    if depth < 2 or num_layers % depth:
+        return []
+    even = num_layers // depth
+    seen = {split_layers(num_layers, depth)}
+    found = []
+    for less_first, less_last in ((1, 0), (2, 0), (0, 1), (0, 2), (1, 1), (2, 2), (1, 2), (2, 1)):
+        first = even - less_first if less_first else 0
+        last = even - less_last if less_last else 0
+        if (less_first and first < 1) or (less_last and last < 1):
+            continue
+        try:
+            split = split_layers(num_layers, depth, first, last)
+        except ValueError:
+            continue
+        if split not in seen:
+            seen.add(split)
+            found.append((first, last))
+    return found
+
+
 def enumerate_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]:
     """Every valid configuration, memory not yet considered."""
+    uneven = space.uneven_stages and large_vocabulary(cm.model)
+    layers = cm.model.num_layers
+    for cfg in _even_configs(cm, space):
+        splits = uneven_splits(layers, cfg.pipeline_depth) if uneven else []
+        for first, last in [(0, 0)] + splits:
+            split = replace(cfg, first_stage_layers=first, last_stage_layers=last)
+            if chunks_fit(split.recompute, split.stage_layers(layers)):
+                yield split
+
+
+def chunks_fit(rc: Recompute, stage_layers: tuple[int, ...]) -> bool:
+    """Uniform full recomputation checkpoints whole chunks of N layers, so N must divide
+    every stage's layer count (megatron-core's TransformerBlock; the trainer refuses
+    the flags otherwise)."""
+    if rc.granularity != "full" or rc.method != "uniform":
+        return True
+    return all(n % rc.num_layers == 0 for n in stage_layers)
+
+
+def _even_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]:
+    """Every valid configuration with equal stages."""
     for t in tensor_parallel_sizes(cm, space.num_gpus):
         if space.tensor_parallel_sizes and t not in space.tensor_parallel_sizes:
             continue

@@ -5,8 +5,9 @@ FLOPs, activation bytes), each with its source. No torch import: the planner run
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 from ..vocab import pad_vocab_size
 
@@ -106,6 +107,25 @@ class ModelSpec:
         split = 8.0 * s * b * h + 4.0 * s * b * f + 5.0 * a * s * s * b
         return replicated + split / tp
 
+    # ---- the core attention, softmax(QK^T / sqrt(d)) V: what selective recomputation
+    # (Korthikanti et al. 2022, Section 5) drops and recomputes. Its activations are the
+    # s^2 terms: softmax output 2as^2b, dropout mask as^2b, dropout output 2as^2b = 5as^2b
+    # bytes at 16 bit, split by tp with the heads; its FLOPs are QK^T and the attention
+    # over V, 2bs^2h each.
+    def attention_core_forward_flops(self, b: int) -> float:
+        """QK^T (2bs^2h) + attention over V (2bs^2h): the 4bs^2h of `layer_forward_flops`."""
+        return 4.0 * b * self.seq_length * self.seq_length * self.hidden_size
+
+    def attention_core_activation_bytes(self, b: int, tp: int) -> float:
+        """5as^2b / t: the bytes selective recomputation does not keep."""
+        s = self.seq_length
+        return 5.0 * self.num_attention_heads * s * s * b / tp
+
+    def layer_selective_activation_bytes(self, b: int, tp: int) -> float:
+        """A layer under selective recomputation: Korthikanti et al.'s 34sbh at t = 1,
+        sbh(10 + 24/t) with tensor parallelism (no sequence parallelism)."""
+        return self.layer_activation_bytes(b, tp) - self.attention_core_activation_bytes(b, tp)
+
     def boundary_bytes(self, b: int, activation_bytes: int = 2) -> float:
         """The [s, b, h] tensor a stage hands the next: a layer's input, the p2p message."""
         return float(activation_bytes * self.seq_length * b * self.hidden_size)
@@ -182,6 +202,154 @@ def optimizer_precision(optimizer: str = "adam", compensation: str = "none",
                    compensation_bytes=extra)
 
 
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True, order=True)
+class Recompute:
+    """Megatron-LM's activation recomputation, named after its flags.
+
+    - "none": every layer keeps all its activations;
+    - "selective" (`--recompute-granularity selective`, what `--recompute-activations`
+      means upstream): every layer drops its core attention (the s^2 activations of
+      softmax(QK^T)V) and recomputes it in backward;
+    - "full" + "uniform" (`--recompute-method uniform --recompute-num-layers N`): the
+      stage's layers in chunks of N, only each chunk's input kept, a chunk rebuilt at a
+      time in backward;
+    - "full" + "block" (`--recompute-method block --recompute-num-layers N`): the first
+      N layers of each stage are fully recomputed (input kept), the rest keep everything.
+
+    A value object rather than a flag triple so that equal plans compare equal: none and
+    selective always carry method "uniform" and num_layers 1.
+    """
+
+    granularity: str = "none"
+    method: str = "uniform"
+    num_layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"recompute granularity {self.granularity!r}: choose one of "
+                             f"{RECOMPUTE_GRANULARITIES}")
+        if self.method not in RECOMPUTE_METHODS:
+            raise ValueError(f"recompute method {self.method!r}: choose one of "
+                             f"{RECOMPUTE_METHODS}")
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"recompute num_layers must be a positive integer, got "
+                             f"{self.num_layers!r}")
+        if self.granularity != "full" and (self.method, self.num_layers) != ("uniform", 1):
+            raise ValueError(f"recompute {self.granularity!r} takes no method or num_layers")
+
+    @classmethod
+    def parse(cls, name: str) -> "Recompute":
+        """"none", "selective", "full" (= full-uniform-1), "full-uniform-N", "full-block-N"."""
+        text = name.strip().lower()
+        if text in ("none", "selective", "full"):
+            return cls(text)
+        parts = text.split("-")
+        if len(parts) == 3 and parts[0] == "full" and parts[1] in RECOMPUTE_METHODS \
+                and parts[2].isdigit() and int(parts[2]) >= 1:
+            return cls("full", parts[1], int(parts[2]))
+        raise ValueError(f"unknown recompute option {name!r}: use none, selective, full, "
+                         "full-uniform-N or full-block-N")
+
+    @property
+    def name(self) -> str:
+        """The inverse of `parse` (full uniform 1 is plain "full")."""
+        if self.granularity != "full" or (self.method, self.num_layers) == ("uniform", 1):
+            return self.granularity
+        return f"full-{self.method}-{self.num_layers}"
+
+    @property
+    def short(self) -> str:
+        """For plan labels: "" (none), "sel", "rc" (full, one layer per chunk, the label
+        plans had when recompute was a bool), "rcu{N}", "rcb{N}"."""
+        if self.granularity != "full":
+            return {"none": "", "selective": "sel"}[self.granularity]
+        if (self.method, self.num_layers) == ("uniform", 1):
+            return "rc"
+        return f"rc{self.method[0]}{self.num_layers}"
+
+    def flags(self) -> list[str]:
+        """Megatron-LM's flags for this option (none: no flag)."""
+        if self.granularity == "none":
+            return []
+        if self.granularity == "selective":
+            return ["--recompute-granularity", "selective"]
+        return ["--recompute-granularity", "full", "--recompute-method", self.method,
+                "--recompute-num-layers", str(self.num_layers)]
+
+    def full_layers(self, stage_layers: int) -> int:
+        """Layers of a stage recomputed whole in backward (one more forward each)."""
+        if self.granularity != "full":
+            return 0
+        return stage_layers if self.method == "uniform" else min(self.num_layers, stage_layers)
+
+    def kept_inputs(self, stage_layers: int) -> int:
+        """[s, b, h] inputs a stage keeps per microbatch for its fully recomputed layers:
+        one per chunk of N (uniform), one per recomputed layer (block)."""
+        if self.granularity != "full":
+            return 0
+        if self.method == "uniform":
+            return math.ceil(stage_layers / self.num_layers)
+        return min(self.num_layers, stage_layers)
+
+    def rebuilt_layers(self, stage_layers: int) -> int:
+        """Layers whose full activations backward rebuilds at once: a chunk of N
+        (uniform), one layer (block: each of its layers is checkpointed alone)."""
+        if self.granularity != "full":
+            return 0
+        return min(self.num_layers, stage_layers) if self.method == "uniform" else 1
+
+
+NO_RECOMPUTE = Recompute("none")
+SELECTIVE = Recompute("selective")
+FULL = Recompute("full")  # uniform, one layer per chunk: every layer recomputed
+DEFAULT_RECOMPUTE_OPTIONS = (NO_RECOMPUTE, SELECTIVE, FULL)
+
+
+def as_recompute(value: Any) -> Recompute:
+    """A `Recompute` from what older code and reports hold: a bool (True meant full
+    recomputation of every layer, the planner's only option before), a name, or the
+    dict `dataclasses.asdict` writes."""
+    if isinstance(value, Recompute):
+        return value
+    if isinstance(value, bool):
+        return FULL if value else NO_RECOMPUTE
+    if isinstance(value, str):
+        return Recompute.parse(value)
+    if isinstance(value, dict):
+        return Recompute(**value)
+    raise ValueError(f"recompute must be a Recompute, bool, name or dict, got {value!r}")
+
+
+def split_layers(num_layers: int, depth: int, first: int = 0, last: int = 0) -> tuple[int, ...]:
+    """Transformer layers per stage as megatron-core splits them
+    (`--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`, 0 =
+    not given): the given stages get their count, the others share the rest evenly.
+    ValueError, as megatron-core's TransformerConfig raises it, when that is not possible."""
+    if not first and not last:
+        if num_layers % depth:
+            raise ValueError(f"{num_layers} layers do not split evenly over {depth} stages")
+        return (num_layers // depth,) * depth
+    if depth < 2 or first < 0 or last < 0:
+        raise ValueError("first/last stage layer counts need pipeline depth > 1")
+    rest_stages = depth - (first > 0) - (last > 0)
+    rest_layers = num_layers - first - last
+    if rest_layers < 0 or bool(rest_stages) != bool(rest_layers) or \
+            (rest_stages and rest_layers % rest_stages):
+        raise ValueError(f"{rest_layers} remaining layers do not split evenly over "
+                         f"{rest_stages} remaining stages")
+    each = rest_layers // rest_stages if rest_stages else 0
+    counts = [each] * depth
+    if first:
+        counts[0] = first
+    if last:
+        counts[-1] = last
+    return tuple(counts)
+
+
 @dataclass(frozen=True, order=True)
 class ParallelConfig:
     """One point of the search space: a complete answer to "how do I run this job"."""
@@ -194,8 +362,16 @@ class ParallelConfig:
     micro_batch_size: int
     num_microbatches: int
     """Per minibatch per data-parallel replica (gradient accumulation steps), m."""
-    recompute: bool
-    """Full activation recomputation (every layer recomputed in backward)."""
+    recompute: Recompute
+    """Activation recomputation; a bool (True: full, every layer) is accepted and converted."""
+    first_stage_layers: int = 0
+    """`--decoder-first-pipeline-num-layers`; 0: not given (an int, not None, so that
+    configurations stay orderable)."""
+    last_stage_layers: int = 0
+    """`--decoder-last-pipeline-num-layers`; 0: not given."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", as_recompute(self.recompute))
 
     @property
     def num_gpus(self) -> int:
@@ -205,7 +381,28 @@ class ParallelConfig:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.num_microbatches * self.data_parallel_width
 
+    @property
+    def uneven(self) -> bool:
+        return bool(self.first_stage_layers or self.last_stage_layers)
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Transformer layers of each stage (`split_layers`)."""
+        return split_layers(num_layers, self.pipeline_depth, self.first_stage_layers,
+                            self.last_stage_layers)
+
+    def stage_flags(self) -> list[str]:
+        """Megatron-LM's flags for the first/last stage layer counts (none when even)."""
+        flags = []
+        if self.first_stage_layers:
+            flags += ["--decoder-first-pipeline-num-layers", str(self.first_stage_layers)]
+        if self.last_stage_layers:
+            flags += ["--decoder-last-pipeline-num-layers", str(self.last_stage_layers)]
+        return flags
+
     def label(self) -> str:
-        rc = " rc" if self.recompute else ""
+        rc = f" {self.recompute.short}" if self.recompute.short else ""
+        split = "".join(f" {name}{n}" for name, n in (("first", self.first_stage_layers),
+                                                       ("last", self.last_stage_layers)) if n)
         return (f"{self.schedule} tp{self.tensor_parallel} pp{self.pipeline_depth} "
-                f"dp{self.data_parallel_width} b{self.micro_batch_size} m{self.num_microbatches}{rc}")
+                f"dp{self.data_parallel_width} b{self.micro_batch_size} "
+                f"m{self.num_microbatches}{rc}{split}")

@@ -130,6 +130,14 @@ class PipelineExecutor:
         losses = [loss for per_mb in self._micro_losses.values() for loss in per_mb]
         return torch.stack(losses).mean().item() if losses else None
 
+    def evaluation_metrics(self) -> dict[str, float]:
+        """The mean of each named part of the loss (BERT: lm_loss, sop_loss) over the last
+        `evaluate`'s microbatches, so validation can report each as Megatron-LM does;
+        empty off the last stage."""
+        metrics = [m for per_mb in self._micro_metrics.values() for m in per_mb]
+        return {name: torch.stack([m[name] for m in metrics]).mean().item()
+                for name in (metrics[0] if metrics else {})}
+
     def _reset(self, schedule: Schedule, data: Iterator[dict]) -> None:
         """Fresh per-run state (weights and optimizer state persist across runs)."""
         self._m, self._data = schedule.num_microbatches, data

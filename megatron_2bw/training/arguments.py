@@ -23,14 +23,22 @@ from ..optim.updater import OptimizerConfig
 from ..schedules import SCHEDULE_NAMES
 from .config import DataConfig, ParallelConfig, RunConfig, TrainConfig
 from .errors import UserError
+from .housekeeping import HousekeepingConfig
+from .megatron_flags import DOC, add_megatron_flags, check_megatron_flags
 from .model_flags import model_config, model_flags
-from .validation import Flags, validate_flags
+from .validation import Flags, check_ranges, validate_flags
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that raises UserError instead of printing usage and exiting on every rank."""
 
     def error(self, message: str):  # type: ignore[override]
+        unknown = message.removeprefix("unrecognized arguments: ")
+        if unknown != message:
+            flag = unknown.split()[0]
+            raise UserError(f"unknown flag {flag}", flag,
+                            f"{self.prog} does not take it; {DOC} lists Megatron-LM's flags "
+                            "and their status here")
         raise UserError(message, "command line", f"see {self.prog} --help")
 
 
@@ -39,7 +47,13 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, required=True, help="samples per microbatch")
     g.add_argument("--global-batch-size", type=int, help="samples per step (default: "
                    "micro batch x data-parallel size)")
-    g.add_argument("--train-iters", type=int, required=True, help="optimizer steps to run")
+    g.add_argument("--train-iters", type=int, help="optimizer steps to run (or give "
+                   "--train-samples)")
+    g.add_argument("--train-samples", type=int, help="samples to train on; the iteration "
+                   "count follows (Megatron-LM's sample-based training)")
+    g.add_argument("--rampup-batch-size", nargs="*", type=int, metavar="N",
+                   help="START INCREMENT SAMPLES: start at START samples per step and add "
+                        "INCREMENT until --global-batch-size, over SAMPLES samples")
     g.add_argument("--seed", type=int, default=1234, help="random seed")
     g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
     g.add_argument("--eval-interval", type=int, default=1000, help="iterations between "
@@ -68,6 +82,74 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-file", help="append one JSON object per iteration to this file")
 
 
+def _timing_log_level(text: str) -> int:
+    """Megatron-LM's 0, 1 or 2 (an argparse type, so a wrong value names the flag)."""
+    if text not in ("0", "1", "2"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from 0, 1, 2)")
+    return int(text)
+
+
+def _housekeeping_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's manual garbage collection and profiler window (housekeeping.py)."""
+    g = p.add_argument_group("garbage collection and profiling (Megatron-LM's)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn Python's automatic garbage collector off; collect on schedule")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every N steps (0: only around validation)")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc: do not collect around validation")
+    g.add_argument("--profile", action="store_true",
+                   help="profile steps [--profile-step-start, --profile-step-end)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="torch.profiler trace into --tensorboard-dir (else a CUDA range for nsys)")
+    g.add_argument("--profile-step-start", type=int, default=10, help="first profiled step")
+    g.add_argument("--profile-step-end", type=int, default=12, help="step that ends profiling")
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0],
+                   help="global ranks to profile")
+
+
+def _housekeeping_config(args: argparse.Namespace) -> HousekeepingConfig:
+    return HousekeepingConfig(
+        manual_gc=args.manual_gc, manual_gc_interval=args.manual_gc_interval,
+        manual_gc_eval=args.manual_gc_eval, profile=args.profile,
+        use_pytorch_profiler=args.use_pytorch_profiler,
+        profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
+        profile_ranks=tuple(args.profile_ranks), tensorboard_dir=args.tensorboard_dir)
+
+
+def _logging_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's logging flags (LoggerConfig at core_v0.16.1) that change what the log
+    line, TensorBoard or wandb get (docs/training.md, "Log line and TensorBoard")."""
+    g = p.add_argument_group("logging (Megatron-LM's)")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="print Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' field (in its "
+                        "place, after the iteration time) instead of the TFLOP/s/GPU extra")
+    g.add_argument("--timing-log-level", type=_timing_log_level, default=0, metavar="{0,1,2}",
+                   help="accepted for Megatron-LM scripts: only the iteration time is "
+                        "measured and logged (per-phase timers of levels 1 and 2 are not)")
+    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
+                   help="accepted for Megatron-LM scripts (no per-phase timers to reduce)")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write iteration-time (seconds, averaged since the last log line) "
+                        "at each log line, and throughput with --log-throughput")
+    g.add_argument("--no-log-loss-scale-to-tensorboard",
+                   "--disable-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard", help="do not write loss-scale")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="also write the validation perplexity (<loss> validation ppl)")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="also write world-size")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="iterations between TensorBoard training scalars")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="TensorBoard events queued before a write to disk")
+    g.add_argument("--wandb-project", help="also log to this Weights & Biases project (needs "
+                   "the wandb package, and --wandb-save-dir or --save)")
+    g.add_argument("--wandb-exp-name", help="wandb run name")
+    g.add_argument("--wandb-save-dir", help="wandb's local folder (default: <--save>/wandb)")
+    g.add_argument("--wandb-entity", help="wandb entity (team or user)")
+
+
 def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adam", "muon"], default="adam",
@@ -78,8 +160,15 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"],
                    default="linear", help="decay after warm-up")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="warm-up iterations")
-    g.add_argument("--lr-warmup-fraction", type=float, help="warm-up as a fraction of decay")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="warm-up samples (sample-based training)")
+    g.add_argument("--lr-warmup-fraction", type=float, help="warm-up as a fraction of the "
+                   "decay (in samples, not rounded to iterations)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate at the start of the warm-up")
     g.add_argument("--lr-decay-iters", type=int, help="decay iterations (default --train-iters)")
+    g.add_argument("--lr-decay-samples", type=int,
+                   help="decay samples (sample-based training; default --train-samples)")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
@@ -156,18 +245,24 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--merge-file", help="GPT-2 merges.txt")
     g.add_argument("--tokenizer-model", help="SentencePiece .model or HuggingFace "
                    "tokenizer.json / folder")
+    g.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: add the template's special tokens (BOS, ...) "
+                        "when encoding (Megatron-LM's default leaves them out)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--mask-prob", type=float, default=0.15, help="BERT masking probability")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read the .bin files instead of memory-mapping them")
     g.add_argument("--data-cache-path", help="where dataset index caches go (default: next "
                    "to each dataset; set it when the data directory is read-only)")
 
 
 def build_parser(model: str) -> argparse.ArgumentParser:
     parser = _Parser(
-        prog=f"pretrain_{model}.py",
+        prog=f"pretrain_{model}.py", allow_abbrev=False,  # as Megatron-LM
         description=f"Pretrain {model.upper()} with megatron-2bw (Megatron-LM flags).")
-    for add in (model_flags, _train_flags, _optimizer_flags, _parallel_flags, _data_flags):
+    for add in (model_flags, add_megatron_flags, _train_flags, _logging_flags,
+                _housekeeping_flags, _optimizer_flags, _parallel_flags, _data_flags):
         add(parser)
     return parser
 
@@ -177,7 +272,6 @@ def _precision(name: str) -> torch.dtype:
 
 
 def _optimizer_config(args, view: Flags, gbs: int, precision: str) -> OptimizerConfig:
-    decay_iters, warmup_iters = view.decay_iters, view.warmup_iters
     scale = LossScaleConfig(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                             min_loss_scale=args.min_loss_scale,
                             loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
@@ -186,8 +280,9 @@ def _optimizer_config(args, view: Flags, gbs: int, precision: str) -> OptimizerC
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                            adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                            lr_decay_style=args.lr_decay_style,
-                           lr_warmup_samples=warmup_iters * gbs,
-                           lr_decay_samples=decay_iters * gbs, global_batch_size=gbs,
+                           lr_warmup_samples=view.warmup_samples,
+                           lr_decay_samples=view.decay_samples, global_batch_size=gbs,
+                           lr_warmup_init=args.lr_warmup_init,
                            loss_scale=scale, optimizer=args.optimizer, muon=_muon_config(args),
                            delay_compensation=args.delay_compensation,
                            delay_compensation_alpha=args.delay_compensation_alpha)
@@ -201,9 +296,20 @@ def _muon_config(args) -> MuonConfig:
                       extra_scale_factor=args.muon_extra_scale_factor)
 
 
+def _logging_config(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields of `_logging_flags`."""
+    names = ("log_throughput", "log_timers_to_tensorboard", "log_loss_scale_to_tensorboard",
+             "log_validation_ppl_to_tensorboard", "log_world_size_to_tensorboard",
+             "tensorboard_log_interval", "tensorboard_queue_size", "wandb_project",
+             "wandb_exp_name", "wandb_save_dir", "wandb_entity")
+    return {name: getattr(args, name) for name in names}
+
+
 def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                      vocab_size: int) -> RunConfig:
     """Turn parsed flags into a RunConfig; UserError (naming the flag) when they clash."""
+    check_ranges(args)
+    check_megatron_flags(args, world_size)
     view = validate_flags(args, model, world_size)
     parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, view.schedule)
@@ -216,9 +322,11 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                       vocab_size=args.vocab_size,
                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                       seq_length=args.seq_length, seed=args.seed, mask_prob=args.mask_prob,
-                      data_cache_path=args.data_cache_path)
+                      data_cache_path=args.data_cache_path,
+                      mmap_bin_files=args.mmap_bin_files)
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=gbs,
-                        train_iters=args.train_iters, log_interval=args.log_interval,
+                        train_iters=view.train_iters, train_samples=args.train_samples,
+                        rampup_batch_size=view.rampup, log_interval=args.log_interval,
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         save=args.save, load=args.load, save_interval=args.save_interval,
                         metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
@@ -229,7 +337,9 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                             args.use_checkpoint_opt_param_scheduler),
                         exit_signal_handler=args.exit_signal_handler,
                         exit_duration_in_mins=args.exit_duration_in_mins,
-                        distributed_timeout_minutes=args.distributed_timeout_minutes)
+                        distributed_timeout_minutes=args.distributed_timeout_minutes,
+                        housekeeping=_housekeeping_config(args),
+                        **_logging_config(args))
     return RunConfig(model=model_config(args, model, dtype, padded), parallel=parallel,
                      optimizer=_optimizer_config(args, view, gbs, precision), data=data,
                      train=train, precision=precision, flags=vars(args))

@@ -41,7 +41,13 @@ FILE_NAME = "model_optim_rng.pt"
 # flags that fix the shapes of the saved tensors: a checkpoint loads only with equal values
 SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "max_position_embeddings", "tensor_model_parallel_size",
-               "pipeline_model_parallel_size", "untie_embeddings_and_output_weights")
+               "pipeline_model_parallel_size", "untie_embeddings_and_output_weights",
+               "swiglu", "group_query_attention", "num_query_groups", "kv_channels",
+               "add_bias_linear", "normalization", "qk_layernorm", "apply_layernorm_1p",
+               "position_embedding_type", "decoder_first_pipeline_num_layers",
+               "decoder_last_pipeline_num_layers")
+# flags whose dest is not their name
+FLAG_NAMES = {"add_bias_linear": "--disable-bias-linear"}
 # the LR-schedule state megatron-core's OptimizerParamScheduler checks on load, by flag
 SCHEDULE_FLAGS = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
                   ("lr_decay_style", "--lr-decay-style"),
@@ -207,9 +213,9 @@ def check_shapes(saved: dict, flags: dict, path: str) -> None:
     for key in SHAPE_FLAGS:
         old, new = _shape_value(saved, key), _shape_value(flags, key)
         if key in saved and key in flags and old != new:
-            flag = "--" + key.replace("_", "-")
+            flag = FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
             raise CheckpointError(f"the checkpoint was saved with {flag} {old}, this run has "
-                                  f"{new} ({path}); resume with {flag} {old}")
+                                  f"{new} ({path}); resume with the checkpoint's {flag}")
 
 
 def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:

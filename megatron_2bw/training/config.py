@@ -6,10 +6,13 @@ optimizer an OptimizerConfig, the loop the ParallelConfig / TrainConfig / DataCo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 from ..models.config import ModelConfig
 from ..optim.updater import OptimizerConfig
+from .batch_sizes import BatchSizes
+from .housekeeping import HousekeepingConfig
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class DataConfig:
     mask_prob: float = 0.15              # BERT masking
     short_seq_prob: float = 0.1
     data_cache_path: Optional[str] = None  # --data-cache-path
+    mmap_bin_files: bool = True            # --no-mmap-bin-files
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,21 @@ class TrainConfig:
     exit_signal_handler: bool = False     # --exit-signal-handler: save and exit 0 on SIGTERM
     exit_duration_in_mins: Optional[int] = None  # --exit-duration-in-mins
     distributed_timeout_minutes: float = 10.0    # --distributed-timeout-minutes
+    train_samples: Optional[int] = None   # --train-samples (train_iters then derived from it)
+    rampup_batch_size: Optional[tuple[int, int, int]] = None  # --rampup-batch-size
+    housekeeping: HousekeepingConfig = HousekeepingConfig()  # --manual-gc, --profile
+    # Megatron-LM's logging flags (arguments.py `_logging_flags`; used by metrics.py)
+    log_throughput: bool = False                     # --log-throughput
+    log_timers_to_tensorboard: bool = False          # --log-timers-to-tensorboard
+    log_loss_scale_to_tensorboard: bool = True       # --no-log-loss-scale-to-tensorboard
+    log_validation_ppl_to_tensorboard: bool = False  # --log-validation-ppl-to-tensorboard
+    log_world_size_to_tensorboard: bool = False      # --log-world-size-to-tensorboard
+    tensorboard_log_interval: int = 1                # --tensorboard-log-interval
+    tensorboard_queue_size: int = 1000               # --tensorboard-queue-size
+    wandb_project: Optional[str] = None              # --wandb-project
+    wandb_exp_name: Optional[str] = None             # --wandb-exp-name
+    wandb_save_dir: Optional[str] = None             # --wandb-save-dir
+    wandb_entity: Optional[str] = None               # --wandb-entity
 
 
 @dataclass(frozen=True)
@@ -93,5 +112,15 @@ class RunConfig:
 
     @property
     def num_microbatches(self) -> int:
-        per_replica = self.train.micro_batch_size * self.parallel.data_parallel
-        return self.train.global_batch_size // per_replica
+        """Microbatches per step at the full --global-batch-size."""
+        return self.train.global_batch_size // self.samples_per_microbatch
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        """Samples one microbatch carries over all data-parallel replicas."""
+        return self.train.micro_batch_size * self.parallel.data_parallel
+
+    @cached_property
+    def batch_sizes(self) -> BatchSizes:
+        """The global batch size of every iteration (constant, or ramped up)."""
+        return BatchSizes(self.train.global_batch_size, self.train.rampup_batch_size)

@@ -23,22 +23,31 @@ class DataSources:
     valid: Optional[torch.utils.data.Dataset]
 
 
+# Megatron-LM's entry points pass these as the --tokenizer-type default
+DEFAULT_TOKENIZERS = {"gpt": "GPT2BPETokenizer", "bert": "BertWordPieceLowerCase"}
+
+
 def tokenizer_from_args(args, model: str):
-    """The tokenizer the flags select; ValueError naming the flag when they don't add up."""
+    """The tokenizer the flags select; ValueError naming the flag when they don't add up.
+
+    As Megatron-LM: --tokenizer-type defaults to GPT2BPETokenizer (GPT) or
+    BertWordPieceLowerCase (BERT), for real and mock data alike. One addition: --mock-data
+    with no tokenizer flag at all uses --vocab-size ids (NullTokenizer for GPT), so a
+    benchmark needs no vocabulary file.
+    """
     from ..data.tokenizers import build_tokenizer
 
     if args.data_path and args.mock_data:
         raise ValueError("give either --data-path or --mock-data, not both")
-    if args.mock_data:
-        return mock_tokenizer(model, args.vocab_size or 50257)
-    if not args.data_path:
+    if not args.data_path and not args.mock_data:
         raise ValueError("give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
-    if not args.tokenizer_type:
-        raise ValueError("--data-path needs --tokenizer-type (and its --vocab-file, "
-                         "--merge-file or --tokenizer-model)")
-    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                           vocab_size=args.vocab_size)
+    named = args.tokenizer_type or args.vocab_file or args.tokenizer_model
+    if args.mock_data and not named:
+        return mock_tokenizer(model, args.vocab_size or 50257)
+    return build_tokenizer(args.tokenizer_type or DEFAULT_TOKENIZERS[model],
+                           vocab_file=args.vocab_file, merge_file=args.merge_file,
+                           tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                           hf_include_special_tokens=args.tokenizer_hf_include_special_tokens)
 
 
 def data_sources(run: RunConfig, tokenizer) -> DataSources:
@@ -50,6 +59,7 @@ def data_sources(run: RunConfig, tokenizer) -> DataSources:
                             seq_length=data.seq_length, seed=data.seed, train_samples=train,
                             valid_samples=valid, test_samples=test, mock=data.mock_data,
                             mask_prob=data.mask_prob, data_cache_path=data.data_cache_path,
+                            mmap_bin_files=data.mmap_bin_files,
                             bert_binary_head=run.model.bert_binary_head)
     datasets = build_datasets(config, tokenizer)
     return DataSources(datasets.train, datasets.valid)

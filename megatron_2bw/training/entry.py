@@ -13,6 +13,7 @@ from .arguments import config_from_args, parse_args
 from .data_sources import data_sources, tokenizer_from_args
 from .distributed import init_distributed, setup_logging
 from .errors import guarded, watch_peers
+from .megatron_flags import check_megatron_flags, mapped_notes
 from .validation import check_output_paths, check_ranges, validate_flags
 
 logger = logging.getLogger("megatron_2bw.train")
@@ -29,7 +30,10 @@ def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     env = init_distributed(timeout_minutes=args.distributed_timeout_minutes)
     watch_peers()
     setup_logging(env.rank, env.world_size)
+    check_megatron_flags(args, env.world_size)   # removed and refused Megatron-LM flags
     validate_flags(args, model, env.world_size)  # cross-flag rules, before reading any file
+    for note in mapped_notes(args, env.device.type == "cuda"):
+        logger.info(note)
     check_output_paths(args)                      # before the first iteration
     tokenizer = tokenizer_from_args(args, model)
     run = config_from_args(args, model, env.world_size, tokenizer.vocab_size)

@@ -91,6 +91,16 @@ def guarded(body: Callable[[], int]) -> int:
         return _leave(store)
     finally:
         _stop.set()
+        _join_watcher()
+
+
+def _join_watcher() -> None:
+    """Let the watcher finish its store call before the interpreter goes: a daemon thread
+    that comes back from C++ (the store client) during finalization is unwound through
+    C++ frames, which ends the process with SIGABRT ("terminate called without an
+    active exception") after a run that succeeded."""
+    if _watcher is not None and _watcher is not threading.current_thread():
+        _watcher.join(STORE_TIMEOUT.total_seconds() + 1.0)
 
 
 def watch_peers() -> None:

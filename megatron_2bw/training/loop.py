@@ -30,6 +30,7 @@ from .checkpointing import prepare_resume, read_checkpoint, restore, save_checkp
 from .config import RunConfig
 from .data_sources import DataSources
 from .distributed import DistEnv
+from .housekeeping import Housekeeping
 from .metrics import MetricsSink, transformer_flops
 from .signals import GracefulStop, stop_check_interval
 from .watchdog import Heartbeat
@@ -47,9 +48,8 @@ def _muon_spec(name: str, p, run: RunConfig) -> MuonParamSpec | None:
     """Megatron-LM's rule: Muon steps the 2D weights but the word embedding and output layer."""
     if run.optimizer.optimizer != "muon" or not is_megatron_muon_param(p):
         return None
-    m = run.model
-    qkv = (qkv_split_rows(m.num_attention_heads, m.num_attention_heads,
-                          m.hidden_size // m.num_attention_heads)
+    m = run.model  # the fused QKV's rows per query group: [q heads of the group, k, v]
+    qkv = (qkv_split_rows(m.num_attention_heads, m.query_groups, m.head_dim)
            if is_megatron_qkv_param(name, p) else None)
     dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
     return MuonParamSpec(tuple(p.shape), partition_dim=dim, qkv_split=qkv)
@@ -101,9 +101,11 @@ class Trainer:
             restore(loaded, self.executor, self.updater, run)
             logger.info(f"resumed from {t.load} at iteration {self.iteration}")
         is_logger = env.rank == env.world_size - 1
-        self.sink = MetricsSink(is_logger, t.metrics_file, t.tensorboard_dir, t.log_interval,
-                                t.train_iters, start_iteration=self.iteration)
+        self.sink = MetricsSink(is_logger, t, schedule=run.parallel.schedule,
+                                world_size=env.world_size, start_iteration=self.iteration,
+                                flags=run.flags)
         self.history: dict[int, dict] = {}
+        self.housekeeping = Housekeeping(t.housekeeping, env.rank, env.device)
 
     def _build(self, schedule: Schedule) -> tuple[PipelineExecutor, MegatronUpdater]:
         """The stage, its updater and an executor allocated from `schedule`'s declarations."""
@@ -127,8 +129,10 @@ class Trainer:
         return executor, updater
 
     def _schedule(self, count: int) -> Schedule:
+        """`count` minibatches from the current iteration, all of this phase's batch size."""
         par = self.run.parallel
-        return build_schedule(par.schedule, par.pipeline_parallel, self.run.num_microbatches,
+        m = self.run.batch_sizes.size(self.iteration) // self.run.samples_per_microbatch
+        return build_schedule(par.schedule, par.pipeline_parallel, m,
                               count, first_minibatch=self.iteration,
                               tied_embedding=self.run.model.tie_embeddings)
 
@@ -136,6 +140,9 @@ class Trainer:
         """Where the next segment ends: the first save, exit, validation or stop check."""
         t, par = self.run.train, self.run.parallel
         ends = [t.train_iters, self.iteration + MAX_SEGMENT]
+        change = self.run.batch_sizes.next_change(self.iteration)
+        if change is not None:  # a new batch size is a new m: a new schedule
+            ends.append(change)
         if stop is not None and stop.active:  # stops are agreed at segment ends only
             ends.append(self.iteration + stop_check_interval(
                 par.schedule, par.pipeline_parallel, self.run.num_microbatches))
@@ -153,6 +160,7 @@ class Trainer:
         stop = GracefulStop(t.exit_signal_handler, t.exit_duration_in_mins, self.env.device)
         heartbeat = Heartbeat.start(self.env.rank, self.env.world_size, self.stage,
                                     self.env.timeout)
+        self.housekeeping.start()
         try:
             self._train_segments(stop)
         except RuntimeError as err:
@@ -161,6 +169,7 @@ class Trainer:
             raise heartbeat.explain(err, self.stage) from err
         finally:
             stop.close()
+            self.housekeeping.close()
             if heartbeat is not None:
                 heartbeat.close()
         self.sink.close()
@@ -196,8 +205,9 @@ class Trainer:
         while self.iteration < min(t.train_iters, t.exit_interval or t.train_iters):
             end = self._segment_end(stop)
             schedule = self._schedule(end - self.iteration)
-            first_sample = self.iteration * t.global_batch_size
+            first_sample = self.run.batch_sizes.consumed(self.iteration)
             data = self._microbatches(self.sources.train, first_sample)
+            self._set_batch_size(self.run.batch_sizes.size(self.iteration))
             self._last_time = time.monotonic()
             self.executor.run(schedule, data, on_step=self._on_step)
             self.iteration = end
@@ -209,6 +219,15 @@ class Trainer:
             if self._stops(stop, end):
                 return
 
+    def _set_batch_size(self, size: int) -> None:
+        """The steps of the next segment count `size` samples; say when the ramp moves."""
+        if size != self.updater.batch_size or self.iteration == 0:
+            verb = "setting" if self.iteration == 0 else "ramping up"
+            if self.run.train.rampup_batch_size:
+                logger.info(f"{verb} batch size to {size} at iteration {self.iteration + 1}"
+                            f" ({size // self.run.samples_per_microbatch} microbatches)")
+        self.updater.set_batch_size(size)
+
     def evaluate(self, iteration: int) -> None:
         """Validation loss on the newest weights: --eval-iters global batches, as Megatron."""
         t = self.run.train
@@ -217,14 +236,21 @@ class Trainer:
         data = self._microbatches(self.sources.valid, first)
         schedule = build_eval_schedule(self.run.parallel.pipeline_parallel, m * t.eval_iters,
                                        self.executor.weights.newest)
+        self.housekeeping.around_eval()
         loss = self.executor.evaluate(schedule, itertools.islice(data, m * t.eval_iters))
+        self.housekeeping.around_eval()
         if loss is None:
             return
-        loss = self._dp_mean([loss])[0]
+        parts = self.executor.evaluation_metrics()  # BERT: lm_loss, sop_loss
+        loss, *values = self._dp_mean([loss, *parts.values()])
         rec = {"split": "valid", "iteration": iteration, "val_loss": loss,
-               "val_ppl": math.exp(min(loss, 20.0))}
+               "val_ppl": math.exp(min(loss, 20.0)),
+               **{f"val_{name}": value for name, value in zip(parts, values)},
+               "consumed_samples": self.run.batch_sizes.consumed(iteration)}
         self.history.setdefault("valid", {})[iteration] = rec
-        self.sink.validation(rec)
+        # Megatron-LM's label for its validation after the training loop
+        final = iteration % t.eval_interval != 0
+        self.sink.validation(rec, f"iteration {iteration} on validation set" if final else None)
 
     def _microbatches(self, dataset, first_sample: int):
         """This data-parallel rank's microbatches from `first_sample` on, in Megatron's order."""
@@ -241,6 +267,7 @@ class Trainer:
 
     def _on_step(self, k: int, result: RunResult) -> None:
         """After minibatch k's step on this stage: average its loss over DP and record."""
+        self.housekeeping.after_step(k + 1)
         if not self.executor.links.is_last:
             return
         stats = self._dp_mean([result.losses[k]] + list(result.metrics.get(k, {}).values()))
@@ -253,15 +280,19 @@ class Trainer:
 
     def _record(self, k: int, stats: list[float], names: list[str], step: dict,
                 elapsed: float) -> dict:
-        t, m = self.run.train, self.run.model
-        gbs = t.global_batch_size
+        m, sizes = self.run.model, self.run.batch_sizes
+        gbs = sizes.size(k)  # --rampup-batch-size: this step's size
         rec = {"split": "train", "iteration": k + 1, "loss": stats[0], **dict(zip(names, stats[1:])),
                "lr": step["lr"], "grad_norm": step["grad_norm"], "loss_scale": step["loss_scale"],
                "skipped": int(step["skipped"]), "iteration_time_s": elapsed,
                "samples_per_s": gbs / elapsed, "tokens_per_s": gbs * m.seq_length / elapsed,
-               "consumed_samples": (k + 1) * gbs}
+               "consumed_samples": sizes.consumed(k + 1), "global_batch_size": gbs,
+               # the version minibatch k's step published (k + 1 under every schedule)
+               "weight_version": self.executor.weights.newest}
         flops = transformer_flops(gbs, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
-                                  m.recompute_granularity is not None)
+                                  m.recompute_granularity == "full")
+        if m.recompute_granularity == "selective":  # one more forward of the attention scores
+            flops += 4 * gbs * m.seq_length ** 2 * m.num_layers * m.hidden_size
         rec["tflops"] = flops / elapsed / self.env.world_size / 1e12
         return rec
 

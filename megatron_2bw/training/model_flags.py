@@ -1,22 +1,38 @@
 """Megatron-LM's model-architecture flags and the ModelConfig built from them.
 
 Names, meanings and defaults follow Megatron-LM (megatron/training/arguments.py at
-core_v0.16.1); the rest of the command line is in arguments.py.
+core_v0.16.1; most of these flags are generated there from megatron-core's
+TransformerConfig fields, and the switches keep those fields' names as `dest`); the rest of the
+command line is in arguments.py. Numeric ranges are rows of validation.RANGES; the rules
+between these flags are `ARCH_RULES` below, checked by `model_config` before anything is
+built. A combination Megatron-LM would reject is refused with Megatron's reason; one it
+would silently ignore (a flag that only acts together with another) is refused too,
+naming the flag that makes it act.
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
-from ..models.config import ModelConfig
+from ..models.config import (RECOMPUTE_MODULES, ModelConfig, stage_layer_counts,
+                             swiglu_ffn_size)
+from .errors import UserError
+
+ROTARY_DEFAULTS = {"rotary_base": 10000, "rotary_percent": 1.0,
+                   "rotary_seq_len_interpolation_factor": None, "rotary_interleaved": False,
+                   "use_rope_scaling": False}
+PAPER_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
 def model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
     g.add_argument("--hidden-size", type=int, required=True, help="hidden width")
-    g.add_argument("--ffn-hidden-size", type=int, help="MLP inner width (default 4 x hidden)")
+    g.add_argument("--ffn-hidden-size", type=int, help="MLP inner width (default 4 x hidden; "
+                   "with --swiglu 2/3 of that, rounded down to a multiple of 64)")
     g.add_argument("--num-attention-heads", type=int, required=True, help="attention heads")
     g.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     g.add_argument("--max-position-embeddings", type=int, help="position table size "
@@ -28,23 +44,281 @@ def model_flags(p: argparse.ArgumentParser) -> None:
                    help="separate output layer instead of the tied word embedding")
     g.add_argument("--bert-no-binary-head", action="store_true",
                    help="BERT: no sentence-order head")
-    g.add_argument("--recompute-activations", action="store_true",
-                   help="recompute every transformer layer in backward (= granularity full)")
-    g.add_argument("--recompute-granularity", choices=["full"],
-                   help="full: recompute each layer (selective is not supported yet)")
-    g.add_argument("--recompute-method", choices=["uniform"], default="uniform",
-                   help="uniform (one layer per recompute chunk)")
+    _architecture_flags(p)
+    _position_flags(p)
+    _stage_flags(p)
+    _recompute_flags(p)
 
+
+def _architecture_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("architecture (megatron-core TransformerConfig)")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="norm of every layer, the final norm and query/key norms")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5,
+                   help="epsilon of every LayerNorm / RMSNorm")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   dest="layernorm_zero_centered_gamma",
+                   help="norms store gamma - 1 (initialised to 0, so weight decay pulls "
+                        "gamma to 1)")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated MLP with SiLU instead of GeLU")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="key/value heads with --group-query-attention (default 1)")
+    g.add_argument("--kv-channels", type=int,
+                   help="channels per attention head (default hidden / heads)")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="no biases in the attention and MLP linear layers")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="GPT: normalise queries and keys per head before attention")
+
+
+def _position_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("position embeddings")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+                   default="learned_absolute",
+                   help="learned_absolute (a learned table), rope (rotary, GPT) or none")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="deprecated spelling of --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=int, default=10000, help="rope: frequency base")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="rope: fraction of each head's channels that rotate")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int,
+                   help="rope: divide positions by this factor (position interpolation)")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="rope: rotate (even, odd) channel pairs instead of the two halves")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="rope: Llama 3.x frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="rope: the Llama 3.x scaling factor (with --use-rope-scaling)")
+
+
+def _stage_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("uneven pipeline stages")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                   help="layers on the first pipeline stage (default: the even split); the "
+                        "rest split evenly over the stages in between")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                   help="layers on the last pipeline stage (default: the even split)")
+
+
+def _recompute_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("activation recomputation")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="= --recompute-granularity selective (Megatron-LM's meaning)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"],
+                   help="full: recompute whole layers (--recompute-method says which); "
+                        "selective: recompute --recompute-modules inside every layer")
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
+                   help="full only: uniform checkpoints chunks of --recompute-num-layers "
+                        "layers; block recomputes the first --recompute-num-layers layers "
+                        "of each stage")
+    g.add_argument("--recompute-num-layers", type=int,
+                   help="full only: layers per chunk (uniform) or per stage (block); the "
+                        "paper's per-layer recomputation is uniform with 1")
+    g.add_argument("--recompute-modules", nargs="+", choices=list(RECOMPUTE_MODULES),
+                   help="selective only: what to recompute (default core_attn)")
+
+
+# ------------------------------------------------------------------ rules between the flags
+
+@dataclass(frozen=True)
+class ArchRule:
+    """One rule: `ok(args, model)`, else UserError(what, where, fix); `{a}` = the flags,
+    `{split}` = why the uneven pipeline split fails."""
+
+    where: str
+    ok: Callable[[argparse.Namespace, str], bool]
+    what: str
+    fix: str
+
+
+def granularity(args: argparse.Namespace) -> Optional[str]:
+    """Megatron-LM's rule: --recompute-activations means selective recomputation."""
+    return "selective" if args.recompute_activations else args.recompute_granularity
+
+
+def _rope(args: argparse.Namespace) -> bool:
+    return args.use_rotary_position_embeddings or args.position_embedding_type == "rope"
+
+
+def _head_dim(args: argparse.Namespace) -> int:
+    return args.kv_channels or args.hidden_size // args.num_attention_heads
+
+
+def _rotary_dim(args: argparse.Namespace) -> int:
+    dim = _head_dim(args)
+    return int(dim * args.rotary_percent) if args.rotary_percent < 1.0 else dim
+
+
+def _groups(args: argparse.Namespace) -> int:
+    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
+
+
+def _ffn(args: argparse.Namespace) -> int:
+    if args.ffn_hidden_size:
+        return args.ffn_hidden_size
+    return swiglu_ffn_size(args.hidden_size) if args.swiglu else 4 * args.hidden_size
+
+
+def _stage_problem(args: argparse.Namespace) -> Optional[str]:
+    try:
+        stage_layer_counts(args.num_layers, args.pipeline_model_parallel_size,
+                           args.decoder_first_pipeline_num_layers,
+                           args.decoder_last_pipeline_num_layers)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _uniform_chunks_fit(args: argparse.Namespace) -> bool:
+    if args.recompute_method != "uniform" or not args.recompute_num_layers or _stage_problem(args):
+        return True
+    counts = stage_layer_counts(args.num_layers, args.pipeline_model_parallel_size,
+                                args.decoder_first_pipeline_num_layers,
+                                args.decoder_last_pipeline_num_layers)
+    return all(n % args.recompute_num_layers == 0 for n in counts)
+
+
+def _bert_ok(a: argparse.Namespace, m: str) -> bool:
+    return m != "bert" or (not _rope(a) and a.position_embedding_type == "learned_absolute")
+
+
+def _rotary_unset(a: argparse.Namespace) -> bool:
+    return all(getattr(a, k) == v for k, v in ROTARY_DEFAULTS.items())
+
+
+def _groups_fit_tp(a: argparse.Namespace) -> bool:
+    tp, groups = a.tensor_model_parallel_size, _groups(a)
+    return groups % tp == 0 or tp % groups == 0
+
+
+def _muon_splits_groups(a: argparse.Namespace) -> bool:
+    return (a.optimizer != "muon" or not a.muon_split_qkv
+            or _groups(a) >= a.tensor_model_parallel_size)
+
+
+def _full_only_unset(a: argparse.Namespace) -> bool:
+    return granularity(a) == "full" or (a.recompute_method is None
+                                        and a.recompute_num_layers is None)
+
+
+_UNEVEN = "--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers"
+_ROTARY = ("--rotary-base, --rotary-percent, --rotary-seq-len-interpolation-factor, "
+           "--rotary-interleaved, --use-rope-scaling")
+
+ARCH_RULES: tuple[ArchRule, ...] = (
+    ArchRule("--position-embedding-type", _bert_ok,
+             "BERT takes learned absolute positions only (Megatron-LM's pretrain_bert.py "
+             "builds no other)", "drop --position-embedding-type / "
+             "--use-rotary-position-embeddings"),
+    ArchRule("--qk-layernorm", lambda a, m: m != "bert" or not a.qk_layernorm,
+             "BERT's layer spec has no query/key norm", "drop --qk-layernorm"),
+    ArchRule("--apply-layernorm-1p",
+             lambda a, m: m != "bert" or not a.layernorm_zero_centered_gamma,
+             "BERT's LM-head norm is megatron-core's torch norm, which cannot store gamma - 1",
+             "drop --apply-layernorm-1p"),
+    ArchRule(_ROTARY, lambda a, m: _rope(a) or _rotary_unset(a),
+             "rotary settings without rotary embeddings would be ignored",
+             "add --position-embedding-type rope, or drop them"),
+    ArchRule("--rope-scaling-factor",
+             lambda a, m: a.use_rope_scaling or a.rope_scaling_factor == 8.0,
+             "--rope-scaling-factor without --use-rope-scaling would be ignored",
+             "add --use-rope-scaling, or drop it"),
+    ArchRule("--rotary-percent", lambda a, m: not _rope(a) or a.rotary_percent <= 1.0,
+             "--rotary-percent {a.rotary_percent} is above 1", "use a fraction in (0, 1]"),
+    ArchRule("--rotary-percent, --kv-channels",
+             lambda a, m: not _rope(a) or (_rotary_dim(a) > 0 and _rotary_dim(a) % 2 == 0),
+             "the rotated channels per head, int(head channels x --rotary-percent), are not "
+             "a positive even number", "choose --rotary-percent (or --kv-channels) so they are"),
+    ArchRule("--num-query-groups",
+             lambda a, m: a.group_query_attention or a.num_query_groups == 1,
+             "--num-query-groups without --group-query-attention would be ignored",
+             "add --group-query-attention"),
+    ArchRule("--num-query-groups", lambda a, m: a.num_attention_heads % _groups(a) == 0,
+             "{a.num_attention_heads} attention heads do not split into "
+             "{a.num_query_groups} query groups",
+             "use a number of query groups that divides --num-attention-heads"),
+    ArchRule("--num-query-groups, --tensor-model-parallel-size", lambda a, m: _groups_fit_tp(a),
+             "{a.num_query_groups} query groups are neither a multiple nor a divisor of "
+             "--tensor-model-parallel-size {a.tensor_model_parallel_size}",
+             "change one of them (megatron-core's rule)"),
+    ArchRule("--num-query-groups, --optimizer", lambda a, m: _muon_splits_groups(a),
+             "Muon orthogonalises q, k and v per query group, but with fewer query groups "
+             "than tensor-parallel ranks a rank holds part of a group",
+             "use --muon-no-split-qkv, or at least --tensor-model-parallel-size query groups"),
+    ArchRule("--swiglu, --ffn-hidden-size", lambda a, m: _ffn(a) > 0,
+             "--swiglu's default MLP width (2/3 of 4 x --hidden-size, rounded down to 64) "
+             "is 0", "give --ffn-hidden-size"),
+    ArchRule("--swiglu, --ffn-hidden-size, --tensor-model-parallel-size",
+             lambda a, m: _ffn(a) % a.tensor_model_parallel_size == 0,
+             "the MLP width does not split over --tensor-model-parallel-size "
+             "{a.tensor_model_parallel_size}", "give --ffn-hidden-size a multiple of it"),
+    ArchRule(_UNEVEN, lambda a, m: _stage_problem(a) is None,
+             "uneven pipeline split: {split}", "give the first / last stage layer counts "
+             "that leave each middle stage the same non-zero share (or nothing when there "
+             "are no middle stages)"),
+    ArchRule("--recompute-activations, --recompute-granularity", lambda a, m: (
+        not a.recompute_activations or a.recompute_granularity in (None, "selective")),
+        "--recompute-activations means --recompute-granularity selective (as in Megatron-LM)",
+        "drop one of them; the paper's per-layer recomputation is " + PAPER_RECOMPUTE),
+    ArchRule("--recompute-method",
+             lambda a, m: granularity(a) != "full" or bool(a.recompute_method),
+             "--recompute-granularity full needs --recompute-method (Megatron-LM has no "
+             "default)", "add --recompute-method uniform or block; the paper's setting is "
+             + PAPER_RECOMPUTE),
+    ArchRule("--recompute-num-layers",
+             lambda a, m: granularity(a) != "full" or a.recompute_num_layers is not None,
+             "--recompute-granularity full needs --recompute-num-layers",
+             "add it (uniform: layers per recomputed chunk; block: layers per stage)"),
+    ArchRule("--recompute-method, --recompute-num-layers", lambda a, m: _full_only_unset(a),
+             "--recompute-method / --recompute-num-layers act only with "
+             "--recompute-granularity full (Megatron-LM refuses a method with selective)",
+             "use --recompute-granularity full, or drop them"),
+    ArchRule("--recompute-modules",
+             lambda a, m: a.recompute_modules is None or granularity(a) == "selective",
+             "--recompute-modules act only with selective recomputation",
+             "add --recompute-granularity selective (or --recompute-activations), or drop it"),
+    ArchRule("--recompute-num-layers", lambda a, m: _uniform_chunks_fit(a),
+             "--recompute-num-layers {a.recompute_num_layers} does not divide the layers of "
+             "every pipeline stage; uniform recomputation checkpoints whole chunks",
+             "use a divisor of each stage's layer count, or --recompute-method block"),
+)
+
+
+def check_arch_rules(args: argparse.Namespace, model: str) -> None:
+    """The first architecture rule the flags break, as a UserError naming the flag."""
+    for rule in ARCH_RULES:
+        if not rule.ok(args, model):
+            fmt = dict(a=args, split=_stage_problem(args))
+            raise UserError(rule.what.format(**fmt), rule.where, rule.fix.format(**fmt))
 
 
 def model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfig:
-    recompute = "full" if (args.recompute_activations or args.recompute_granularity) else None
+    check_arch_rules(args, model)
     return ModelConfig(
         model=model, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
         vocab_size=vocab, max_position_embeddings=args.max_position_embeddings,
         ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        recompute_granularity=recompute, params_dtype=dtype,
+        recompute_granularity=granularity(args), recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=tuple(args.recompute_modules) if args.recompute_modules else None,
+        params_dtype=dtype,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        bert_binary_head=not args.bert_no_binary_head, seed=args.seed)
+        bert_binary_head=not args.bert_no_binary_head, seed=args.seed,
+        layernorm_epsilon=args.norm_epsilon, normalization=args.normalization,
+        layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma,
+        position_embedding_type="rope" if _rope(args) else args.position_embedding_type,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        rotary_interleaved=args.rotary_interleaved,
+        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        use_rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        swiglu=args.swiglu,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels, add_bias_linear=args.add_bias_linear,
+        qk_layernorm=args.qk_layernorm,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers)

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from ..optim.muon import COEFFICIENT_SETS
 from ..schedules import SCHEDULE_NAMES, canonical_name
+from .batch_sizes import BatchSizes
 from .errors import UserError
 
 
@@ -61,11 +62,25 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--init-method-std", POSITIVE, ""),
     ("--hidden-dropout", PROBABILITY, ""),
     ("--attention-dropout", PROBABILITY, ""),
+    ("--norm-epsilon", POSITIVE, ""),
+    ("--num-query-groups", COUNT, ""),
+    ("--kv-channels", COUNT, "or leave it out for --hidden-size / --num-attention-heads"),
+    ("--rotary-base", COUNT, ""),
+    ("--rotary-percent", POSITIVE, "(at most 1)"),
+    ("--rotary-seq-len-interpolation-factor", COUNT, "or leave it out"),
+    ("--rope-scaling-factor", POSITIVE, ""),
+    ("--decoder-first-pipeline-num-layers", COUNT, "or leave it out for the even split"),
+    ("--decoder-last-pipeline-num-layers", COUNT, "or leave it out for the even split"),
+    ("--recompute-num-layers", COUNT, ""),
     ("--micro-batch-size", COUNT, ""),
     ("--global-batch-size", COUNT, "or leave it out for micro batch x data-parallel size"),
     ("--train-iters", COUNT, ""),
+    ("--train-samples", COUNT, ""),
+    ("--rampup-batch-size", COUNT_OR_ZERO, "for each of START INCREMENT SAMPLES"),
     ("--seed", SEED, ""),
     ("--log-interval", COUNT, ""),
+    ("--tensorboard-log-interval", COUNT, ""),
+    ("--tensorboard-queue-size", COUNT, ""),
     ("--eval-interval", COUNT, "(--eval-iters 0 turns validation off)"),
     ("--eval-iters", COUNT_OR_ZERO, "(0 turns validation off)"),
     ("--save-interval", COUNT, "or leave it out to save at the end"),
@@ -75,6 +90,9 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--lr", NON_NEGATIVE, ""),
     ("--min-lr", NON_NEGATIVE, ""),
     ("--lr-warmup-iters", COUNT_OR_ZERO, ""),
+    ("--lr-warmup-samples", COUNT_OR_ZERO, ""),
+    ("--lr-warmup-init", NON_NEGATIVE, ""),
+    ("--lr-decay-samples", COUNT, "or leave it out for --train-samples"),
     ("--lr-warmup-fraction", UNIT, ""),
     ("--lr-decay-iters", COUNT, "or leave it out for --train-iters"),
     ("--weight-decay", NON_NEGATIVE, ""),
@@ -96,6 +114,18 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--vocab-size", COUNT, ""),
     ("--make-vocab-size-divisible-by", COUNT, ""),
     ("--mask-prob", OPEN_UNIT, ""),
+    ("--manual-gc-interval", COUNT_OR_ZERO, "(0: collect only around validation)"),
+    ("--profile-step-start", COUNT_OR_ZERO, ""),
+    ("--profile-step-end", COUNT_OR_ZERO, ""),
+    ("--profile-ranks", COUNT_OR_ZERO, ""),
+    # Megatron-LM flags that are mapped or refused (megatron_flags.py)
+    ("--empty-unused-memory-level", COUNT_OR_ZERO, ""),
+    ("--num-workers", COUNT_OR_ZERO, ""),
+    ("--context-parallel-size", COUNT, ""),
+    ("--decoupled-lr", NON_NEGATIVE, ""),
+    ("--decoupled-min-lr", NON_NEGATIVE, ""),
+    ("--fp8-amax-history-len", COUNT, ""),
+    ("--num-layers-per-virtual-pipeline-stage", COUNT, ""),
 )
 
 
@@ -108,9 +138,11 @@ def check_ranges(args: argparse.Namespace) -> None:
     """The first numeric flag out of its range, as a UserError."""
     for flag, allowed, hint in RANGES:
         value = getattr(args, dest(flag))
-        if value is not None and not allowed.ok(value):
-            raise UserError(f"invalid value {value!r}", flag,
-                            f"use {allowed.wants}" + (f" {hint}" if hint else ""))
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        for v in values:  # a list flag (--rampup-batch-size): each of its values
+            if not allowed.ok(v):
+                raise UserError(f"invalid value {v!r}", flag,
+                                f"use {allowed.wants}" + (f" {hint}" if hint else ""))
 
 
 # ------------------------------------------------------------------ cross-flag rules
@@ -148,14 +180,63 @@ class Flags:
         return self.args.ffn_hidden_size or 4 * self.args.hidden_size
 
     @property
-    def decay_iters(self) -> int:
-        return self.args.lr_decay_iters or self.args.train_iters
+    def sample_based(self) -> bool:
+        return self.args.train_samples is not None
 
     @property
-    def warmup_iters(self) -> int:
-        fraction = self.args.lr_warmup_fraction
-        return int(fraction * self.decay_iters) if fraction is not None else \
-            self.args.lr_warmup_iters
+    def rampup(self) -> Optional[tuple[int, int, int]]:
+        r = self.args.rampup_batch_size
+        return tuple(r) if r else None  # type: ignore[return-value]
+
+    @property
+    def batch_sizes(self) -> BatchSizes:
+        return BatchSizes(self.gbs, self.rampup)
+
+    @property
+    def train_iters(self) -> int:
+        """--train-iters, or the count Megatron-LM derives from --train-samples."""
+        if self.sample_based:
+            return self.batch_sizes.iterations_for(self.args.train_samples)
+        return self.args.train_iters
+
+    @property
+    def decay_samples(self) -> int:
+        a = self.args
+        if self.sample_based:
+            return a.lr_decay_samples or a.train_samples
+        return (a.lr_decay_iters or a.train_iters) * self.gbs
+
+    @property
+    def warmup_samples(self) -> float:
+        """Megatron-LM's warm-up length in samples: a fraction is not rounded."""
+        a = self.args
+        if a.lr_warmup_fraction is not None:
+            return a.lr_warmup_fraction * self.decay_samples
+        return a.lr_warmup_samples if self.sample_based else a.lr_warmup_iters * self.gbs
+
+    @property
+    def ramp_problem(self) -> Optional[str]:
+        """Why --rampup-batch-size cannot run here, or None."""
+        r = self.args.rampup_batch_size
+        if not r:
+            return None
+        if len(r) != 3:
+            return f"--rampup-batch-size takes 3 values, got {len(r)}"
+        start, increment, samples = r
+        if start < 1 or increment < 1 or samples < 0:
+            return "START and INCREMENT must be >= 1 and SAMPLES >= 0"
+        if start > self.gbs or (self.gbs - start) % increment:
+            return (f"--global-batch-size {self.gbs} is not START {start} plus a whole number "
+                    f"of INCREMENT {increment}")
+        odd = sorted(b for b in self.batch_sizes.sizes() if b % self.per_step)
+        if odd:
+            return (f"batch size {odd[0]} of the ramp is not divisible by micro batch x "
+                    f"data-parallel size = {self.per_step}")
+        return None
+
+    @property
+    def fewest_microbatches(self) -> int:
+        return min(self.batch_sizes.sizes()) // self.per_step
 
     @property
     def schedules(self) -> set[str]:
@@ -222,9 +303,6 @@ RULES: tuple[Rule, ...] = (
     Rule("--data-path, --mock-data", lambda f: bool(f.args.data_path or f.args.mock_data),
          "no training data", "give --data-path PREFIX (see tools/preprocess_data.py) or "
          "--mock-data"),
-    Rule("--tokenizer-type", lambda f: not f.args.data_path or bool(f.args.tokenizer_type),
-         "--data-path needs a tokenizer",
-         "give --tokenizer-type (and its --vocab-file, --merge-file or --tokenizer-model)"),
     Rule("--split", lambda f: _split_ok(f.args.split), "invalid split {a.split!r}",
          "give up to three non-negative weights, not all zero, e.g. 969,30,1"),
     Rule("--tensor-model-parallel-size, --pipeline-model-parallel-size",
@@ -232,7 +310,8 @@ RULES: tuple[Rule, ...] = (
          "world size {f.world_size} is not divisible by TP x PP = {f.grid}",
          "launch a multiple of TP x PP processes, or change the sizes"),
     Rule("--hidden-size, --num-attention-heads",
-         lambda f: f.args.hidden_size % f.args.num_attention_heads == 0,
+         lambda f: (f.args.kv_channels is not None
+                    or f.args.hidden_size % f.args.num_attention_heads == 0),
          "--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
          "{a.num_attention_heads}", "make the hidden size a multiple of the head count"),
     Rule("--num-attention-heads, --tensor-model-parallel-size",
@@ -245,7 +324,9 @@ RULES: tuple[Rule, ...] = (
          "MLP width {f.ffn} does not split over --tensor-model-parallel-size "
          "{a.tensor_model_parallel_size}", "use a tensor-parallel size that divides it"),
     Rule("--num-layers, --pipeline-model-parallel-size",
-         lambda f: f.args.num_layers % f.args.pipeline_model_parallel_size == 0,
+         lambda f: (f.args.decoder_first_pipeline_num_layers is not None
+                    or f.args.decoder_last_pipeline_num_layers is not None  # model_flags checks
+                    or f.args.num_layers % f.args.pipeline_model_parallel_size == 0),
          "--num-layers {a.num_layers} is not divisible by --pipeline-model-parallel-size "
          "{a.pipeline_model_parallel_size}", "give each stage the same number of layers"),
     Rule("--max-position-embeddings, --seq-length",
@@ -255,6 +336,27 @@ RULES: tuple[Rule, ...] = (
     Rule("--global-batch-size, --micro-batch-size", lambda f: f.gbs % f.per_step == 0,
          "--global-batch-size {f.gbs} is not divisible by micro batch x data-parallel size "
          "= {f.per_step}", "use a multiple of {f.per_step}"),
+    Rule("--train-iters, --train-samples",
+         lambda f: (f.args.train_iters is None) != (f.args.train_samples is None),
+         "give one training length", "pass --train-iters N or --train-samples N (not both)"),
+    Rule("--lr-decay-samples, --lr-warmup-samples",
+         lambda f: f.sample_based or (f.args.lr_decay_samples is None
+                                      and not f.args.lr_warmup_samples),
+         "sample-based schedule flags with --train-iters",
+         "use --lr-decay-iters / --lr-warmup-iters, or train with --train-samples"),
+    Rule("--lr-decay-iters, --lr-warmup-iters",
+         lambda f: not f.sample_based or (f.args.lr_decay_iters is None
+                                          and not f.args.lr_warmup_iters),
+         "iteration-based schedule flags with --train-samples",
+         "use --lr-decay-samples / --lr-warmup-samples, or train with --train-iters"),
+    Rule("--lr-warmup-fraction, --lr-warmup-samples",
+         lambda f: f.args.lr_warmup_fraction is None or not f.args.lr_warmup_samples,
+         "both --lr-warmup-fraction and --lr-warmup-samples given", "give one of them"),
+    Rule("--rampup-batch-size", lambda f: f.ramp_problem is None, "{f.ramp_problem}",
+         "give START INCREMENT SAMPLES with GBS = START + k x INCREMENT, every size a "
+         "multiple of micro batch x data-parallel size"),
+    Rule("--train-samples", lambda f: not f.sample_based or f.train_iters >= 1,
+         "--train-samples {a.train_samples} is less than one step", "train on more samples"),
     Rule("--global-batch-size, --pipeline-schedule",
          lambda f: f.schedule != "2bw" or f.microbatches >= f.args.pipeline_model_parallel_size,
          "2BW needs at least as many microbatches ({f.microbatches} = global batch / (micro "
@@ -264,12 +366,27 @@ RULES: tuple[Rule, ...] = (
     Rule("--lr-warmup-fraction, --lr-warmup-iters",
          lambda f: f.args.lr_warmup_fraction is None or f.args.lr_warmup_iters == 0,
          "both --lr-warmup-fraction and --lr-warmup-iters given", "give one of them"),
+    Rule("--profile-step-end, --profile-step-start",
+         lambda f: not f.args.profile or f.args.profile_step_end > f.args.profile_step_start,
+         "the profiler window [{a.profile_step_start}, {a.profile_step_end}) is empty",
+         "give --profile-step-end above --profile-step-start"),
+    Rule("--use-pytorch-profiler, --tensorboard-dir",
+         lambda f: not (f.args.profile and f.args.use_pytorch_profiler)
+         or bool(f.args.tensorboard_dir),
+         "--use-pytorch-profiler writes its trace into --tensorboard-dir, which is not set",
+         "give --tensorboard-dir DIR"),
     Rule("--min-lr, --lr", lambda f: f.args.min_lr <= f.args.lr,
          "--min-lr {a.min_lr} is above --lr {a.lr}", "use a final rate at most the peak"),
+    Rule("--rampup-batch-size, --pipeline-schedule",
+         lambda f: f.schedule != "2bw" or f.fewest_microbatches >= f.args.pipeline_model_parallel_size,
+         "2BW needs at least as many microbatches as pipeline stages "
+         "({a.pipeline_model_parallel_size}) in every step; the ramp starts with "
+         "{f.fewest_microbatches}", "start the ramp at {a.pipeline_model_parallel_size} x "
+         "{f.per_step} samples or more"),
     Rule("--lr-warmup-iters, --lr-decay-iters",
-         lambda f: f.warmup_iters == 0 or f.warmup_iters < f.decay_iters,
-         "warm-up ({f.warmup_iters} iterations) does not end before the decay does "
-         "({f.decay_iters} iterations)", "shorten the warm-up or lengthen --lr-decay-iters"),
+         lambda f: f.warmup_samples == 0 or f.warmup_samples < f.decay_samples,
+         "warm-up ({f.warmup_samples:g} samples) does not end before the decay does "
+         "({f.decay_samples} samples)", "shorten the warm-up or lengthen the decay"),
     Rule("--min-loss-scale, --initial-loss-scale",
          lambda f: f.args.min_loss_scale <= f.args.initial_loss_scale,
          "--min-loss-scale {a.min_loss_scale} is above --initial-loss-scale "

@@ -76,7 +76,10 @@ class Heartbeat:
                 continue
 
     def close(self) -> None:
+        """Stop beating and wait (bounded) for the beat in flight: a daemon thread still
+        inside the store client at interpreter exit aborts the process (errors.py)."""
         self._done.set()
+        self._thread.join(max(5.0, 2 * self.period))
 
     def frozen(self) -> list[int]:
         """Other ranks whose heartbeat stood still for 1.5 periods."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from megatron_2bw.planner.report import plan_flags as planner_flags
 from megatron_2bw.planner.search import SearchSpace
-from megatron_2bw.planner.spec import ModelSpec, ParallelConfig, Precision
+from megatron_2bw.planner.spec import (FULL, NO_RECOMPUTE, ModelSpec, ParallelConfig, Precision,
+                                       Recompute)
 
 # fp32 training as pretrain_gpt.py runs it without --fp16/--bf16: one 4-byte weight per
 # version (the optimizer updates the weights in place, no master copy), 4-byte gradient
@@ -41,13 +43,21 @@ class Setup:
     wait_quiet_s: float = 0.0
     """Before profiling and before each pass, wait up to this long for the CPUs to be
     at most `max_other_load` busy."""
+    recompute: tuple[Recompute, ...] = (NO_RECOMPUTE, FULL)
+    """Recomputation options validated: the 64-plan space of the documented runs (the
+    planner's default adds selective, which would make the ~11-minute run half as long
+    again)."""
+    uneven_stages: bool = False
+    """Uneven first/last stages: off, as in the documented runs (with 4 layers over 2
+    stages they would add 1/3 splits to every PP = 2 plan)."""
 
     def model(self) -> ModelSpec:
         return ModelSpec("gpt", self.num_layers, self.hidden_size, self.num_attention_heads,
                          self.seq_length, self.vocab_size)
 
     def space(self) -> SearchSpace:
-        return SearchSpace(num_gpus=self.num_procs, global_batch_size=self.global_batch_size)
+        return SearchSpace(num_gpus=self.num_procs, global_batch_size=self.global_batch_size,
+                           recompute=self.recompute, uneven_stages=self.uneven_stages)
 
 
 def model_flags(setup: Setup) -> list[str]:
@@ -60,20 +70,13 @@ def model_flags(setup: Setup) -> list[str]:
 
 def plan_flags(setup: Setup, cfg: ParallelConfig, metrics_file: str,
                iterations: Optional[int] = None) -> list[str]:
-    """pretrain_gpt.py's flags for one plan: fp32 (no --fp16), Megatron's default dropout,
-    no validation passes (--eval-iters 0)."""
-    flags = model_flags(setup) + [
-        "--tensor-model-parallel-size", str(cfg.tensor_parallel),
-        "--pipeline-model-parallel-size", str(cfg.pipeline_depth),
-        "--pipeline-schedule", cfg.schedule,
-        "--micro-batch-size", str(cfg.micro_batch_size),
-        "--global-batch-size", str(cfg.global_batch_size),
+    """pretrain_gpt.py's flags for one plan: the planner's own plan flags (parallel sizes,
+    schedule, batch, recomputation, stage split), fp32 (no --fp16), Megatron's default
+    dropout, no validation passes (--eval-iters 0)."""
+    return model_flags(setup) + planner_flags(cfg) + [
         "--train-iters", str(iterations or setup.iterations),
         "--lr", "1e-4", "--lr-decay-style", "constant", "--log-interval", "1000",
         "--eval-iters", "0", "--metrics-file", metrics_file]
-    if cfg.recompute:
-        flags.append("--recompute-activations")
-    return flags
 
 
 def plan_key(cfg: ParallelConfig) -> str:

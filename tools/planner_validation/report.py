@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from megatron_2bw.planner.cost_model import Estimate
+from megatron_2bw.planner.spec import as_recompute
 
 MB = 1e6
 TARGETS = {"median_time_error": 0.10, "worst_time_error": 0.25, "pick_vs_fastest": 0.05}
@@ -204,6 +205,11 @@ def _layout(r: Row) -> tuple[int, int, int]:
             r.config["data_parallel_width"])
 
 
+def _recomputes(r: Row) -> bool:
+    """Whether the row's plan recomputes; reports hold a bool (older) or a dict."""
+    return as_recompute(r.config["recompute"]).granularity != "none"
+
+
 def _panel(ax, pts: list, colors: dict, markers: dict, unit: str) -> None:
     """One log-log panel of ((measured, predicted), row) points, with the lines of equal,
     ±10% and ±25%."""
@@ -211,7 +217,7 @@ def _panel(ax, pts: list, colors: dict, markers: dict, unit: str) -> None:
         lay = _layout(r)
         ax.scatter(x, y, marker=markers.get(r.config["schedule"], "o"), s=36,
                    edgecolors=colors[lay],
-                   facecolors="none" if r.config["recompute"] else colors[lay])
+                   facecolors="none" if _recomputes(r) else colors[lay])
     lo = min(min(x, y) for (x, y), _ in pts) * 0.8
     hi = max(max(x, y) for (x, y), _ in pts) * 1.2
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)

@@ -1,0 +1,181 @@
+"""Megatron-LM flags that a copied command line carries but that do not shape the model.
+
+A Megatron-LM user's script keeps working here only if every one of its flags is either
+honored, mapped (it selects a kernel or a tool; what runs here is said in one line), or
+refused with its reason. Silent acceptance is never an option: a flag that changes the
+numbers or the memory and is not implemented is refused, so nobody compares a run
+against one it is not.
+
+- MAPPED: kernel and performance selections. On CPU megatron-core's local (unfused)
+  implementation is what runs; these flags pick among implementations of the same
+  mathematics, so the results do not depend on them beyond rounding.
+- HONORED_NOOP: flags whose Megatron-LM meaning is already what happens here
+  (`--use-mcore-models`: there are no legacy models; `--num-workers`: samples come from
+  the dataset in the training process, no DataLoader).
+- REFUSED: flags that would change numerics or memory and are not implemented, with why;
+  `--sequence-parallel` and `--context-parallel-size` are refused only where they would
+  change something (Megatron-LM itself turns sequence parallelism off at TP=1).
+- REMOVED: spellings Megatron-LM dropped, with what replaced them (as Megatron-LM says).
+
+Every flag not in arguments.py or here is unknown: the parser names it and points to
+docs/megatron-flags.md, which lists Megatron-LM's flags and their status here.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .errors import UserError
+
+DOC = "docs/megatron-flags.md"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One Megatron-LM flag as argparse needs it: name and add_argument keywords."""
+
+    name: str
+    kwargs: dict
+
+    @property
+    def dest(self) -> str:
+        return self.kwargs.get("dest") or self.name.lstrip("-").replace("-", "_")
+
+
+def _switch(name: str, dest: Optional[str] = None) -> Flag:
+    return Flag(name, dict(action="store_true", dest=dest or name[2:].replace("-", "_")))
+
+
+def _value(name: str, type_: type = str, choices: Optional[list] = None) -> Flag:
+    kwargs: dict = dict(type=type_, default=None)
+    if choices:
+        kwargs["choices"] = choices
+    return Flag(name, kwargs)
+
+
+MAPPED: tuple[Flag, ...] = (
+    _value("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"]),
+    _switch("--use-flash-attn"),
+    _switch("--no-masked-softmax-fusion"),
+    _value("--transformer-impl", choices=["local", "transformer_engine", "inference_optimized"]),
+    _switch("--cross-entropy-loss-fusion"),
+    _value("--cross-entropy-fusion-impl", choices=["native", "te"]),
+    _switch("--no-bias-gelu-fusion"),
+    _switch("--no-bias-swiglu-fusion"),
+    _switch("--no-bias-dropout-fusion"),
+    _switch("--no-rope-fusion"),
+    _switch("--no-persist-layer-norm"),
+    _switch("--no-gradient-accumulation-fusion"),
+    _switch("--overlap-grad-reduce"),
+    _switch("--overlap-param-gather"),
+    _value("--empty-unused-memory-level", int),
+)
+
+# (flag, why Megatron-LM's meaning is already what happens here)
+HONORED_NOOP: tuple[tuple[Flag, str], ...] = (
+    (_switch("--use-mcore-models"), "megatron-core models are the only models here"),
+    (_value("--num-workers", int), "samples are read in the training process (no "
+     "DataLoader workers); the order is Megatron-LM's sampler order either way"),
+    (_value("--tiktoken-pattern"), "only read by TikTokenizer, which is not offered; "
+     "Megatron-LM ignores it for the other tokenizers too"),
+    (_switch("--no-create-attention-mask-in-dataloader"), "the model builds the causal "
+     "mask itself; Megatron-LM's data-loader mask is the same mask"),
+)
+
+# (flag, does it change something here? (flags, world size), why it is refused)
+REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...] = (
+    (_switch("--sequence-parallel"),
+     lambda a, w: a.sequence_parallel and a.tensor_model_parallel_size > 1,
+     "sequence parallelism changes the pipeline's boundary tensors ([s/TP, b, h]) and is "
+     "not implemented; at --tensor-model-parallel-size 1 it is off, as in Megatron-LM"),
+    (_value("--context-parallel-size", int), lambda a, w: (a.context_parallel_size or 1) > 1,
+     "context parallelism is not implemented; use 1"),
+    (_switch("--use-distributed-optimizer"),
+     lambda a, w: a.use_distributed_optimizer and _data_parallel(a, w) > 1,
+     "sharding the optimizer state over data-parallel ranks is not implemented (the "
+     "numbers would not change, the memory per rank would); drop the flag, or run "
+     "with data-parallel size 1, where it changes nothing"),
+    (_value("--decoupled-lr", float), lambda a, w: a.decoupled_lr is not None,
+     "a separate learning rate for the embedding and output layer is not implemented; "
+     "drop it to train every parameter on --lr"),
+    (_value("--decoupled-min-lr", float), lambda a, w: a.decoupled_min_lr is not None,
+     "goes with --decoupled-lr, which is not implemented"),
+    (_switch("--calculate-per-token-loss"), lambda a, w: a.calculate_per_token_loss,
+     "normalizing the loss by the global batch's token count is not implemented; the "
+     "loss is averaged per microbatch (Megatron-LM's default)"),
+    (_switch("--grad-reduce-in-bf16"), lambda a, w: a.grad_reduce_in_bf16,
+     "gradients are reduced in fp32; a bf16 reduction is not implemented"),
+    (_value("--fp8-format", choices=["e4m3", "hybrid"]), lambda a, w: a.fp8_format is not None,
+     "fp8 needs Transformer Engine on a GPU, which this build does not use; use --bf16"),
+    (_value("--fp8-amax-history-len", int), lambda a, w: a.fp8_amax_history_len is not None,
+     "goes with --fp8-format, which is not supported"),
+    (_value("--fp8-amax-compute-algo", choices=["max", "most_recent"]),
+     lambda a, w: a.fp8_amax_compute_algo is not None,
+     "goes with --fp8-format, which is not supported"),
+    (_switch("--fp8-param-gather"), lambda a, w: a.fp8_param_gather,
+     "goes with --fp8-format, which is not supported"),
+    (_value("--ckpt-format", choices=["torch", "torch_dist", "zarr", "fsdp_dtensor"]),
+     lambda a, w: a.ckpt_format not in (None, "torch"),
+     "only Megatron-LM's legacy layout (--ckpt-format torch) is written and read here; "
+     "megatron-core's dist_checkpointing format is not implemented yet"),
+    (_value("--num-layers-per-virtual-pipeline-stage", int),
+     lambda a, w: a.num_layers_per_virtual_pipeline_stage is not None,
+     "interleaved 1F1B (virtual pipeline stages) is not implemented yet; the schedules "
+     "are --pipeline-schedule flush, gpipe and 2bw"),
+)
+
+# Megatron-LM's removed spellings and what it tells the user instead
+REMOVED: dict[str, str] = {
+    "--checkpoint-activations": "use --recompute-activations, or, for more control, "
+                                "--recompute-granularity and --recompute-method",
+    "--batch-size": "use --micro-batch-size",
+    "--warmup": "use --lr-warmup-fraction",
+    "--model-parallel-size": "use --tensor-model-parallel-size",
+}
+
+
+def _data_parallel(args: argparse.Namespace, world_size: int) -> int:
+    grid = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    return max(world_size // grid, 1)
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    """The mapped, honored-as-no-op, refused and removed flags, in their own groups."""
+    groups = (("Megatron-LM kernel and performance selections (mapped, see " + DOC + ")",
+               MAPPED),
+              ("Megatron-LM flags with nothing to do here (honored)",
+               tuple(f for f, _ in HONORED_NOOP)),
+              ("Megatron-LM flags refused unless they change nothing",
+               tuple(f for f, _, _ in REFUSED)))
+    for title, flags in groups:
+        g = parser.add_argument_group(title)
+        for flag in flags:
+            g.add_argument(flag.name, help=argparse.SUPPRESS, **flag.kwargs)
+    g = parser.add_argument_group("removed Megatron-LM spellings")
+    for name in REMOVED:
+        g.add_argument(name, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+
+
+def check_megatron_flags(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse a removed spelling or a refused flag that would change something."""
+    for name, instead in REMOVED.items():
+        if getattr(args, name[2:].replace("-", "_")) is not None:
+            raise UserError(f"{name} is no longer a Megatron-LM flag", name, instead)
+    for flag, changes, why in REFUSED:
+        if changes(args, world_size):
+            raise UserError(f"{flag.name} is not supported", flag.name, f"{why} ({DOC})")
+
+
+def mapped_notes(args: argparse.Namespace, on_gpu: bool) -> list[str]:
+    """One line per mapped flag the command line set: what runs instead."""
+    runs = ("megatron-core's local (unfused) implementation runs here" if not on_gpu else
+            "megatron-core's local layer specs run (Transformer Engine is not used)")
+    notes = []
+    for flag in MAPPED:
+        value = getattr(args, flag.dest)
+        if value not in (None, False):
+            shown = flag.name if value is True else f"{flag.name} {value}"
+            notes.append(f"{shown} selects a kernel or an overlap: {runs}; the numbers "
+                         "do not depend on it")
+    return notes

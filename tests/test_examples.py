@@ -1,0 +1,54 @@
+"""Megatron-LM's example scripts, shrunk to CPU sizes, run here unchanged otherwise.
+
+examples/gpt3 and examples/bert carry the flag sets of Megatron-LM's
+train_gpt3_175b_distributed.sh and train_bert_340m_distributed.sh at core_v0.16.1
+(--attention-backend, --rampup-batch-size, --fp16, --lr-warmup-fraction, --split,
+--save/--load, --tensorboard-dir, ...), each run as is and with --pipeline-schedule 2bw
+for a few iterations through torchrun, on the embedded corpus.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist_harness import free_port
+from tests.entry_harness import ROOT
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = {"gpt3": "examples/gpt3/train_gpt3_175b_distributed.sh",
+           "bert": "examples/bert/train_bert_340m_distributed.sh"}
+
+
+def _run(script: str, tmp_path, extra: str) -> str:
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()), TRAIN_ITERS="4",
+               LR_DECAY_ITERS="4", LOG_INTERVAL="1", EVAL_INTERVAL="2", SAVE_INTERVAL="4",
+               EXTRA_ARGS=extra)
+    proc = subprocess.run(["bash", os.path.join(ROOT, script), str(tmp_path / "ckpt"),
+                           str(tmp_path / "tb")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["flush", "2bw"])
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_example_script_runs(tmp_path, name: str, schedule: str) -> None:
+    extra = "--pipeline-schedule 2bw" if schedule == "2bw" else ""
+    out = _run(SCRIPTS[name], tmp_path, extra)
+    lines = [ln for ln in out.splitlines() if "] iteration " in ln]
+    assert len(lines) == 4 and "iteration        4/       4" in lines[-1], out[-3000:]
+    assert f"pipeline schedule: {schedule}" in lines[-1]
+    assert "--attention-backend auto selects a kernel" in out
+    assert "lm loss value:" in out  # validation ran
+    with open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert f.read().strip() == "4"
+    assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    if name == "gpt3":  # --rampup-batch-size 4 4 96: 4 samples in the first step
+        assert "setting batch size to 4 at iteration 1" in out

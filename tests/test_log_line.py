@@ -1,0 +1,288 @@
+"""The log line, validation block and TensorBoard tags of Megatron-LM (issue 12).
+
+Megatron-LM's `training_log` and `evaluate_and_print_results` at core_v0.16.1 are the
+reference: field names, order and number formats of the line, the dashed validation
+block, and the TensorBoard tags with the flags that gate them. Most tests drive
+MetricsSink with hand-made records; one tiny BERT run checks the whole path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from typing import Optional
+
+import pytest
+
+from megatron_2bw.training.arguments import config_from_args, parse_args
+from megatron_2bw.training.config import TrainConfig
+from megatron_2bw.training.errors import UserError
+from megatron_2bw.training.metrics import MetricsSink
+from tests.entry_harness import ROOT, TINY
+
+STAMP = r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]"
+FIELDS = ["consumed samples", "elapsed time per iteration (ms)", "learning rate",
+          "global batch size", "lm loss", "loss scale", "grad norm",
+          "number of skipped iterations", "number of nan iterations", "samples/s",
+          "TFLOP/s/GPU", "ETA", "pipeline schedule"]
+KEYS = {"split", "iteration", "loss", "lm_loss", "lr", "grad_norm", "loss_scale", "skipped",
+        "iteration_time_s", "samples_per_s", "tokens_per_s", "consumed_samples", "tflops"}
+
+
+def record(it: int, loss: float = 4.0, skipped: int = 0, seconds: float = 0.1,
+           gbs: int = 8, sop: Optional[float] = None) -> dict:
+    """A training record as loop.py's `_record` makes it."""
+    rec = {"split": "train", "iteration": it, "loss": loss + (sop or 0.0), "lm_loss": loss,
+           "lr": 1e-3, "grad_norm": float("nan") if skipped else 1.25, "loss_scale": 1.0,
+           "skipped": skipped, "iteration_time_s": seconds, "samples_per_s": gbs / seconds,
+           "tokens_per_s": 16 * gbs / seconds, "consumed_samples": it * gbs,
+           "global_batch_size": gbs, "weight_version": it, "tflops": 2.0}
+    if sop is not None:
+        rec["sop_loss"] = sop
+    return rec
+
+
+def sink(tmp_path, schedule: str = "flush", start: int = 0, **train) -> MetricsSink:
+    cfg = dict(micro_batch_size=1, global_batch_size=8, train_iters=5, log_interval=2,
+               metrics_file=str(tmp_path / "m.jsonl"))
+    return MetricsSink(True, TrainConfig(**{**cfg, **train}), schedule=schedule,
+                       world_size=2, start_iteration=start)
+
+
+def lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "megatron_2bw.train"]
+
+
+def fields(line: str) -> dict[str, str]:
+    """`name: value` pairs of a log line, in order."""
+    return dict(part.strip().rsplit(": ", 1) for part in line.split("|")[1:-1])
+
+
+@pytest.fixture(autouse=True)
+def _info(caplog):
+    caplog.set_level(logging.INFO, logger="megatron_2bw.train")
+
+
+def test_line_has_megatron_fields_in_order(tmp_path, caplog) -> None:
+    s = sink(tmp_path, train_iters=5, log_interval=2)
+    for it in range(1, 6):
+        s.record(record(it))
+    s.close()
+    printed = [ln for ln in lines(caplog) if "iteration" in ln]
+    assert [int(re.search(r"iteration +(\d+)/", ln).group(1)) for ln in printed] == [1, 2, 4, 5]
+    assert re.match(STAMP + r" iteration        1/       5 \| consumed samples:            8 \|"
+                    r" elapsed time per iteration \(ms\): 100\.0 \| learning rate: 1\.000000E-03 \|"
+                    r" global batch size:     8 \| lm loss: 4\.000000E\+00 \| loss scale: 1\.0 \|"
+                    r" grad norm: 1\.250 \| number of skipped iterations:   0 \|"
+                    r" number of nan iterations:   0 \| samples/s: 80\.0 \| TFLOP/s/GPU: 2\.000 \|"
+                    r" ETA: \d+:\d\d:\d\d \| pipeline schedule: flush \|$", printed[0]), printed[0]
+    assert list(fields(printed[-1])) == FIELDS
+    rows = [json.loads(x) for x in open(tmp_path / "m.jsonl")]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]  # one row per iteration
+    assert KEYS <= set(rows[0]) and rows[0]["global_batch_size"] == 8
+
+
+def test_line_averages_the_interval(tmp_path, caplog) -> None:
+    """Losses over the advanced iterations, time over all; a skipped step counts, its nan
+    loss is a nan iteration, and the line of a skipped step has no grad norm."""
+    s = sink(tmp_path, train_iters=8, log_interval=4)
+    steps = [(1, 6.0, 0, 0.4), (2, 4.0, 0, 0.2), (3, float("nan"), 1, 0.1), (4, 2.0, 0, 0.1),
+             (5, 1.0, 0, 0.1), (6, 1.0, 0, 0.1), (7, 1.0, 0, 0.1), (8, float("inf"), 1, 0.1)]
+    for it, loss, skipped, seconds in steps:
+        s.record(record(it, loss, skipped, seconds))
+    first, fourth, eighth = [fields(ln) for ln in lines(caplog) if "iteration" in ln]
+    ms = "elapsed time per iteration (ms)"
+    # iteration 1 is a first look: it stays in the interval of iterations 1-4
+    assert fourth["lm loss"] == "4.000000E+00" and fourth[ms] == "200.0"
+    assert fourth["number of skipped iterations"] == "  1"
+    assert fourth["number of nan iterations"] == "  1"
+    assert fourth["samples/s"] == "40.0" and fourth["grad norm"] == "1.250"
+    assert eighth["lm loss"] == "1.000000E+00" and eighth[ms] == "100.0"
+    assert "grad norm" not in eighth and eighth["number of nan iterations"] == "  1"
+
+
+def test_log_interval_one_does_not_count_iteration_one_twice(tmp_path, caplog) -> None:
+    s = sink(tmp_path, train_iters=2, log_interval=1)
+    s.record(record(1, 6.0, seconds=0.3))
+    s.record(record(2, 2.0, seconds=0.1))
+    second = fields([ln for ln in lines(caplog) if "iteration" in ln][1])
+    assert second["lm loss"] == "2.000000E+00"
+    assert second["elapsed time per iteration (ms)"] == "100.0"
+
+
+def test_bert_losses_and_validation_block(tmp_path, caplog) -> None:
+    """`lm loss` is the LM loss alone and `sop loss` the sentence-order loss, in the line
+    and in the validation block (each with its PPL) between dashes as long as the text."""
+    s = sink(tmp_path, train_iters=2, log_interval=2)
+    s.record(record(1, 3.0, sop=0.5))
+    s.validation({"split": "valid", "iteration": 1, "val_loss": 3.5, "val_ppl": 33.1,
+                  "val_lm_loss": 3.0, "val_sop_loss": 0.5, "consumed_samples": 8})
+    s.record(record(2, 3.0, sop=0.5))
+    s.validation({"split": "valid", "iteration": 2, "val_loss": 3.5, "val_ppl": 33.1,
+                  "val_lm_loss": 3.0, "val_sop_loss": 0.5, "consumed_samples": 16},
+                 "iteration 2 on validation set")
+    out = lines(caplog)
+    line = fields(out[0])
+    assert line["lm loss"] == "3.000000E+00" and line["sop loss"] == "5.000000E-01"
+    assert list(line).index("sop loss") == list(line).index("lm loss") + 1
+    text = (" validation loss at iteration 1 | lm loss value: 3.000000E+00 | lm loss PPL: "
+            "2.008554E+01 | sop loss value: 5.000000E-01 | sop loss PPL: 1.648721E+00 | ")
+    assert out[1:4] == ["-" * (len(text) + 1), text, "-" * (len(text) + 1)]
+    assert out[-2].startswith(" validation loss at iteration 2 on validation set | ")
+
+
+def test_log_throughput_moves_tflops_to_megatron_field(tmp_path, caplog) -> None:
+    s = sink(tmp_path, train_iters=1, log_throughput=True)
+    s.record(record(1))
+    names = list(fields(lines(caplog)[0]))
+    assert names[2] == "throughput per GPU (TFLOP/s/GPU)" and "TFLOP/s/GPU" not in names
+    assert "| throughput per GPU (TFLOP/s/GPU): 2.0 |" in lines(caplog)[0]
+
+
+def test_2bw_line_names_the_weight_version(tmp_path, caplog) -> None:
+    s = sink(tmp_path, schedule="2bw", train_iters=3)
+    s.record(record(3))
+    assert lines(caplog)[0].endswith("| pipeline schedule: 2bw | weight version: 3 |")
+
+
+def _scalars(folder: str) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(folder)
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_tags_and_flags(tmp_path) -> None:
+    tb = str(tmp_path / "tb")
+    s = sink(tmp_path, train_iters=4, log_interval=2, tensorboard_dir=tb,
+             log_timers_to_tensorboard=True, log_throughput=True,
+             log_loss_scale_to_tensorboard=False, log_validation_ppl_to_tensorboard=True,
+             log_world_size_to_tensorboard=True, tensorboard_log_interval=2)
+    for it in range(1, 5):
+        s.record(record(it, skipped=int(it == 4)))
+    s.validation({"split": "valid", "iteration": 4, "val_loss": 2.0, "val_ppl": 7.39,
+                  "consumed_samples": 32})
+    s.close()
+    got = _scalars(tb)
+    pairs = ["learning-rate", "batch-size", "lm loss", "grad-norm", "world-size",
+             "lm loss validation", "lm loss validation ppl"]
+    assert set(got) == ({*pairs, *(t + " vs samples" for t in pairs)}
+                        | {"iteration-time", "throughput"})
+    assert got["lm loss"] == [(2, 4.0), (4, 4.0)] and got["lm loss vs samples"][0] == (16, 4.0)
+    assert got["grad-norm"] == [(2, 1.25)]  # none for the skipped step 4
+    assert got["iteration-time"] == [(2, pytest.approx(0.1)), (4, pytest.approx(0.1))]
+    assert [step for step, _ in got["throughput"]] == [1, 2, 4]
+    assert got["lm loss validation vs samples"] == [(32, 2.0)]
+
+
+def test_resume_drops_tensorboard_events_past_the_checkpoint(tmp_path) -> None:
+    """A run that crashed at iteration 4 after saving at 2: iteration scalars past 2 and
+    sample scalars past 16 go; the resumed run's are the only ones left."""
+    tb = str(tmp_path / "tb")
+    crashed = sink(tmp_path, train_iters=4, tensorboard_dir=tb)
+    for it in range(1, 5):
+        crashed.record(record(it, loss=9.0))
+    crashed.close()
+    resumed = sink(tmp_path, start=2, train_iters=4, tensorboard_dir=tb)
+    for it in range(3, 5):
+        resumed.record(record(it, loss=1.0))
+    resumed.close()
+    got = _scalars(tb)
+    assert got["lm loss"] == [(1, 9.0), (2, 9.0), (3, 1.0), (4, 1.0)]
+    assert got["lm loss vs samples"] == [(8, 9.0), (16, 9.0), (24, 1.0), (32, 1.0)]
+
+
+def test_missing_tensorboard_is_a_warning(tmp_path, caplog, monkeypatch) -> None:
+    """As in Megatron-LM: no tensorboard package, no TensorBoard logs, the run goes on."""
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` fails
+    for name in [n for n in sys.modules if n.startswith("torch.utils.tensorboard")]:
+        monkeypatch.delitem(sys.modules, name)
+    s = sink(tmp_path, train_iters=1, tensorboard_dir=str(tmp_path / "tb"))
+    s.record(record(1))
+    s.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no TensorBoard logs will be written" in warnings[0]
+    assert any("iteration        1/" in ln for ln in lines(caplog))
+
+
+class _FakeWandb:
+    def __init__(self):
+        self.logged: list[tuple[dict, int]] = []
+        self.init_kwargs: dict = {}
+
+    def init(self, **kwargs) -> None:
+        self.init_kwargs = kwargs
+
+    def log(self, values: dict, step: int) -> None:
+        self.logged.append((values, step))
+
+    def finish(self) -> None:
+        self.logged.append(({"finished": True}, -1))
+
+
+def test_wandb_gets_the_scalars(tmp_path, monkeypatch) -> None:
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    s = sink(tmp_path, train_iters=1, wandb_project="p", wandb_exp_name="e",
+             save=str(tmp_path / "ckpt"))
+    s.record(record(1))
+    s.close()
+    assert fake.init_kwargs["project"] == "p" and fake.init_kwargs["name"] == "e"
+    assert fake.init_kwargs["dir"] == str(tmp_path / "ckpt" / "wandb")
+    tags = {tag for values, _ in fake.logged for tag in values}
+    assert {"samples vs steps", "learning-rate", "batch-size", "lm loss", "loss-scale",
+            "grad-norm", "finished"} == tags
+
+
+def test_wandb_missing_is_refused(tmp_path, monkeypatch) -> None:
+    """Megatron-LM fails on `import wandb` too; here it is one line naming the flag."""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(UserError) as err:
+        sink(tmp_path, wandb_project="p", save=str(tmp_path))
+    assert err.value.where == "--wandb-project" and "pip install wandb" in err.value.fix
+
+
+def test_logging_flags_reach_train_config() -> None:
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
+            "--lr", "1e-2", "--mock-data"]
+    t = config_from_args(parse_args("gpt", base + [
+        "--log-throughput", "--timing-log-level", "2", "--log-timers-to-tensorboard",
+        "--no-log-loss-scale-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+        "--tensorboard-log-interval", "5", "--wandb-project", "p"]), "gpt", 1, 127).train
+    assert (t.log_throughput, t.log_timers_to_tensorboard, t.log_loss_scale_to_tensorboard,
+            t.log_validation_ppl_to_tensorboard, t.tensorboard_log_interval,
+            t.wandb_project) == (True, True, False, True, 5, "p")
+    with pytest.raises(UserError, match="--timing-log-level"):
+        parse_args("gpt", base + ["--timing-log-level", "3"])
+
+
+def test_tiny_bert_run_prints_megatron_lines(tmp_path) -> None:
+    """A real run (one process): the line, the validation block with each BERT loss, the
+    TensorBoard tags read back, and the metrics file's keys."""
+    tb, metrics = tmp_path / "tb", tmp_path / "m.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_bert.py"), *TINY, "--num-layers", "2",
+           "--train-iters", "3", "--log-interval", "2", "--eval-interval", "2",
+           "--tensorboard-dir", str(tb), "--metrics-file", str(metrics)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stderr.splitlines()
+    printed = [ln for ln in out if re.match(STAMP + " iteration", ln)]
+    assert [int(re.search(r"iteration +(\d+)/", ln).group(1)) for ln in printed] == [1, 2, 3]
+    assert list(fields(printed[0])) == FIELDS[:5] + ["sop loss"] + FIELDS[5:]
+    valid = [i for i, ln in enumerate(out) if ln.startswith(" validation loss at iteration")]
+    assert len(valid) == 2 and "on validation set" in out[valid[1]]
+    assert re.match(r" validation loss at iteration 2 \| lm loss value: \S+ \| lm loss PPL: \S+ \|"
+                    r" sop loss value: \S+ \| sop loss PPL: \S+ \| $", out[valid[0]])
+    assert out[valid[0] - 1] == out[valid[0] + 1] == "-" * (len(out[valid[0]]) + 1)
+    tags = set(_scalars(str(tb)))
+    for tag in ("learning-rate", "batch-size", "lm loss", "sop loss", "loss-scale", "grad-norm",
+                "lm loss validation", "sop loss validation"):
+        assert {tag, tag + " vs samples"} <= tags, tag
+    rows = [json.loads(x) for x in open(metrics)]
+    assert KEYS | {"sop_loss", "global_batch_size", "weight_version"} <= set(rows[0])
+    assert [r["iteration"] for r in rows if r["split"] == "train"] == [1, 2, 3]

@@ -1,0 +1,227 @@
+"""Megatron-LM's training-length and batch flags, and its flags that do not shape the model.
+
+- Batch-size ramp-up follows megatron-core's own calculator (used here as the oracle),
+  and --train-samples gives Megatron-LM's iteration count (its update_train_iters walk,
+  re-run here on that calculator).
+- A ramped 2BW run equals the independent delayed-update loop, the minibatches drawn at
+  the ramp's sizes; a ramped flush run at PP=2 equals PP=1.
+- Kernel flags are mapped with one line, refused flags name themselves and the reason,
+  removed spellings say what replaced them, unknown flags point to the flag table.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from megatron_2bw.training import megatron_flags as M
+from megatron_2bw.training.arguments import config_from_args, parse_args
+from megatron_2bw.training.batch_sizes import BatchSizes
+from megatron_2bw.training.errors import UserError
+from tests.dist_harness import run_distributed
+from tests.entry_harness import TINY, launch, losses, max_rel, minibatch_loss
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data"]
+
+
+def _run(extra: list[str], world: int = 1):
+    return config_from_args(parse_args("gpt", BASE + extra), "gpt", world, 128)
+
+
+def _refused(extra: list[str], world: int = 1) -> UserError:
+    with pytest.raises(UserError) as info:
+        _run(extra, world)
+    return info.value
+
+
+def _calculator(gbs: int, unit: int, ramp: tuple[int, int, int]):
+    from megatron.core.num_microbatches_calculator import \
+        RampupBatchsizeNumMicroBatchesCalculator
+    return RampupBatchsizeNumMicroBatchesCalculator(gbs, unit, 1, False, 0, *ramp)
+
+
+def test_ramp_follows_megatron_core_calculator() -> None:
+    for trial in range(100):
+        rnd = random.Random(trial)
+        unit = rnd.choice([1, 2, 4])
+        increment, start = unit * rnd.randint(1, 3), unit * rnd.randint(1, 4)
+        gbs, samples = start + increment * rnd.randint(1, 5), rnd.randint(0, 300)
+        ours, calc, consumed = BatchSizes(gbs, (start, increment, samples)), \
+            _calculator(gbs, unit, (start, increment, samples)), 0
+        for it in range(120):
+            calc.update(consumed, consistency_check=True)
+            assert ours.size(it) == calc.get_current_global_batch_size(), (trial, it)
+            assert ours.consumed(it) == consumed
+            change = ours.next_change(it)
+            assert change is None or ours.size(change) != ours.size(it)
+            consumed += ours.size(it)
+
+
+def _megatron_train_iters(train_samples: int, gbs: int, unit: int, ramp) -> int:
+    """Megatron-LM's update_train_iters, on megatron-core's calculator."""
+    if ramp is None:
+        return train_samples // gbs
+    calc, iterations, consumed = _calculator(gbs, unit, ramp), 0, 0
+    while consumed <= ramp[2] and consumed <= train_samples:
+        calc.update(consumed, consistency_check=False)
+        consumed += calc.get_current_global_batch_size()
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // gbs
+    return iterations
+
+
+@pytest.mark.parametrize("ramp", [None, (4, 4, 100), (8, 8, 7)])
+def test_train_samples_gives_megatron_iteration_count(ramp) -> None:
+    for samples in (16, 50, 99, 100, 101, 400, 1001):
+        expected = _megatron_train_iters(samples, 16, 2, ramp)
+        assert BatchSizes(16, ramp).iterations_for(samples) == expected, (samples, ramp)
+
+
+def test_sample_based_schedule_and_unrounded_warmup_fraction() -> None:
+    run = _run(["--train-samples", "100", "--global-batch-size", "8",
+                "--lr-warmup-fraction", "0.15"])
+    assert run.train.train_iters == 12                      # 100 // 8, partial batch dropped
+    assert run.optimizer.lr_decay_samples == 100
+    assert run.optimizer.lr_warmup_samples == pytest.approx(15.0)  # not whole iterations
+    run = _run(["--train-iters", "10", "--global-batch-size", "8", "--lr-warmup-fraction",
+                "0.15"])
+    assert run.optimizer.lr_warmup_samples == pytest.approx(0.15 * 80)  # was 1 iteration x 8
+    run = _run(["--train-samples", "100", "--lr-decay-samples", "90", "--lr-warmup-samples",
+                "10", "--global-batch-size", "8"])
+    assert (run.optimizer.lr_decay_samples, run.optimizer.lr_warmup_samples) == (90, 10)
+
+
+def test_kernel_flags_are_mapped_with_one_line_each() -> None:
+    args = parse_args("gpt", BASE + ["--train-iters", "2", "--attention-backend", "flash",
+                                     "--use-flash-attn", "--use-mcore-models"])
+    notes = M.mapped_notes(args, on_gpu=False)
+    assert len(notes) == 2 and notes[0].startswith("--attention-backend flash selects")
+    assert all("local (unfused) implementation runs here" in n for n in notes)
+
+
+@pytest.mark.parametrize("extra,world,flag", [
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2, "--sequence-parallel"),
+    (["--use-distributed-optimizer"], 2, "--use-distributed-optimizer"),
+    (["--calculate-per-token-loss"], 1, "--calculate-per-token-loss"),
+    (["--fp8-format", "hybrid"], 1, "--fp8-format"),
+    (["--ckpt-format", "torch_dist"], 1, "--ckpt-format"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 1,
+     "--num-layers-per-virtual-pipeline-stage"),
+])
+def test_refused_flags_name_themselves_and_why(extra, world, flag) -> None:
+    err = _refused(["--train-iters", "2"] + extra, world)
+    assert err.where == flag and err.what == f"{flag} is not supported"
+    assert err.fix.endswith(f"({M.DOC})")
+
+
+def test_refused_flags_pass_where_they_change_nothing() -> None:
+    """As in Megatron-LM: sequence parallelism is off at TP=1; one data-parallel rank
+    has nothing to shard; context parallel size 1 and the torch format are what runs."""
+    _run(["--train-iters", "2", "--sequence-parallel", "--use-distributed-optimizer",
+          "--context-parallel-size", "1", "--ckpt-format", "torch"], world=1)
+
+
+def test_removed_and_unknown_flags() -> None:
+    err = _refused(["--train-iters", "2", "--checkpoint-activations"])
+    assert err.where == "--checkpoint-activations" and "--recompute-activations" in err.fix
+    for bad in (["--no-such-flag", "1"], ["--num-lay", "2"]):  # no abbreviations either
+        with pytest.raises(UserError) as info:
+            parse_args("gpt", BASE + ["--train-iters", "2"] + bad)
+        assert info.value.where == bad[0] and M.DOC in info.value.fix
+
+
+# ------------------------------------------------------------------ end to end
+
+RAMP = ["--global-batch-size", "8", "--rampup-batch-size", "4", "2", "24",
+        "--train-iters", "7"]
+
+
+def _ramp_oracle(rank: int, world: int, argv: list[str]) -> list[float]:
+    """The delayed-update loop of tests/test_2bw_oracle.py, each minibatch at the size
+    megatron-core's calculator gives for the samples consumed before it."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_2bw.training.reference import single_process_model
+
+    ref = single_process_model("gpt", argv)
+    args, current, previous, sample = ref.args, ref.model, ref.build(), ref.sample
+    previous.load_state_dict(current.state_dict())
+    named = list(current.named_parameters())
+    decay = [p for n, p in named if p.dim() > 1 and not n.endswith(".bias")]
+    no_decay = [p for n, p in named if not (p.dim() > 1 and not n.endswith(".bias"))]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+    calc = _calculator(args.global_batch_size, args.micro_batch_size,
+                       tuple(args.rampup_batch_size))
+    out, consumed = [], 0
+    for k in range(args.train_iters):
+        calc.update(consumed, consistency_check=True)
+        size = calc.get_current_global_batch_size()
+        out.append(minibatch_loss(previous, sample, k, size, args.micro_batch_size, consumed))
+        consumed += size
+        snapshot = {n: t.clone() for n, t in current.state_dict().items()
+                    if torch.is_tensor(t)}
+        for (_, p), q in zip(named, previous.parameters()):
+            p.grad = q.grad.clone()
+        torch.nn.utils.clip_grad_norm_(current.parameters(), args.clip_grad)
+        opt.step()
+        previous.load_state_dict(snapshot, strict=False)
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_ramped_2bw_equals_delayed_oracle(tmp_path) -> None:
+    oracle = run_distributed(_ramp_oracle, 1, TINY + RAMP)[0]
+    rows = launch("gpt", 2, RAMP + ["--pipeline-model-parallel-size", "2",
+                                    "--pipeline-schedule", "2bw"], str(tmp_path / "m.jsonl"))
+    assert [r["consumed_samples"] for r in rows] == [4, 8, 12, 18, 24, 32, 40]
+    assert max_rel(losses(rows), oracle) < 1e-5
+
+
+def test_manual_gc_collects_on_schedule(monkeypatch) -> None:
+    import gc
+
+    from megatron_2bw.training.housekeeping import Housekeeping, HousekeepingConfig
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
+    house = Housekeeping(HousekeepingConfig(manual_gc=True, manual_gc_interval=3), 0,
+                         torch.device("cpu"))
+    house.start()
+    try:
+        assert not gc.isenabled() and len(calls) == 1
+        for it in range(1, 8):
+            house.after_step(it)
+        assert len(calls) == 3  # after steps 3 and 6
+        house.around_eval()
+        assert len(calls) == 4
+    finally:
+        house.close()
+    assert gc.isenabled()
+
+
+def test_pytorch_profiler_writes_the_window(tmp_path) -> None:
+    """--profile --use-pytorch-profiler: one trace of steps [2, 4) in --tensorboard-dir."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.entry_harness import ROOT
+
+    tb = tmp_path / "tb"
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--vocab-size", "127",
+           "--train-iters", "5", "--eval-iters", "0", "--manual-gc", "--profile",
+           "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "4",
+           "--tensorboard-dir", str(tb)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traces = list(tb.glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::" in str(e.get("name", "")) for e in events)
