@@ -153,7 +153,8 @@ def test_stalled_rank_is_named_within_the_timeout(tmp_path, victim: int) -> None
     if victim == 1:
         assert last.endswith("frozen or gone (no heartbeat): stage 1 (rank 1)"), out[-3000:]
     else:
-        assert last.startswith("error: stage 0 (rank 0) stopped answering"), out[-3000:]
+        # the receive from stage 0 or the tied-embedding sum with it ran out, whichever
+        # rank 1 was in; either way the store's host is named
         assert last.endswith("(rank 0 when no torchrun agent hosts it) is frozen, gone or "
                              "unreachable"), out[-3000:]
     assert took < timeout + 60, took  # ends (no gloo default 30-minute hang), even on a loaded machine
