@@ -100,6 +100,8 @@ def test_kernel_flags_are_mapped_with_one_line_each() -> None:
     notes = M.mapped_notes(args, on_gpu=False)
     assert len(notes) == 2 and notes[0].startswith("--attention-backend flash selects")
     assert all("local (unfused) implementation runs here" in n for n in notes)
+    args = parse_args("gpt", BASE + ["--train-iters", "2", "--timing-log-level", "2"])
+    assert M.mapped_notes(args, on_gpu=False)[0].startswith("--timing-log-level 2: per-phase")
 
 
 @pytest.mark.parametrize("extra,world,flag", [

@@ -145,6 +145,9 @@ CROSS = [  # (extra flags, world size, where, part of the message, base or None)
     (["--optimizer", "muon", "--fp16"], 2, "--optimizer", "fp16", None),
     (["--muon-num-ns-steps", "3"], 2, "--muon-num-ns-steps", "quintic", None),
     (["--delay-compensation", "error-feedback"], 2, "--delay-compensation", "2BW", None),
+    (["--grad-reduce-in-bf16"], 2, "--grad-reduce-in-bf16", "without --bf16", None),
+    (["--decoupled-min-lr", "1e-4"], 2, "--decoupled-min-lr", "without --decoupled-lr", None),
+    (["--decoupled-lr", "1e-4", "--min-lr", "2e-4"], 2, "--decoupled-lr", "above", None),
 ]
 
 

@@ -89,6 +89,8 @@ def classify(flag: str) -> tuple[str, str]:
     for f, why in M.HONORED_NOOP:
         if f.name == flag:
             return "honored (no-op)", why
+    if flag in ("--timing-log-level", "--timing-log-option"):
+        return "mapped", "per-phase timers are not measured; above level 0 one line says so"
     if flag in _parsed("gpt") | _parsed("bert"):
         return "honored", ""
     return "unknown", "not implemented; the parser names it"

@@ -43,19 +43,24 @@ class DelayCompensation:
         """Whether the published weights are a prediction (`weight-prediction`)."""
         return self.kind == "weight-prediction"
 
-    def update(self, weights: list[Tensor], u: list[Tensor], lr: float,
+    def update(self, weights: list[Tensor], u: list[Tensor], lr: list[float],
                weight_decay: list[float]) -> None:
-        """weights <- weights (1 - lr wd) - lr * (u, or its error-feedback extrapolation)."""
-        for decay in set(weight_decay):
+        """weights <- weights (1 - lr wd) - lr * (u, or its error-feedback extrapolation),
+        lr and wd per parameter (--decoupled-lr gives the embedding and output layer
+        their own lr; one foreach call per distinct value, so the arithmetic is that of a
+        single lr)."""
+        for rate, decay in dict.fromkeys(zip(lr, weight_decay)):
             if decay:
-                torch._foreach_mul_([w for w, d in zip(weights, weight_decay) if d == decay],
-                                    1.0 - lr * decay)
+                torch._foreach_mul_([w for w, r, d in zip(weights, lr, weight_decay)
+                                     if (r, d) == (rate, decay)], 1.0 - rate * decay)
         step = u
         if self.kind == "error-feedback":
             step = torch._foreach_mul(u, 1.0 + self.alpha)
             torch._foreach_add_(step, self.buffers, alpha=-self.alpha)
             torch._foreach_copy_(self.buffers, u)
-        torch._foreach_add_(weights, step, alpha=-lr)
+        for rate in dict.fromkeys(lr):
+            idx = [i for i, r in enumerate(lr) if r == rate]
+            torch._foreach_add_([weights[i] for i in idx], [step[i] for i in idx], alpha=-rate)
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "previous_update": [b.clone() for b in self.buffers]}

@@ -13,6 +13,9 @@ authors' 2BW fork skipped several of these):
    dropped, LR schedule not advanced) and the loss scale backs off;
 5. otherwise clip to `--clip-grad` on the global norm, AdamW on fp32 master weights
    (or in place on fp32 weights), and write the new version into the target buffer.
+
+The learning rate is per parameter group, as megatron-core's scheduler sets it: with
+--decoupled-lr the word embedding and output layer get their own max / min rate.
 """
 from __future__ import annotations
 
@@ -56,6 +59,9 @@ class OptimizerConfig:
     muon: MuonConfig = MuonConfig()  # --muon-* flags
     delay_compensation: str = "none"  # --delay-compensation (2BW only)
     delay_compensation_alpha: float = 1.0  # --delay-compensation-alpha
+    decoupled_lr: Optional[float] = None      # --decoupled-lr: max lr of the word embedding
+    #                                           and output layer (None: --lr)
+    decoupled_min_lr: Optional[float] = None  # --decoupled-min-lr (None: --min-lr)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -74,6 +80,8 @@ class ParamInfo:
     counts_in_norm: bool  # not a tensor-parallel duplicate, not the last stage's tied copy
     tied: bool           # the tied word embedding / output weight
     muon: Optional[MuonParamSpec] = None  # set: Muon steps it (--optimizer muon), else AdamW
+    embedding_or_output: bool = False  # megatron-core's is_embedding_or_output_parameter:
+    #                                    the word embedding, the output layer (--decoupled-lr)
 
 
 @dataclass(frozen=True)
@@ -85,18 +93,50 @@ class StepGroups:
 
 class _ParamGroups:
     """What megatron-core's OptimizerParamScheduler drives: a decay and a no-decay group
-    whose "lr" and "weight_decay" it sets before every step."""
+    whose "lr" and "weight_decay" it sets before every step, and with --decoupled-lr the
+    same two for the word embedding and output layer, whose own "max_lr" / "min_lr" the
+    scheduler reads (Megatron-LM's param-group override; same warm-up and decay shape)."""
 
-    def __init__(self) -> None:
-        self.param_groups = [{"wd_mult": 1.0}, {"wd_mult": 0.0}]
+    def __init__(self, config: OptimizerConfig) -> None:
+        # the default groups read the scheduler's own max / min lr, which a resume takes
+        # from the flags or the checkpoint (megatron-core's two switches)
+        default = {"default_config": True}
+        self.param_groups = [{"wd_mult": 1.0, **default}, {"wd_mult": 0.0, **default}]
+        if config.decoupled_lr is not None:
+            decoupled = {"max_lr": config.decoupled_lr, "default_config": False,
+                         "min_lr": (config.min_lr if config.decoupled_min_lr is None
+                                    else config.decoupled_min_lr)}
+            self.param_groups += [{"wd_mult": 1.0, **decoupled}, {"wd_mult": 0.0, **decoupled}]
+
+    def index(self, info: ParamInfo) -> int:
+        """The group of a parameter: decoupled (2, 3) or not (0, 1), decayed or not."""
+        decoupled = info.embedding_or_output and len(self.param_groups) > 2
+        return 2 * decoupled + (not info.decay)
 
     @property
     def lr(self) -> float:
+        """The logged rate: the default groups' (megatron-core's canonical lr)."""
         return self.param_groups[0]["lr"]
 
     @property
     def weight_decay(self) -> float:
         return self.param_groups[0]["weight_decay"]
+
+    def limits(self) -> list[dict]:
+        """The decoupled groups' max and min lr (none without --decoupled-lr): in the
+        checkpoint, so a resume keeps them or says they changed."""
+        return [{"max_lr": g["max_lr"], "min_lr": g["min_lr"]} for g in self.param_groups
+                if "max_lr" in g]
+
+    def load_limits(self, saved: list[dict]) -> None:
+        decoupled = [g for g in self.param_groups if "max_lr" in g]
+        if len(saved) != len(decoupled):
+            raise ValueError("the checkpoint was trained " + ("with" if saved else "without")
+                             + " --decoupled-lr and this run " + ("is" if decoupled else
+                                                                   "is not") + "; pass "
+                             "--override-opt_param-scheduler to take this run's rates")
+        for group, limits in zip(decoupled, saved):
+            group.update(limits)
 
 
 class MegatronUpdater:
@@ -128,8 +168,8 @@ class MegatronUpdater:
                                   device=params[0].device if params else None)
         self.compensation = DelayCompensation(config.delay_compensation,
                                               config.delay_compensation_alpha, self.masters)
-        self._decay = [i.decay for i in infos]
-        self.param_groups = _ParamGroups()
+        self.param_groups = _ParamGroups(config)
+        self._group = [self.param_groups.index(i) for i in infos]
         self.scheduler = OptimizerParamScheduler(
             self.param_groups,
             init_lr=config.lr_warmup_init if config.lr_warmup_samples else config.lr,
@@ -194,15 +234,21 @@ class MegatronUpdater:
             for master, weight in zip(self.masters, target):
                 master.data = weight.data
         u = self.directions(grads)
-        lr, wd = self.param_groups.lr, self.param_groups.weight_decay
+        groups = self.param_groups.param_groups
         with torch.no_grad():
-            self.compensation.update(self.masters, u, lr, [wd if d else 0.0 for d in self._decay])
+            self.compensation.update(self.masters, u, self._lrs(),
+                                     [groups[g]["weight_decay"] for g in self._group])
         self.scheduler.step(increment=self.batch_size)
         if self.compensation.predicts:  # publish W - lr_next * u, where it will be applied
             with torch.no_grad():
-                _copy(target, torch._foreach_add(self.masters, u, alpha=-self.param_groups.lr))
+                _copy(target, _scaled_add(self.masters, u, [-lr for lr in self._lrs()]))
         elif not self.alias:
             _copy(target, self.masters)
+
+    def _lrs(self) -> list[float]:
+        """Each parameter's current learning rate (its group's: --decoupled-lr or --lr)."""
+        groups = self.param_groups.param_groups
+        return [groups[g]["lr"] for g in self._group]
 
     def directions(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each parameter's update direction u, in parameter order (Adam or Muon)."""
@@ -223,6 +269,7 @@ class MegatronUpdater:
         return {"adam": self.adam.state_dict(), "muon": self.muon.state_dict(),
                 "compensation": self.compensation.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "lr_groups": self.param_groups.limits(),
                 "masters": None if self.alias else [m.detach().clone() for m in self.masters]}
 
     def load_state_dict(self, state: dict, scheduler_from: str = "checkpoint") -> None:
@@ -240,6 +287,8 @@ class MegatronUpdater:
         self.adam.load_state_dict(state["adam"])
         self.muon.load_state_dict(state["muon"])
         self.compensation.load_state_dict(state["compensation"])
+        if scheduler_from == "checkpoint" and "lr_groups" in state:  # before the scheduler
+            self.param_groups.load_limits(state["lr_groups"])         # sets the rates
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
 
@@ -250,6 +299,18 @@ class MegatronUpdater:
         weights; never the masters built from the initial weights. With fp32 weights (the
         masters alias them) saved masters go into the newest weights themselves."""
         _copy(newest if self.alias else self.masters, newest if saved is None else saved)
+
+
+def _scaled_add(base: list[torch.Tensor], step: list[torch.Tensor],
+               alphas: list[float]) -> list[torch.Tensor]:
+    """[b + alpha * s] per parameter, one foreach call per distinct alpha."""
+    out: list[Optional[torch.Tensor]] = [None] * len(base)
+    for alpha in dict.fromkeys(alphas):
+        idx = [i for i, a in enumerate(alphas) if a == alpha]
+        for i, t in zip(idx, torch._foreach_add([base[i] for i in idx], [step[i] for i in idx],
+                                                alpha=alpha)):
+            out[i] = t
+    return out
 
 
 def _copy(target: list[torch.Tensor], source: list[torch.Tensor]) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..schedules.actions import ActionKind as K
 from ..schedules.actions import Action, Schedule
-from .grad_sync import GradReducer, TiedGradSync
+from .grad_sync import GradReduceConfig, GradReducer, TiedGradSync
 from .p2p import P2P, StageLinks
 from .versions import WeightStore
 
@@ -70,13 +70,14 @@ class PipelineExecutor:
                  weight_versions: int, grad_buffers: int,
                  dp_group: Optional[dist.ProcessGroup] = None, first_version: int = 0,
                  make_copy: Optional[Callable[[], nn.Module]] = None,
-                 tied: Optional[TiedGradSync] = None):
+                 tied: Optional[TiedGradSync] = None,
+                 grads: GradReduceConfig = GradReduceConfig()):
         self.links = links
         self.weights = WeightStore(module, weight_versions, grad_buffers, first_version,
-                                   make_copy)
+                                   make_copy, grad_dtype=grads.dtype)
         self.weights.loss_scale_of[first_version] = updater.loss_scale
         self.p2p = P2P(links)
-        self.reducer = GradReducer(dp_group)
+        self.reducer = GradReducer(dp_group, grads)
         self.tied = tied
         self.updater = updater
         self._train = True

@@ -5,11 +5,18 @@ starts it after minibatch k's last backward and waits only at the optimizer step
 which its schedule places where version k + 1 is first needed, so the reduction
 overlaps minibatch k + 1's compute.
 
+With --grad-reduce-in-bf16 (`GradReduceConfig.dtype` bf16) the gradient lives in bf16,
+as Megatron-LM's main_grad does then: every accumulation rounds to bf16 (WeightStore),
+the all-reduce pre-scales by 1 / w and sums in bf16, and the tied-embedding sum is a
+bf16 sum too. The buffer itself stays fp32 (holding bf16 values), so the optimizer
+reads what Megatron-LM's optimizer reads after its copy to the fp32 main grads.
+
 A wait that runs out of time (--distributed-timeout-minutes) or loses a member raises
 `PeerTimeout` naming the group's ranks: one of them stopped answering.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -33,28 +40,60 @@ def wait_collective(work: dist.Work, group: Optional[dist.ProcessGroup], what: s
                           f"see its error", timed_out=False) from err
 
 
-class GradReducer:
-    """Averages gradients over the data-parallel group (mean, as Megatron-LM)."""
+@dataclass(frozen=True)
+class GradReduceConfig:
+    """The precision of a stage's gradient (Megatron-LM's DDP grad_reduce_in_fp32).
 
-    def __init__(self, group: Optional[dist.ProcessGroup]):
-        self.group = group
+    float32 (default): accumulate and all-reduce in fp32, Megatron-LM's default for bf16.
+    bfloat16 (--grad-reduce-in-bf16): accumulate and all-reduce in bf16, as Megatron-LM's
+    bf16 main_grad buffer does (half the all-reduce bytes, bf16 rounding in the sums).
+    """
+
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"gradient dtype {self.dtype}: float32 or bfloat16")
+
+    @property
+    def low_precision(self) -> bool:
+        return self.dtype != torch.float32
+
+
+class GradReducer:
+    """Averages gradients over the data-parallel group (mean, as Megatron-LM).
+
+    fp32: sum, then divide by w. bf16: Megatron-LM's order, multiply by 1 / w in bf16
+    (its gradient_scaling_factor), then sum in bf16; the buffer gets the bf16 result.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup],
+                 config: GradReduceConfig = GradReduceConfig()):
+        self.group, self.config = group, config
         self.size = dist.get_world_size(group) if group is not None else 1
-        self._pending: dict[int, tuple[Optional[dist.Work], torch.Tensor]] = {}
+        self._pending: dict[int, tuple[Optional[dist.Work], torch.Tensor,
+                                       Optional[torch.Tensor]]] = {}
 
     def start(self, minibatch: int, flat_grad: torch.Tensor) -> None:
         if minibatch in self._pending:
             raise RuntimeError(f"gradient reduction of minibatch {minibatch} started twice")
-        work = None
-        if self.size > 1:
+        work, low = None, None
+        if self.size > 1 and self.config.low_precision:
+            low = (flat_grad * (1.0 / self.size)).to(self.config.dtype)
+            work = dist.all_reduce(low, group=self.group, async_op=True)
+        elif self.size > 1:
             work = dist.all_reduce(flat_grad, group=self.group, async_op=True)
-        self._pending[minibatch] = (work, flat_grad)
+        self._pending[minibatch] = (work, flat_grad, low)
 
     def wait(self, minibatch: int) -> torch.Tensor:
-        work, flat_grad = self._pending.pop(minibatch)
+        work, flat_grad, low = self._pending.pop(minibatch)
         if work is not None:
             wait_collective(work, self.group,
                             f"the data-parallel gradient all-reduce of minibatch {minibatch}")
-            flat_grad.div_(self.size)
+            if low is not None:
+                flat_grad.copy_(low)
+            else:
+                flat_grad.div_(self.size)
         return flat_grad
 
 
@@ -69,15 +108,17 @@ class TiedGradSync:
     weight (the first), at S on the other.
     """
 
-    def __init__(self, group: dist.ProcessGroup, index: int, counts_in_norm: bool):
+    def __init__(self, group: dist.ProcessGroup, index: int, counts_in_norm: bool,
+                 dtype: torch.dtype = torch.float32):
         self.group, self.index, self.counts_in_norm = group, index, counts_in_norm
+        self.dtype = dtype  # bf16 with --grad-reduce-in-bf16: Megatron-LM sums main_grad
         self._pending: dict[int, tuple[dist.Work, torch.Tensor, torch.Tensor]] = {}
 
     def start(self, minibatch: int, grads: list[torch.Tensor]) -> None:
         if minibatch in self._pending:
             raise RuntimeError(f"tied-gradient sum of minibatch {minibatch} started twice")
         view = grads[self.index]
-        summed = view.clone()
+        summed = view.to(self.dtype, copy=True)
         work = dist.all_reduce(summed, group=self.group, async_op=True)
         self._pending[minibatch] = (work, summed, view)
 

@@ -9,7 +9,9 @@ counts live versions at run time to prove it again).
 Gradients accumulate in flat fp32 buffers (one all-reduce per minibatch, and fp32
 accumulation for bf16/fp16 models, as Megatron's main_grad). Minibatch k accumulates
 into buffer k % num_grad_buffers: two when the optimizer step is deferred past the
-next minibatch's backward passes, else one.
+next minibatch's backward passes, else one. With `grad_dtype` bf16
+(--grad-reduce-in-bf16) each accumulation is rounded to bf16, so the buffer holds what
+Megatron-LM's bf16 main_grad would (its values are bf16 numbers stored in fp32).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ class WeightStore:
     """The stage's weight buffers, gradient buffers and version bookkeeping."""
 
     def __init__(self, module: nn.Module, num_buffers: int, num_grad_buffers: int,
-                 first_version: int = 0, make_copy: Optional[Callable[[], nn.Module]] = None):
+                 first_version: int = 0, make_copy: Optional[Callable[[], nn.Module]] = None,
+                 grad_dtype: torch.dtype = torch.float32):
         if num_buffers not in (1, 2):
             raise ValueError(f"num_buffers must be 1 or 2, got {num_buffers}")
         make_copy = make_copy or (lambda: copy.deepcopy(module))
@@ -35,6 +38,10 @@ class WeightStore:
         for extra in self.modules[1:]:
             extra.load_state_dict(module.state_dict())
         self.params = [[p for p in m.parameters() if p.requires_grad] for m in self.modules]
+        self.grad_dtype = grad_dtype
+        if grad_dtype != torch.float32 and any(p.dtype == torch.float32 for p in self.params[0]):
+            raise ValueError(f"{grad_dtype} gradients need low-precision parameters (--bf16); "
+                             "this stage has fp32 ones")
         numel = sum(p.numel() for p in self.params[0])
         device = self.params[0][0].device if self.params[0] else torch.device("cpu")
         self.grad_buffers = [torch.zeros(numel, dtype=torch.float32, device=device)
@@ -73,7 +80,10 @@ class WeightStore:
         accumulator (low-precision parameters; fp32 ones accumulate there directly)."""
         if self._bound is None or self._bound[0] != buf:
             raise WeightVersionError("gradient arrived for an unbound weight buffer")
-        self._grad_views[self._bound[1]][idx].add_(grad)
+        view = self._grad_views[self._bound[1]][idx]
+        view.add_(grad)
+        if self.grad_dtype != torch.float32:  # a bf16 main_grad: the sum is rounded
+            view.copy_(view.to(self.grad_dtype))
 
     @property
     def num_buffers(self) -> int:

@@ -157,6 +157,10 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
                         "embeddings, output layer, biases and norms (as Megatron-LM)")
     g.add_argument("--lr", type=float, required=True, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0, help="final learning rate")
+    g.add_argument("--decoupled-lr", type=float, help="peak learning rate of the word "
+                   "embedding and output layer (default --lr), same schedule")
+    g.add_argument("--decoupled-min-lr", type=float, help="with --decoupled-lr: their final "
+                   "learning rate (default --min-lr)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"],
                    default="linear", help="decay after warm-up")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="warm-up iterations")
@@ -178,6 +182,9 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     _compensation_flags(p)
     g.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     g.add_argument("--bf16", action="store_true", help="bf16 (fp32 master weights)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: accumulate and all-reduce gradients in bf16 instead "
+                        "of fp32 (Megatron-LM's)")
     g.add_argument("--loss-scale", type=float, help="fp16: a constant loss scale")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
                    help="fp16: starting dynamic loss scale")
@@ -285,7 +292,9 @@ def _optimizer_config(args, view: Flags, gbs: int, precision: str) -> OptimizerC
                            lr_warmup_init=args.lr_warmup_init,
                            loss_scale=scale, optimizer=args.optimizer, muon=_muon_config(args),
                            delay_compensation=args.delay_compensation,
-                           delay_compensation_alpha=args.delay_compensation_alpha)
+                           delay_compensation_alpha=args.delay_compensation_alpha,
+                           decoupled_lr=args.decoupled_lr,
+                           decoupled_min_lr=args.decoupled_min_lr)
 
 
 def _muon_config(args) -> MuonConfig:
@@ -312,7 +321,8 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
     check_megatron_flags(args, world_size)
     view = validate_flags(args, model, world_size)
     parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
-                              args.pipeline_model_parallel_size, view.schedule)
+                              args.pipeline_model_parallel_size, view.schedule,
+                              grad_reduce_in_bf16=args.grad_reduce_in_bf16)
     gbs, precision = view.gbs, view.precision
     dtype = _precision(precision)
     padded = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, parallel.tensor_parallel)

@@ -258,6 +258,21 @@ def schedule_mismatches(saved: dict, current: dict, gbs: int, decay_flag: str) -
     return found
 
 
+def group_mismatches(saved: Optional[list[dict]], current: list[dict]) -> list[str]:
+    """--decoupled-lr / --decoupled-min-lr against the checkpoint's decoupled groups
+    (the word embedding's and output layer's); none for a checkpoint written before the
+    groups were saved."""
+    if saved is None or saved == current:
+        return []
+
+    def decoupled(groups: list[dict]) -> str:
+        if not groups:
+            return "no decoupled rate"
+        return f"max {groups[0]['max_lr']:g}, min {groups[0]['min_lr']:g}"
+    return [f"--decoupled-lr/--decoupled-min-lr give {decoupled(current)} here, "
+            f"{decoupled(saved)} in the checkpoint"]
+
+
 def scheduler_source(loaded: LoadedCheckpoint, updater, run) -> str:
     """"flags" or "checkpoint": Megatron-LM's rule, with a one-line error on mismatch."""
     t, saved_args = run.train, _saved_args(loaded.state)
@@ -269,6 +284,8 @@ def scheduler_source(loaded: LoadedCheckpoint, updater, run) -> str:
                   "--train-iters (the decay length while --lr-decay-iters is unset)")
     found = schedule_mismatches(loaded.state["optimizer"]["scheduler"],
                                 updater.scheduler.state_dict(), t.global_batch_size, decay_flag)
+    found += group_mismatches(loaded.state["optimizer"].get("lr_groups"),
+                              updater.param_groups.limits())
     source = "flags" if t.override_opt_param_scheduler else "checkpoint"
     if found and not (t.override_opt_param_scheduler or t.use_checkpoint_opt_param_scheduler):
         raise CheckpointError(

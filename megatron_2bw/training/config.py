@@ -23,6 +23,7 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     schedule: str = "flush"
+    grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16 (with --bf16): bf16 main grads
 
     def __post_init__(self) -> None:
         grid = self.tensor_parallel * self.pipeline_parallel

@@ -22,7 +22,7 @@ from ..optim.muon import (MuonParamSpec, TensorParallel, is_megatron_muon_param,
                           is_megatron_qkv_param, make_tp_gather, qkv_split_rows)
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
-from ..runtime.grad_sync import TiedGradSync
+from ..runtime.grad_sync import GradReduceConfig, TiedGradSync
 from ..runtime.p2p import PeerTimeout, is_timeout
 from ..runtime.topology import data_parallel_group, stage_links
 from ..schedules import Schedule, build_eval_schedule, build_schedule
@@ -67,17 +67,27 @@ def _param_infos(module, tp_rank: int, run: RunConfig) -> list[ParamInfo]:
         tp_dup = not getattr(p, "tensor_model_parallel", False) and tp_rank != 0
         infos.append(ParamInfo(name=name, decay=p.dim() > 1 and not name.endswith(".bias"),
                                counts_in_norm=not tp_dup and not (is_tied and last_copy),
-                               tied=is_tied, muon=_muon_spec(name, p, run)))
+                               tied=is_tied, muon=_muon_spec(name, p, run),
+                               embedding_or_output=getattr(
+                                   p, "is_embedding_or_output_parameter", False)))
     return infos
 
 
-def _tied_sync(schedule: Schedule, stage: int, infos: list[ParamInfo]) -> TiedGradSync | None:
+def _grad_reduce(run: RunConfig) -> GradReduceConfig:
+    """Megatron-LM's gradient precision: fp32 unless --grad-reduce-in-bf16."""
+    return GradReduceConfig(torch.bfloat16 if run.parallel.grad_reduce_in_bf16
+                            else torch.float32)
+
+
+def _tied_sync(schedule: Schedule, stage: int, infos: list[ParamInfo],
+               run: RunConfig) -> TiedGradSync | None:
     """The tied-embedding gradient sum, on the stages the schedule declares for it."""
     if stage not in schedule.tied_stages:
         return None
     index = next(i for i, info in enumerate(infos) if info.tied)
     return TiedGradSync(ps.get_embedding_group(), index,
-                        counts_in_norm=stage == min(schedule.tied_stages))
+                        counts_in_norm=stage == min(schedule.tied_stages),
+                        dtype=_grad_reduce(run).dtype)
 
 
 class Trainer:
@@ -123,7 +133,8 @@ class Trainer:
         executor = PipelineExecutor(
             module, links, updater, weight_versions=schedule.weight_versions,
             grad_buffers=schedule.grad_buffers, dp_group=data_parallel_group(),
-            first_version=self.iteration, tied=_tied_sync(schedule, self.stage, infos),
+            first_version=self.iteration, tied=_tied_sync(schedule, self.stage, infos, run),
+            grads=_grad_reduce(run),
             make_copy=lambda: build_stage(run.model, self.stage, par.pipeline_parallel
                                           ).to(self.env.device))
         return executor, updater

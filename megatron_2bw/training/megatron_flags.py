@@ -96,16 +96,9 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
      "sharding the optimizer state over data-parallel ranks is not implemented (the "
      "numbers would not change, the memory per rank would); drop the flag, or run "
      "with data-parallel size 1, where it changes nothing"),
-    (_value("--decoupled-lr", float), lambda a, w: a.decoupled_lr is not None,
-     "a separate learning rate for the embedding and output layer is not implemented; "
-     "drop it to train every parameter on --lr"),
-    (_value("--decoupled-min-lr", float), lambda a, w: a.decoupled_min_lr is not None,
-     "goes with --decoupled-lr, which is not implemented"),
     (_switch("--calculate-per-token-loss"), lambda a, w: a.calculate_per_token_loss,
      "normalizing the loss by the global batch's token count is not implemented; the "
      "loss is averaged per microbatch (Megatron-LM's default)"),
-    (_switch("--grad-reduce-in-bf16"), lambda a, w: a.grad_reduce_in_bf16,
-     "gradients are reduced in fp32; a bf16 reduction is not implemented"),
     (_value("--fp8-format", choices=["e4m3", "hybrid"]), lambda a, w: a.fp8_format is not None,
      "fp8 needs Transformer Engine on a GPU, which this build does not use; use --bf16"),
     (_value("--fp8-amax-history-len", int), lambda a, w: a.fp8_amax_history_len is not None,
@@ -172,6 +165,9 @@ def mapped_notes(args: argparse.Namespace, on_gpu: bool) -> list[str]:
     runs = ("megatron-core's local (unfused) implementation runs here" if not on_gpu else
             "megatron-core's local layer specs run (Transformer Engine is not used)")
     notes = []
+    if getattr(args, "timing_log_level", 0):  # parsed with the logging flags
+        notes.append(f"--timing-log-level {args.timing_log_level}: per-phase timers are not "
+                     "measured here; the log line and TensorBoard get the iteration time only")
     for flag in MAPPED:
         value = getattr(args, flag.dest)
         if value not in (None, False):

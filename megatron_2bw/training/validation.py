@@ -89,6 +89,8 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--distributed-timeout-minutes", POSITIVE, ""),
     ("--lr", NON_NEGATIVE, ""),
     ("--min-lr", NON_NEGATIVE, ""),
+    ("--decoupled-lr", NON_NEGATIVE, "or leave it out for --lr"),
+    ("--decoupled-min-lr", NON_NEGATIVE, "or leave it out for --min-lr"),
     ("--lr-warmup-iters", COUNT_OR_ZERO, ""),
     ("--lr-warmup-samples", COUNT_OR_ZERO, ""),
     ("--lr-warmup-init", NON_NEGATIVE, ""),
@@ -122,8 +124,6 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--empty-unused-memory-level", COUNT_OR_ZERO, ""),
     ("--num-workers", COUNT_OR_ZERO, ""),
     ("--context-parallel-size", COUNT, ""),
-    ("--decoupled-lr", NON_NEGATIVE, ""),
-    ("--decoupled-min-lr", NON_NEGATIVE, ""),
     ("--fp8-amax-history-len", COUNT, ""),
     ("--num-layers-per-virtual-pipeline-stage", COUNT, ""),
 )
@@ -254,6 +254,12 @@ class Flags:
         return next(iter(self.schedules), "flush")
 
     @property
+    def decoupled_min_lr(self) -> float:
+        """The word embedding and output layer's final rate (Megatron-LM's group min_lr)."""
+        a = self.args
+        return a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr
+
+    @property
     def precision(self) -> str:
         return "fp16" if self.args.fp16 else "bf16" if self.args.bf16 else "fp32"
 
@@ -377,6 +383,15 @@ RULES: tuple[Rule, ...] = (
          "give --tensorboard-dir DIR"),
     Rule("--min-lr, --lr", lambda f: f.args.min_lr <= f.args.lr,
          "--min-lr {a.min_lr} is above --lr {a.lr}", "use a final rate at most the peak"),
+    Rule("--decoupled-min-lr, --decoupled-lr",
+         lambda f: f.args.decoupled_min_lr is None or f.args.decoupled_lr is not None,
+         "--decoupled-min-lr without --decoupled-lr changes nothing (Megatron-LM ignores "
+         "it then)", "add --decoupled-lr, or drop --decoupled-min-lr"),
+    Rule("--decoupled-min-lr, --decoupled-lr",
+         lambda f: f.args.decoupled_lr is None or f.decoupled_min_lr <= f.args.decoupled_lr,
+         "the embedding and output layer's final rate {f.decoupled_min_lr} (--decoupled-min-lr,"
+         " else --min-lr) is above --decoupled-lr {a.decoupled_lr}",
+         "use a final rate at most the peak"),
     Rule("--rampup-batch-size, --pipeline-schedule",
          lambda f: f.schedule != "2bw" or f.fewest_microbatches >= f.args.pipeline_model_parallel_size,
          "2BW needs at least as many microbatches as pipeline stages "
@@ -398,6 +413,10 @@ RULES: tuple[Rule, ...] = (
          lambda f: not (f.args.override_opt_param_scheduler
                         and f.args.use_checkpoint_opt_param_scheduler),
          "both scheduler sources chosen", "give at most one of them"),
+    Rule("--grad-reduce-in-bf16, --bf16",
+         lambda f: not f.args.grad_reduce_in_bf16 or f.args.bf16,
+         "--grad-reduce-in-bf16 without --bf16 changes nothing (Megatron-LM reads it only "
+         "for bf16 models and ignores it otherwise)", "add --bf16, or drop the flag"),
     Rule("--optimizer, --fp16", lambda f: f.args.optimizer != "muon" or f.precision != "fp16",
          "muon with fp16 is not supported", "use --bf16 or fp32 with --optimizer muon"),
     Rule("--muon-num-ns-steps", lambda f: f.args.muon_num_ns_steps % _NS_PERIOD == 0,
