@@ -6,6 +6,8 @@ W_prev := old W_cur. It uses neither the executor nor the updater.
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import pytest
 import torch
 
@@ -17,6 +19,13 @@ pytestmark = pytest.mark.slow
 
 
 def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
+    return delayed_oracle(argv)
+
+
+def delayed_oracle(argv: list[str], sizes: Optional[Callable[[int], int]] = None
+                   ) -> list[float]:
+    """The loop; `sizes(consumed)` gives each minibatch's global batch size (default the
+    flags' constant one), minibatch k starting after the samples consumed before it."""
     from megatron.core import parallel_state as ps
 
     from megatron_2bw.training.reference import single_process_model
@@ -29,10 +38,12 @@ def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
     no_decay = [p for n, p in named if not (p.dim() > 1 and not n.endswith(".bias"))]
     opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, weight_decay=args.weight_decay, foreach=True)
-    gbs, mbs = run.train.global_batch_size, args.micro_batch_size
-    out = []
+    mbs = args.micro_batch_size
+    out, consumed = [], 0
     for k in range(args.train_iters):
-        out.append(minibatch_loss(previous, sample, k, gbs, mbs))
+        gbs = sizes(consumed) if sizes else run.train.global_batch_size
+        out.append(minibatch_loss(previous, sample, k, gbs, mbs, consumed))
+        consumed += gbs
         snapshot = {n: t.clone() if torch.is_tensor(t) else t
                     for n, t in current.state_dict().items()}
         for (_, p), q in zip(named, previous.parameters()):

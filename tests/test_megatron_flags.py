@@ -20,7 +20,7 @@ from megatron_2bw.training.arguments import config_from_args, parse_args
 from megatron_2bw.training.batch_sizes import BatchSizes
 from megatron_2bw.training.errors import UserError
 from tests.dist_harness import run_distributed
-from tests.entry_harness import TINY, launch, losses, max_rel, minibatch_loss
+from tests.entry_harness import TINY, launch, losses, max_rel
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data"]
@@ -142,37 +142,18 @@ RAMP = ["--global-batch-size", "8", "--rampup-batch-size", "4", "2", "24",
 
 
 def _ramp_oracle(rank: int, world: int, argv: list[str]) -> list[float]:
-    """The delayed-update loop of tests/test_2bw_oracle.py, each minibatch at the size
+    """tests/test_2bw_oracle.py's delayed-update loop, each minibatch at the size
     megatron-core's calculator gives for the samples consumed before it."""
-    from megatron.core import parallel_state as ps
+    from tests.test_2bw_oracle import delayed_oracle
 
-    from megatron_2bw.training.reference import single_process_model
-
-    ref = single_process_model("gpt", argv)
-    args, current, previous, sample = ref.args, ref.model, ref.build(), ref.sample
-    previous.load_state_dict(current.state_dict())
-    named = list(current.named_parameters())
-    decay = [p for n, p in named if p.dim() > 1 and not n.endswith(".bias")]
-    no_decay = [p for n, p in named if not (p.dim() > 1 and not n.endswith(".bias"))]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+    args = parse_args("gpt", argv)
     calc = _calculator(args.global_batch_size, args.micro_batch_size,
                        tuple(args.rampup_batch_size))
-    out, consumed = [], 0
-    for k in range(args.train_iters):
+
+    def size(consumed: int) -> int:
         calc.update(consumed, consistency_check=True)
-        size = calc.get_current_global_batch_size()
-        out.append(minibatch_loss(previous, sample, k, size, args.micro_batch_size, consumed))
-        consumed += size
-        snapshot = {n: t.clone() for n, t in current.state_dict().items()
-                    if torch.is_tensor(t)}
-        for (_, p), q in zip(named, previous.parameters()):
-            p.grad = q.grad.clone()
-        torch.nn.utils.clip_grad_norm_(current.parameters(), args.clip_grad)
-        opt.step()
-        previous.load_state_dict(snapshot, strict=False)
-    ps.destroy_model_parallel()
-    return out
+        return calc.get_current_global_batch_size()
+    return delayed_oracle(argv, size)
 
 
 @pytest.mark.slow
