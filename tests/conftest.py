@@ -1,8 +1,20 @@
 """Puts tools/ on sys.path, as running a tools/ script does, so the tests import the tool
-packages `planner_validation` and `benchmarks`."""
+packages `planner_validation` and `benchmarks`; and the session's small real corpus."""
 import os
 import sys
+
+import pytest
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 if TOOLS not in sys.path:
     sys.path.insert(0, TOOLS)
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory):
+    """The embedded corpus, small (300k characters, 512-token vocabularies), built once per
+    session through the preprocessing tools: real documents, so real end-of-document
+    tokens and real BERT masking."""
+    from megatron_2bw.data.default_data import CorpusSpec, ensure_default_data
+    spec = CorpusSpec(max_chars=300_000, gpt_vocab_size=512, bert_vocab_size=512)
+    return ensure_default_data(str(tmp_path_factory.mktemp("data")), spec, workers=1)

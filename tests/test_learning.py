@@ -19,13 +19,6 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--pipeline-model-parallel-size", "2", "--split", "90,10,0"]
 
 
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory):
-    from megatron_2bw.data.default_data import CorpusSpec, ensure_default_data
-    spec = CorpusSpec(max_chars=300_000, gpt_vocab_size=512, bert_vocab_size=512)
-    return ensure_default_data(str(tmp_path_factory.mktemp("data")), spec, workers=1)
-
-
 @pytest.mark.parametrize("model,schedule", [("gpt", "2bw"), ("bert", "flush")])
 def test_loss_falls_on_real_text(tmp_path, small_corpus, model, schedule) -> None:
     flags = small_corpus.gpt_flags() if model == "gpt" else small_corpus.bert_flags()

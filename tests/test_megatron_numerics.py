@@ -285,3 +285,165 @@ def test_decoupled_rates_resume_as_the_scheduler_flags_say() -> None:
         resumed = updater(3e-2)
         resumed.load_state_dict(saved, scheduler_from=source)
         assert [g["lr"] for g in resumed.param_groups.param_groups] == [1e-2, 1e-2, rate, rate]
+
+
+# ------------------------------------------------------------------ --calculate-per-token-loss
+
+# short documents with --eod-mask-loss: microbatches hold different numbers of counted
+# tokens, so the per-token mean differs from the mean of microbatch means
+PER_TOKEN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-2",
+             "--lr-decay-style", "constant", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--split", "90,10,0", "--eval-iters", "1", "--log-interval", "1",
+             "--eod-mask-loss"]
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory, small_corpus) -> list[str]:
+    """GPT data flags for 600 documents of 3 to 25 words, preprocessed by the repository's
+    tool with the small corpus's tokenizer: with --seq-length 32 most samples hold an
+    end-of-document token, which --eod-mask-loss leaves out of the loss."""
+    import json
+    import random
+    import subprocess
+    import sys
+
+    from tests.entry_harness import ROOT
+
+    rng = random.Random(0)
+    words = ("the stage sends its activation to the next one and waits for a gradient "
+             "while another minibatch runs").split()
+    folder = tmp_path_factory.mktemp("short")
+    with open(folder / "docs.jsonl", "w") as f:
+        for _ in range(600):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 25)))
+            f.write(json.dumps({"text": text}) + "\n")
+    tokenizer = small_corpus.gpt_flags()[:-2]  # without its --data-path
+    subprocess.run([sys.executable, f"{ROOT}/tools/preprocess_data.py", "--input",
+                    str(folder / "docs.jsonl"), "--output-prefix", str(folder / "short"),
+                    "--append-eod", "--workers", "1", *tokenizer], check=True,
+                   capture_output=True)
+    return tokenizer + ["--data-path", str(folder / "short_text_document")]
+
+
+def _per_token_step(model, sample, k: int, gbs: int, mbs: int, per_token: bool
+                    ) -> tuple[float, list[float]]:
+    """Minibatch k's gradient into `model`: of sum(token losses) / tokens in the global
+    batch (per_token) or of the mean of microbatch means. The model itself returns each
+    microbatch's masked mean (it is built without the flag); its sum is mean x count."""
+    from megatron_2bw.data.datasets import collate
+
+    batches = [collate([sample(i) for i in range(first, first + mbs)])
+               for first in range(k * gbs, (k + 1) * gbs, mbs)]
+    counts = [b["loss_mask"].sum().item() for b in batches]
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for batch, count in zip(batches, counts):
+        mean = model(None, batch)
+        weight = count / sum(counts) if per_token else 1.0 / len(batches)
+        (mean * weight).backward()
+        total += mean.item() * weight
+    return total, counts
+
+
+def _per_token_oracle(rank: int, world: int, argv: list[str], delayed: bool,
+                      per_token: bool = True) -> tuple[list[float], list[float]]:
+    """Flush (delayed=False) or 2BW's delayed update with torch AdamW in one process;
+    the losses and every microbatch's token count."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_2bw.training.reference import single_process_model
+
+    ref = single_process_model("gpt", [a for a in argv if a != "--calculate-per-token-loss"])
+    args, current = ref.args, ref.model
+    previous = ref.build() if delayed else current
+    previous.load_state_dict(current.state_dict())
+    opt, _ = _adamw_groups(current, args)
+    out, counts = [], []
+    for k in range(args.train_iters):
+        loss, seen = _per_token_step(previous, ref.sample, k, args.global_batch_size,
+                                     args.micro_batch_size, per_token)
+        out.append(loss)
+        counts += seen
+        snapshot = {n: t.clone() for n, t in current.state_dict().items() if torch.is_tensor(t)}
+        if delayed:
+            for p, q in zip(current.parameters(), previous.parameters()):
+                p.grad = q.grad.clone()
+        torch.nn.utils.clip_grad_norm_(current.parameters(), args.clip_grad)
+        opt.step()
+        if delayed:
+            previous.load_state_dict(snapshot, strict=False)
+    ps.destroy_model_parallel()
+    return out, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,nproc,parallel", [
+    ("flush", 4, ["--pipeline-model-parallel-size", "2"]),            # DP 2 x PP 2
+    ("2bw", 2, ["--pipeline-model-parallel-size", "2"]),
+    ("2bw", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+], ids=["flush-dp2-pp2", "2bw-pp2", "2bw-tp2-pp2"])
+def test_per_token_loss_equals_independent_loop(tmp_path, short_documents, schedule, nproc,
+                                                parallel) -> None:
+    """Loss and gradient are the global batch's per-token mean: pipelined flush equals the
+    synchronous loop, 2BW the delayed one, and the logged loss is the per-token mean."""
+    from tests.entry_harness import max_rel
+
+    argv = PER_TOKEN + short_documents + ["--calculate-per-token-loss"]
+    oracle, counts = run_distributed(_per_token_oracle, 1, argv, schedule == "2bw")[0]
+    assert len(set(counts)) > 1, "every microbatch has the same token count: no test"
+    got = losses(launch("gpt", nproc, parallel + ["--pipeline-schedule", schedule],
+                        str(tmp_path / "m.jsonl"), base=argv))
+    assert max_rel(got, oracle) < 1e-5
+    if schedule == "flush":  # per microbatch means are another loss: the test can fail
+        plain, _ = run_distributed(_per_token_oracle, 1, argv, False, False)[0]
+        assert max_rel(plain, oracle) > 1e-4
+
+
+def test_per_token_loss_reaches_the_model() -> None:
+    run = config_from_args(parse_args("gpt", BASE + ["--calculate-per-token-loss"]), "gpt",
+                           1, 128)
+    assert run.model.per_token_loss and not config_from_args(
+        parse_args("gpt", BASE), "gpt", 1, 128).model.per_token_loss
+
+
+# ------------------------------------------------------------------ --reset-attention-mask
+
+RESET = ["--reset-attention-mask", "--reset-position-ids"]
+
+
+def _later_document_losses(rank: int, world: int, argv: list[str]) -> tuple[float, float]:
+    """The loss on the tokens after a sample's first end-of-document token, before and
+    after every token in front of it is replaced."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_2bw.data.datasets import collate
+    from megatron_2bw.training.reference import single_process_model
+
+    ref = single_process_model("gpt", argv)
+    for i in range(256):
+        sample = collate([ref.sample(i)])
+        # --eod-mask-loss: no loss where the label is the end of a document
+        ends = (sample["loss_mask"][0] == 0).nonzero().flatten().tolist()
+        if ends and 2 <= ends[0] + 1 < sample["tokens"].shape[1] - 4:
+            break
+    else:
+        raise AssertionError("no sample holds a document end in its middle")
+    eod = ends[0] + 1  # the end-of-document token's position in `tokens`
+    sample["loss_mask"][0, :eod + 1] = 0.0  # the loss of the next document only
+    before = ref.model(None, sample).item()
+    sample["tokens"][0, :eod] = (sample["tokens"][0, :eod] + 7) % 256
+    after = ref.model(None, sample).item()
+    ps.destroy_model_parallel()
+    return before, after
+
+
+def test_reset_attention_mask_isolates_documents(short_documents) -> None:
+    """With --reset-attention-mask --reset-position-ids a document's loss does not depend
+    on the document before it in the same sample; without them it does."""
+    argv = PER_TOKEN + short_documents
+    before, after = run_distributed(_later_document_losses, 1, argv + RESET)[0]
+    assert abs(before - after) <= 1e-6 * abs(before)
+    before, after = run_distributed(_later_document_losses, 1, argv)[0]
+    assert abs(before - after) > 1e-4 * abs(before)

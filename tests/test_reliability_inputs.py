@@ -30,14 +30,16 @@ BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--lr", "1e-2", "--mock-data"]
 
 
-def _config(extra: list[str], world: int = 2, base: Optional[list[str]] = None):
-    return config_from_args(parse_args("gpt", (BASE if base is None else base) + extra),
-                            "gpt", world, VOCAB)
+def _config(extra: list[str], world: int = 2, base: Optional[list[str]] = None,
+            model: str = "gpt"):
+    return config_from_args(parse_args(model, (BASE if base is None else base) + extra),
+                            model, world, VOCAB)
 
 
-def _refused(extra: list[str], world: int = 2, base: Optional[list[str]] = None) -> UserError:
+def _refused(extra: list[str], world: int = 2, base: Optional[list[str]] = None,
+             model: str = "gpt") -> UserError:
     with pytest.raises(UserError) as info:
-        _config(extra, world, base)
+        _config(extra, world, base, model)
     return info.value
 
 
@@ -148,6 +150,8 @@ CROSS = [  # (extra flags, world size, where, part of the message, base or None)
     (["--grad-reduce-in-bf16"], 2, "--grad-reduce-in-bf16", "without --bf16", None),
     (["--decoupled-min-lr", "1e-4"], 2, "--decoupled-min-lr", "without --decoupled-lr", None),
     (["--decoupled-lr", "1e-4", "--min-lr", "2e-4"], 2, "--decoupled-lr", "above", None),
+    (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"], 2,
+     "--no-create-attention-mask-in-dataloader", "turns off", None),
 ]
 
 
@@ -159,11 +163,28 @@ def test_cross_flag_rule(extra, world, where, match, base) -> None:
     assert str(err) == f"{err.what} ({err.where}); {err.fix}"
 
 
+# rules that only a BERT command line can break
+BERT_CROSS = [
+    (["--calculate-per-token-loss"], "--calculate-per-token-loss", "GPT loss"),
+    (["--eod-mask-loss"], "--eod-mask-loss", "GPT's documents"),
+    (["--reset-position-ids"], "--reset-position-ids", "GPT's documents"),
+    (["--reset-attention-mask"], "--reset-attention-mask", "GPT's documents"),
+]
+
+
+@pytest.mark.parametrize("extra,where,match", BERT_CROSS, ids=[c[0][0] for c in BERT_CROSS])
+def test_bert_cross_flag_rule(extra, where, match) -> None:
+    err = _refused(extra, model="bert")
+    assert where in err.where and match in err.what, str(err)
+
+
 def test_every_rule_has_a_case() -> None:
     """Each row of validation.RULES is broken by some case above (a new rule needs one)."""
     broken = set()
-    for extra, world, _, _, base in CROSS:
-        flags = V.Flags(parse_args("gpt", (BASE if base is None else base) + extra), "gpt",
+    cases = [(extra, world, base, "gpt") for extra, world, _, _, base in CROSS]
+    cases += [(extra, 2, None, "bert") for extra, _, _ in BERT_CROSS]
+    for extra, world, base, model in cases:
+        flags = V.Flags(parse_args(model, (BASE if base is None else base) + extra), model,
                         world)
         broken |= {i for i, rule in enumerate(V.RULES) if not _rule_ok(rule, flags)}
     assert broken == set(range(len(V.RULES)))

@@ -61,7 +61,10 @@ ISSUE = """--use-flash-attn --no-masked-softmax-fusion --recompute-activations
 --min-loss-scale --loss-scale-window --hysteresis --make-vocab-size-divisible-by
 --exit-interval --exit-signal-handler --optimizer --num-layers-per-virtual-pipeline-stage
 --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --ffn-hidden-size"""
-SOURCES = {"GPT-3 175B": GPT3, "BERT 340M": BERT, "Llama-3 8B fp8": LLAMA, "issue 12": ISSUE}
+# GPT data flags that go with --calculate-per-token-loss in Megatron-LM's users' scripts
+DATA = """--eod-mask-loss --reset-position-ids --reset-attention-mask"""
+SOURCES = {"GPT-3 175B": GPT3, "BERT 340M": BERT, "Llama-3 8B fp8": LLAMA, "issue 12": ISSUE,
+           "GPT data": DATA}
 
 
 def checked_flags() -> dict[str, list[str]]:

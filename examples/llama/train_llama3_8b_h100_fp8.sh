@@ -5,10 +5,10 @@
 # needs Transformer Engine on a GPU), and the defaults of the tokenizer and data
 # arguments (MOCK, as in Megatron-LM). Extra flags go in $EXTRA_ARGS.
 #
-# Status (docs/megatron-flags.md): --decoupled-lr/--decoupled-min-lr and
-# --grad-reduce-in-bf16 run with Megatron-LM's meaning (docs/training.md); two flags of
-# this script are not implemented yet and stop it with one `error:` line each:
-# --calculate-per-token-loss and --ckpt-format torch_dist.
+# Status (docs/megatron-flags.md): --decoupled-lr/--decoupled-min-lr,
+# --grad-reduce-in-bf16 and --calculate-per-token-loss run with Megatron-LM's meaning
+# (docs/training.md); one flag of this script is not implemented yet and stops it with
+# one `error:` line: --ckpt-format torch_dist.
 #
 #   bash examples/llama/train_llama3_8b_h100_fp8.sh [CKPT] [TB] [TOKENIZER|MOCK] [DATA|MOCK]
 set -euo pipefail

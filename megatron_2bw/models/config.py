@@ -158,6 +158,10 @@ class ModelConfig:
     """Uneven pipeline: layers on the last stage (None: the even split)."""
     seed: int = 1234
     """Seed of the deterministic, split-independent parameter initialization."""
+    per_token_loss: bool = False
+    """GPT only (Megatron-LM's --calculate-per-token-loss): the last stage returns the sum
+    of its masked token losses, not their mean, so that the step can divide by the token
+    count of the whole global batch (`PipelineStage.num_tokens` counts them)."""
 
     def __post_init__(self) -> None:
         problems = (self._size_problems() + self._choice_problems() + self._rope_problems()
@@ -254,6 +258,8 @@ class ModelConfig:
                             f"{self.position_embedding_type}")
         if self.qk_layernorm:
             problems.append("BERT's layer spec has no query/key norm (qk_layernorm)")
+        if self.per_token_loss:
+            problems.append("BERT's loss is averaged per microbatch (per_token_loss)")
         if self.layernorm_zero_centered_gamma:
             problems.append("BERT's LM-head norm cannot be zero-centred "
                             "(layernorm_zero_centered_gamma)")

@@ -112,9 +112,17 @@ class PipelineStage(nn.Module):
         )
         if not self.is_last:
             return output
-        lm_loss = masked_mean(output, batch["loss_mask"])
+        lm_loss = (masked_sum if self.config.per_token_loss else masked_mean)(
+            output, batch["loss_mask"])
         self.last_metrics = {"lm_loss": lm_loss.detach()}
         return lm_loss
+
+    @staticmethod
+    def num_tokens(batch: Mapping[str, Tensor]) -> Tensor:
+        """The microbatch's unmasked tokens (fp64): what a per-token loss divides by.
+        Every stage receives the whole batch, so every stage counts them itself, where
+        Megatron-LM broadcasts the last stage's count."""
+        return batch["loss_mask"].detach().sum(dtype=torch.float64)
 
     def _bert_forward(self, batch: Mapping[str, Tensor]) -> Tensor:
         tokens = batch["text"] if "text" in batch else batch["tokens"]
@@ -160,10 +168,14 @@ def global_parameter_names(stage_module: PipelineStage) -> dict[str, nn.Paramete
     return stage_module.named_global_parameters()
 
 
+def masked_sum(token_loss: Tensor, loss_mask: Tensor) -> Tensor:
+    """sum(loss * mask) in fp32, as Megatron-LM's GPT loss_func returns it."""
+    return torch.sum(token_loss.reshape(-1).float() * loss_mask.reshape(-1).float())
+
+
 def masked_mean(token_loss: Tensor, loss_mask: Tensor) -> Tensor:
     """sum(loss * mask) / sum(mask) in fp32, as Megatron-LM's GPT/BERT loss_func."""
-    mask = loss_mask.reshape(-1).float()
-    return torch.sum(token_loss.reshape(-1).float() * mask) / mask.sum()
+    return masked_sum(token_loss, loss_mask) / loss_mask.reshape(-1).float().sum()
 
 
 def build_stage(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,12 +50,14 @@ class RunResult:
     """What one `run` produced on this stage."""
 
     losses: dict[int, float] = field(default_factory=dict)  # minibatch -> mean loss (last stage)
+    tokens: dict[int, float] = field(default_factory=dict)  # minibatch -> tokens (per-token loss)
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # per minibatch
     steps: dict[int, dict[str, float]] = field(default_factory=dict)  # minibatch -> step info
     peak_stashes: int = 0
 
 
 StepCallback = Callable[[int, RunResult], None]
+TokenCount = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 
 class PipelineExecutor:
@@ -64,6 +66,11 @@ class PipelineExecutor:
     Build it from a schedule's declarations (`weight_versions`, `grad_buffers`, and a
     `TiedGradSync` when the stage is in `tied_stages`); every schedule it runs must
     declare the same.
+
+    `count_tokens` switches to a per-token loss (Megatron-LM's --calculate-per-token-loss):
+    the last stage's module then returns a microbatch's loss *sum*, which is not divided
+    by m; every stage counts the minibatch's tokens with `count_tokens(batch)`, and the
+    gradient reducer divides the data-parallel gradient sum by the global count.
     """
 
     def __init__(self, module: nn.Module, links: StageLinks, updater: Updater, *,
@@ -71,7 +78,8 @@ class PipelineExecutor:
                  dp_group: Optional[dist.ProcessGroup] = None, first_version: int = 0,
                  make_copy: Optional[Callable[[], nn.Module]] = None,
                  tied: Optional[TiedGradSync] = None,
-                 grads: GradReduceConfig = GradReduceConfig()):
+                 grads: GradReduceConfig = GradReduceConfig(),
+                 count_tokens: Optional[TokenCount] = None):
         self.links = links
         self.weights = WeightStore(module, weight_versions, grad_buffers, first_version,
                                    make_copy, grad_dtype=grads.dtype)
@@ -80,6 +88,7 @@ class PipelineExecutor:
         self.reducer = GradReducer(dp_group, grads)
         self.tied = tied
         self.updater = updater
+        self._count_tokens = count_tokens
         self._train = True
         self._handlers: dict[K, Callable[[Action], None]] = {
             K.FORWARD: self._forward, K.BACKWARD: self._backward,
@@ -129,14 +138,28 @@ class PipelineExecutor:
                 module.train()
         self.p2p.wait_all()
         losses = [loss for per_mb in self._micro_losses.values() for loss in per_mb]
-        return torch.stack(losses).mean().item() if losses else None
+        return self._average(losses, self.evaluation_tokens) if losses else None
+
+    @property
+    def evaluation_tokens(self) -> Optional[float]:
+        """The tokens the last `evaluate` averaged over (per-token loss), else None."""
+        if self._count_tokens is None:
+            return None
+        return float(sum(t.item() for t in self._tokens.values()))
+
+    def _average(self, values: list[torch.Tensor], tokens: Optional[float]) -> float:
+        """The mean of per-microbatch means, or with a per-token loss the sum of the
+        microbatches' sums over the tokens they cover."""
+        if tokens is None:
+            return torch.stack(values).mean().item()
+        return torch.stack(values).double().sum().item() / max(tokens, 1.0)
 
     def evaluation_metrics(self) -> dict[str, float]:
         """The mean of each named part of the loss (BERT: lm_loss, sop_loss) over the last
         `evaluate`'s microbatches, so validation can report each as Megatron-LM does;
         empty off the last stage."""
         metrics = [m for per_mb in self._micro_metrics.values() for m in per_mb]
-        return {name: torch.stack([m[name] for m in metrics]).mean().item()
+        return {name: self._average([m[name] for m in metrics], self.evaluation_tokens)
                 for name in (metrics[0] if metrics else {})}
 
     def _reset(self, schedule: Schedule, data: Iterator[dict]) -> None:
@@ -149,6 +172,7 @@ class PipelineExecutor:
         self._grad_outbox: dict[int, torch.Tensor] = {}  # microbatch -> grad of our input
         self._micro_losses: dict[int, list[torch.Tensor]] = {}
         self._micro_metrics: dict[int, list[dict]] = {}
+        self._tokens: dict[int, torch.Tensor] = {}  # minibatch -> tokens (per-token loss)
         self._grad_version: dict[int, int] = {}
         self._reduced: set[int] = set()
         self._result = RunResult()
@@ -157,6 +181,7 @@ class PipelineExecutor:
     def _forward(self, a: Action) -> None:
         inp = self._act_inbox.pop(a.microbatch, None)
         batch = next(self._data)
+        self._count(a.microbatch // self._m, batch)
         if not self._train:
             out = self.weights.module_for(a.version)(inp, batch)
             if self.links.is_last:
@@ -170,11 +195,18 @@ class PipelineExecutor:
         out = self.weights.module_for(a.version)(inp, batch)
         if self.links.is_last:
             self._record_loss(a, out)
-            out = out * (self.weights.loss_scale_of[a.version] / self._m)
+            divisor = 1 if self._count_tokens is not None else self._m  # per-token: a sum
+            out = out * (self.weights.loss_scale_of[a.version] / divisor)
         else:
             self._act_outbox[a.microbatch] = out
         self._stash[a.microbatch] = (inp, out, a.version)
         self._result.peak_stashes = max(self._result.peak_stashes, len(self._stash))
+
+    def _count(self, k: int, batch: Mapping[str, torch.Tensor]) -> None:
+        """Add the microbatch's tokens to minibatch k's count (per-token loss only)."""
+        if self._count_tokens is not None:
+            n = self._count_tokens(batch)
+            self._tokens[k] = self._tokens[k] + n if k in self._tokens else n
 
     def _record_loss(self, a: Action, loss: torch.Tensor) -> None:
         k = a.microbatch // self._m
@@ -210,7 +242,7 @@ class PipelineExecutor:
     # --- gradient reduction and the new weight version ------------------------------
     def _start_grad_allreduce(self, a: Action) -> None:
         flat, _ = self.weights.grads(a.minibatch)
-        self.reducer.start(a.minibatch, flat)
+        self.reducer.start(a.minibatch, flat, tokens=self._tokens.get(a.minibatch))
 
     def _reduced_grads(self, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Minibatch k's gradient, averaged over data parallelism and unscaled (once)."""
@@ -250,10 +282,14 @@ class PipelineExecutor:
     def _finish_losses(self, k: int) -> None:
         """Minibatch k's mean loss and metrics (last stage), read once its step is done:
         the step synchronises anyway, so `.item()` costs no extra device sync."""
+        tokens = self._tokens.pop(k, None)
+        count = None if tokens is None else tokens.item()
+        if count is not None:
+            self._result.tokens[k] = count
         losses = self._micro_losses.pop(k, None)
         if losses:
-            self._result.losses[k] = torch.stack(losses).mean().item()
+            self._result.losses[k] = self._average(losses, count)
         metrics = self._micro_metrics.pop(k, None)
         if metrics:
-            self._result.metrics[k] = {name: torch.stack([m[name] for m in metrics]).mean().item()
+            self._result.metrics[k] = {name: self._average([m[name] for m in metrics], count)
                                        for name in metrics[0]}

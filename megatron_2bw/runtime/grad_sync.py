@@ -65,6 +65,11 @@ class GradReducer:
 
     fp32: sum, then divide by w. bf16: Megatron-LM's order, multiply by 1 / w in bf16
     (its gradient_scaling_factor), then sum in bf16; the buffer gets the bf16 result.
+
+    With a per-token loss (`tokens` given to `start`: this replica's token count of the
+    minibatch) the gradients are summed, not averaged, and divided by the count summed
+    over the group, as Megatron-LM's finalize_model_grads does with num_tokens: the step
+    is then the mean over every token of the global batch.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup],
@@ -73,17 +78,24 @@ class GradReducer:
         self.size = dist.get_world_size(group) if group is not None else 1
         self._pending: dict[int, tuple[Optional[dist.Work], torch.Tensor,
                                        Optional[torch.Tensor]]] = {}
+        self._tokens: dict[int, tuple[Optional[dist.Work], torch.Tensor]] = {}
 
-    def start(self, minibatch: int, flat_grad: torch.Tensor) -> None:
+    def start(self, minibatch: int, flat_grad: torch.Tensor,
+              tokens: Optional[torch.Tensor] = None) -> None:
         if minibatch in self._pending:
             raise RuntimeError(f"gradient reduction of minibatch {minibatch} started twice")
         work, low = None, None
+        scale = 1.0 if tokens is not None else 1.0 / self.size  # per-token: a sum
         if self.size > 1 and self.config.low_precision:
-            low = (flat_grad * (1.0 / self.size)).to(self.config.dtype)
+            low = (flat_grad * scale).to(self.config.dtype)
             work = dist.all_reduce(low, group=self.group, async_op=True)
         elif self.size > 1:
             work = dist.all_reduce(flat_grad, group=self.group, async_op=True)
         self._pending[minibatch] = (work, flat_grad, low)
+        if tokens is not None:
+            count = tokens.detach().to(torch.float64).clone()
+            self._tokens[minibatch] = (dist.all_reduce(count, group=self.group, async_op=True)
+                                       if self.size > 1 else None, count)
 
     def wait(self, minibatch: int) -> torch.Tensor:
         work, flat_grad, low = self._pending.pop(minibatch)
@@ -92,9 +104,23 @@ class GradReducer:
                             f"the data-parallel gradient all-reduce of minibatch {minibatch}")
             if low is not None:
                 flat_grad.copy_(low)
-            else:
+            elif minibatch not in self._tokens:
                 flat_grad.div_(self.size)
+        if minibatch in self._tokens:
+            self._divide_by_tokens(minibatch, flat_grad)
         return flat_grad
+
+    def _divide_by_tokens(self, minibatch: int, flat_grad: torch.Tensor) -> None:
+        """Per-token loss: the summed gradient over the global batch's token count (none
+        counted: left as it is, as Megatron-LM does)."""
+        work, count = self._tokens.pop(minibatch)
+        if work is not None:
+            wait_collective(work, self.group,
+                            f"the data-parallel token count of minibatch {minibatch}")
+        if count.item() > 0:
+            flat_grad.mul_(1.0 / count.item())
+            if self.config.low_precision:  # Megatron-LM scales its bf16 main_grad
+                flat_grad.copy_(flat_grad.to(self.config.dtype))
 
 
 class TiedGradSync:

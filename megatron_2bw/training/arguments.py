@@ -185,6 +185,10 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: accumulate and all-reduce gradients in bf16 instead "
                         "of fp32 (Megatron-LM's)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="GPT: the loss and gradient of a step are the mean over the global "
+                        "batch's unmasked tokens, not the mean of per-microbatch means "
+                        "(Megatron-LM's)")
     g.add_argument("--loss-scale", type=float, help="fp16: a constant loss scale")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
                    help="fp16: starting dynamic loss scale")
@@ -258,6 +262,13 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--mask-prob", type=float, default=0.15, help="BERT masking probability")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="GPT: no loss on end-of-document tokens")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="GPT: positions restart after each end-of-document token")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="GPT: tokens attend only within their own document (the data "
+                        "loader builds each sample's mask)")
     g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
                    help="read the .bin files instead of memory-mapping them")
     g.add_argument("--data-cache-path", help="where dataset index caches go (default: next "
@@ -333,6 +344,9 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                       seq_length=args.seq_length, seed=args.seed, mask_prob=args.mask_prob,
                       data_cache_path=args.data_cache_path,
+                      eod_mask_loss=args.eod_mask_loss,
+                      reset_position_ids=args.reset_position_ids,
+                      reset_attention_mask=args.reset_attention_mask,
                       mmap_bin_files=args.mmap_bin_files)
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=gbs,
                         train_iters=view.train_iters, train_samples=args.train_samples,

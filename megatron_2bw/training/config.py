@@ -57,6 +57,9 @@ class DataConfig:
     short_seq_prob: float = 0.1
     data_cache_path: Optional[str] = None  # --data-cache-path
     mmap_bin_files: bool = True            # --no-mmap-bin-files
+    eod_mask_loss: bool = False            # --eod-mask-loss (GPT)
+    reset_position_ids: bool = False       # --reset-position-ids (GPT)
+    reset_attention_mask: bool = False     # --reset-attention-mask (GPT)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,11 @@ def data_sources(run: RunConfig, tokenizer) -> DataSources:
                             valid_samples=valid, test_samples=test, mock=data.mock_data,
                             mask_prob=data.mask_prob, data_cache_path=data.data_cache_path,
                             mmap_bin_files=data.mmap_bin_files,
+                            eod_mask_loss=data.eod_mask_loss,
+                            reset_position_ids=data.reset_position_ids,
+                            reset_attention_mask=data.reset_attention_mask,
+                            # a document-wise mask is not the causal one the model builds
+                            create_attention_mask=data.reset_attention_mask,
                             bert_binary_head=run.model.bert_binary_head)
     datasets = build_datasets(config, tokenizer)
     return DataSources(datasets.train, datasets.valid)

@@ -135,6 +135,7 @@ class Trainer:
             grad_buffers=schedule.grad_buffers, dp_group=data_parallel_group(),
             first_version=self.iteration, tied=_tied_sync(schedule, self.stage, infos, run),
             grads=_grad_reduce(run),
+            count_tokens=module.num_tokens if run.model.per_token_loss else None,
             make_copy=lambda: build_stage(run.model, self.stage, par.pipeline_parallel
                                           ).to(self.env.device))
         return executor, updater
@@ -253,7 +254,8 @@ class Trainer:
         if loss is None:
             return
         parts = self.executor.evaluation_metrics()  # BERT: lm_loss, sop_loss
-        loss, *values = self._dp_mean([loss, *parts.values()])
+        loss, *values = self._dp_mean([loss, *parts.values()],
+                                      self.executor.evaluation_tokens)
         rec = {"split": "valid", "iteration": iteration, "val_loss": loss,
                "val_ppl": math.exp(min(loss, 20.0)),
                **{f"val_{name}": value for name, value in zip(parts, values)},
@@ -268,20 +270,29 @@ class Trainer:
         return microbatches(dataset, self.run.train.micro_batch_size, first_sample, self.dp_rank,
                             self.run.parallel.data_parallel)
 
-    def _dp_mean(self, values: list[float]) -> list[float]:
-        stats = torch.tensor(values, dtype=torch.float64)
+    def _dp_mean(self, values: list[float], tokens: Optional[float] = None) -> list[float]:
+        """The mean over data-parallel replicas; with a per-token loss (`tokens`: this
+        replica's count) weighted by tokens, so the result is the global batch's
+        per-token mean, as Megatron-LM reports it."""
         group = data_parallel_group()
+        if tokens is None:
+            stats = torch.tensor(values, dtype=torch.float64)
+            if group is not None:
+                dist.all_reduce(stats, group=group)
+                stats /= dist.get_world_size(group)
+            return stats.tolist()
+        stats = torch.tensor([v * tokens for v in values] + [tokens], dtype=torch.float64)
         if group is not None:
             dist.all_reduce(stats, group=group)
-            stats /= dist.get_world_size(group)
-        return stats.tolist()
+        return (stats[:-1] / max(stats[-1].item(), 1.0)).tolist()
 
     def _on_step(self, k: int, result: RunResult) -> None:
         """After minibatch k's step on this stage: average its loss over DP and record."""
         self.housekeeping.after_step(k + 1)
         if not self.executor.links.is_last:
             return
-        stats = self._dp_mean([result.losses[k]] + list(result.metrics.get(k, {}).values()))
+        stats = self._dp_mean([result.losses[k]] + list(result.metrics.get(k, {}).values()),
+                              result.tokens.get(k))
         now = time.monotonic()
         elapsed, self._last_time = now - self._last_time, now
         rec = self._record(k, stats, list(result.metrics.get(k, {})),

@@ -96,9 +96,6 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
      "sharding the optimizer state over data-parallel ranks is not implemented (the "
      "numbers would not change, the memory per rank would); drop the flag, or run "
      "with data-parallel size 1, where it changes nothing"),
-    (_switch("--calculate-per-token-loss"), lambda a, w: a.calculate_per_token_loss,
-     "normalizing the loss by the global batch's token count is not implemented; the "
-     "loss is averaged per microbatch (Megatron-LM's default)"),
     (_value("--fp8-format", choices=["e4m3", "hybrid"]), lambda a, w: a.fp8_format is not None,
      "fp8 needs Transformer Engine on a GPU, which this build does not use; use --bf16"),
     (_value("--fp8-amax-history-len", int), lambda a, w: a.fp8_amax_history_len is not None,

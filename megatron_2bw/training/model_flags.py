@@ -316,7 +316,7 @@ def model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfi
         rotary_interleaved=args.rotary_interleaved,
         rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         use_rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
-        swiglu=args.swiglu,
+        swiglu=args.swiglu, per_token_loss=args.calculate_per_token_loss,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels, add_bias_linear=args.add_bias_linear,
         qk_layernorm=args.qk_layernorm,

@@ -417,6 +417,21 @@ RULES: tuple[Rule, ...] = (
          lambda f: not f.args.grad_reduce_in_bf16 or f.args.bf16,
          "--grad-reduce-in-bf16 without --bf16 changes nothing (Megatron-LM reads it only "
          "for bf16 models and ignores it otherwise)", "add --bf16, or drop the flag"),
+    Rule("--eod-mask-loss, --reset-position-ids, --reset-attention-mask",
+         lambda f: f.model == "gpt" or not (f.args.eod_mask_loss or f.args.reset_position_ids
+                                            or f.args.reset_attention_mask),
+         "these flags shape GPT's documents; BERT's samples are sentence pairs without "
+         "end-of-document tokens", "drop them for BERT"),
+    Rule("--reset-attention-mask, --no-create-attention-mask-in-dataloader",
+         lambda f: not (f.args.reset_attention_mask
+                        and f.args.no_create_attention_mask_in_dataloader),
+         "--reset-attention-mask needs the data loader's mask, which "
+         "--no-create-attention-mask-in-dataloader turns off",
+         "drop one of the two"),
+    Rule("--calculate-per-token-loss", lambda f: not f.args.calculate_per_token_loss
+         or f.model == "gpt", "--calculate-per-token-loss is a GPT loss: Megatron-LM's "
+         "pretrain_bert.py averages its LM and sentence-order losses per microbatch "
+         "whatever the flag says", "drop the flag for BERT"),
     Rule("--optimizer, --fp16", lambda f: f.args.optimizer != "muon" or f.precision != "fp16",
          "muon with fp16 is not supported", "use --bf16 or fp32 with --optimizer muon"),
     Rule("--muon-num-ns-steps", lambda f: f.args.muon_num_ns_steps % _NS_PERIOD == 0,
