@@ -108,7 +108,6 @@ def test_kernel_flags_are_mapped_with_one_line_each() -> None:
     (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2, "--sequence-parallel"),
     (["--use-distributed-optimizer"], 2, "--use-distributed-optimizer"),
     (["--fp8-format", "hybrid"], 1, "--fp8-format"),
-    (["--ckpt-format", "torch_dist"], 1, "--ckpt-format"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1,
      "--num-layers-per-virtual-pipeline-stage"),
 ])

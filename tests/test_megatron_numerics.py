@@ -257,9 +257,8 @@ def test_decoupled_lr_resume_is_exact(tmp_path) -> None:
     ckpt = str(tmp_path / "ckpt")
     first = launch("gpt", 2, flags + ["--save", ckpt, "--save-interval", "2",
                                       "--exit-interval", "2"], str(tmp_path / "a.jsonl"))
-    state = torch.load(os.path.join(ckpt, "iter_0000002", "mp_rank_00_000",
-                                    "model_optim_rng.pt"), weights_only=False)
-    assert state["optimizer"]["lr_groups"] == [{"max_lr": 2e-2, "min_lr": 5e-3}] * 2
+    common = torch.load(os.path.join(ckpt, "iter_0000002", "common.pt"), weights_only=False)
+    assert common["pipedream_2bw"]["lr_groups"] == [{"max_lr": 2e-2, "min_lr": 5e-3}] * 2
     rest = launch("gpt", 2, flags + ["--load", ckpt], str(tmp_path / "b.jsonl"))
     assert losses(first) + losses(rest) == pytest.approx(whole, rel=1e-6)
 

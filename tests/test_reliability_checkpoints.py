@@ -373,7 +373,9 @@ def test_drop_rows_after_keeps_one_row_per_iteration(tmp_path) -> None:
 
 # ------------------------------------------------------------------ through the entry point
 
-PP2 = ["--global-batch-size", "8", "--pipeline-model-parallel-size", "2"]
+# the legacy format's files are inspected here (torch_dist: tests/test_sharded_checkpoint.py)
+PP2 = ["--global-batch-size", "8", "--pipeline-model-parallel-size", "2", "--ckpt-format",
+       "torch"]
 
 
 @pytest.fixture(scope="module")

@@ -283,3 +283,38 @@ def _needs_embedding_sync(module: language_module.LanguageModule) -> bool:
         and module.config.pipeline_model_parallel_size > 1
         and torch.distributed.is_initialized()
     )
+
+
+# --- dist_checkpointing (--ckpt-format torch_dist) ----------------------------------
+
+
+@contextlib.contextmanager
+def cpu_dist_checkpointing() -> Iterator[None]:
+    """Run megatron-core's `dist_checkpointing.save` / `load` on CPU, inside this block.
+
+    Three spots of megatron-core 0.16.1's torch_dist writer assume CUDA, and are replaced
+    only for the duration of the call and only when no CUDA device is in use:
+    - `FileSystemWriterAsync.preload_tensors` ends with `torch.cuda.synchronize()` (for
+      its non-blocking device-to-host copies; CPU tensors need no wait): a no-op here;
+    - `save_state_dict_async_finalize` broadcasts its failure flag from a tensor on
+      `torch.cuda.current_device()`: that device is "cpu" here (gloo broadcasts it);
+    - the writer's result queue is a `spawn`-context Manager queue, which starts a
+      helper process re-importing the entry point: a plain in-process queue here (the
+      synchronous save collects its forked writers' results in this process).
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    saved = (torch.cuda.synchronize, torch.cuda.current_device, filesystem_async._results_queue)
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device, filesystem_async._results_queue = saved

@@ -272,6 +272,17 @@ class MegatronUpdater:
                 "lr_groups": self.param_groups.limits(),
                 "masters": None if self.alias else [m.detach().clone() for m in self.masters]}
 
+    def per_parameter_state(self) -> dict[str, list[tuple[int, torch.Tensor]]]:
+        """The live per-parameter tensors of the optimizer under Megatron-LM's state names,
+        each with the index of its parameter, in `state_dict`'s list order. A sharded
+        checkpoint stores each beside its parameter, so it reshards as the parameter does."""
+        state = {"exp_avg": list(zip(self._adam_idx, self.adam.exp_avg)),
+                 "exp_avg_sq": list(zip(self._adam_idx, self.adam.exp_avg_sq)),
+                 "momentum_buffer": list(zip(self._muon_idx, self.muon.buffers)),
+                 "delay_compensation": list(enumerate(self.compensation.buffers)),
+                 "fp32_param": [] if self.alias else list(enumerate(self.masters))}
+        return {kind: pairs for kind, pairs in state.items() if pairs}
+
     def load_state_dict(self, state: dict, scheduler_from: str = "checkpoint") -> None:
         """Everything `state_dict` saved but the masters: those depend on which buffer
         holds the newest weights, so the caller restores them with `restore_masters`.

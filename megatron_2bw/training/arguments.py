@@ -61,6 +61,11 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100, help="validation iterations per run")
     g.add_argument("--save", help="checkpoint directory to save to")
     g.add_argument("--load", help="checkpoint directory to resume from")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
+                   help="torch_dist (default, as Megatron-LM): megatron-core's "
+                        "dist_checkpointing, loadable at another TP x PP x DP layout; torch: "
+                        "Megatron-LM's legacy one file per tensor x pipeline rank (the format "
+                        "of a --load is detected)")
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
     g.add_argument("--exit-interval", type=int, help="stop at this iteration (after saving)")
     g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
@@ -353,6 +358,7 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                         rampup_batch_size=view.rampup, log_interval=args.log_interval,
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         save=args.save, load=args.load, save_interval=args.save_interval,
+                        ckpt_format=args.ckpt_format,
                         metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
                         seed=args.seed, exit_interval=args.exit_interval,
                         overwrite_checkpoints=args.overwrite_checkpoints,

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
+from .sharded_checkpoint import (commit_sharded, is_sharded, load_sharded, read_common,
+                                 save_sharded, verify_sharded)
 from .checkpoint_files import (TRACKER, CheckpointError, check_save_dir, clear_for_save,
                                iteration_dir, load_state, read_tracker,
                                refuse_unread_checkpoints, write_error, write_manifest,
@@ -46,6 +48,9 @@ SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "add_bias_linear", "normalization", "qk_layernorm", "apply_layernorm_1p",
                "position_embedding_type", "decoder_first_pipeline_num_layers",
                "decoder_last_pipeline_num_layers")
+# of those, the layout: a torch_dist checkpoint reshards to another one
+LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 # flags whose dest is not their name
 FLAG_NAMES = {"add_bias_linear": "--disable-bias-linear"}
 # the LR-schedule state megatron-core's OptimizerParamScheduler checks on load, by flag
@@ -142,14 +147,18 @@ def _commit(root: str, iteration: int, entries: dict) -> None:
 
 
 def save_checkpoint(root: str, iteration: int, executor, updater, flags: dict,
-                    schedule: str, overwrite: bool = False) -> None:
-    """Every rank calls this at a drained pipeline; DP rank 0 of each (tp, pp) writes.
+                    schedule: str, overwrite: bool = False, ckpt_format: str = "torch") -> None:
+    """Every rank calls this at a drained pipeline; DP rank 0 of each (tp, pp) writes
+    (torch_dist: dist_checkpointing spreads the writing over the ranks).
 
     Rank 0 first removes what failed saves left; the manifest (all ranks' checksums)
     and then the tracker are written only after every rank file is complete.
     """
     _agree(_attempt(lambda: _clear(root, iteration, overwrite)) if dist.get_rank() == 0
            else None)
+    if ckpt_format == "torch_dist":
+        _save_sharded(root, iteration, executor, updater, flags, schedule)
+        return
     entries, error = {}, None
     if ps.get_data_parallel_rank() == 0:
         state = _state(iteration, executor, updater, flags, schedule)
@@ -166,14 +175,34 @@ def save_checkpoint(root: str, iteration: int, executor, updater, flags: dict,
     logger.info(f"saved checkpoint at iteration {iteration} to {root}")
 
 
+def _save_sharded(root: str, iteration: int, executor, updater, flags: dict,
+                  schedule: str) -> None:
+    """--ckpt-format torch_dist (sharded_checkpoint.py): all ranks write, then rank 0
+    records the manifest and the tracker."""
+    path = iteration_dir(root, iteration)
+    _agree(_attempt(lambda: os.makedirs(path, exist_ok=True)) if dist.get_rank() == 0
+           else None)
+    _agree(_attempt(lambda: save_sharded(path, iteration, executor, updater, flags, schedule,
+                                         _rng_state())))
+    _agree(_attempt(lambda: commit_sharded(root, iteration)) if dist.get_rank() == 0
+           else None)
+    logger.info(f"saved checkpoint at iteration {iteration} to {root} (torch_dist)")
+
+
 # ---------------------------------------------------------------------------- loading
 
 
 @dataclass
 class LoadedCheckpoint:
     iteration: int
-    state: dict
+    state: dict  # torch_dist: the common state until `load_tensors` adds the rest
     path: str = ""
+    sharded: bool = False  # --ckpt-format torch_dist: reshardable
+
+    def load_tensors(self, root: str, executor, updater) -> None:
+        """torch_dist: the tensors, resharded to this rank's layout (a collective)."""
+        if self.sharded:
+            self.state = load_sharded(root, self.iteration, self.state, executor, updater)
 
 
 def read_checkpoint(root: str, rel: Optional[str] = None,
@@ -187,9 +216,25 @@ def read_checkpoint(root: str, rel: Optional[str] = None,
             refuse_unread_checkpoints(root)
         _warn_once(f"--load {root}: no {TRACKER}; starting from scratch")
         return None
+    if is_sharded(root, iteration):
+        return _read_sharded(root, iteration)
     rel = rel or rank_file()
     state = load_state(root, iteration, rel, warn=_warn_once)
     return LoadedCheckpoint(iteration, state, os.path.join(iteration_dir(root, iteration), rel))
+
+
+def _read_sharded(root: str, iteration: int) -> LoadedCheckpoint:
+    """A torch_dist checkpoint: rank 0 verifies every file, all read the common state."""
+    verified = [False]
+
+    def check() -> None:
+        verified[0] = verify_sharded(root, iteration)
+    _agree(_attempt(check) if dist.get_rank() == 0 else None)
+    if dist.get_rank() == 0 and not verified[0]:
+        logger.warning(f"checkpoint iteration {iteration} has no manifest (written by "
+                       f"Megatron-LM?): loading {root} without checksum verification")
+    return LoadedCheckpoint(iteration, read_common(root, iteration),
+                            iteration_dir(root, iteration), sharded=True)
 
 
 def _saved_args(state: dict) -> dict:
@@ -207,10 +252,12 @@ def _shape_value(args: dict, key: str):
     return value
 
 
-def check_shapes(saved: dict, flags: dict, path: str) -> None:
+def check_shapes(saved: dict, flags: dict, path: str, reshardable: bool = False) -> None:
     """Model-shape flags must equal the checkpoint's (a clear error instead of a size
-    mismatch deep in load_state_dict)."""
+    mismatch deep in load_state_dict); a torch_dist checkpoint may change the layout."""
     for key in SHAPE_FLAGS:
+        if reshardable and key in LAYOUT_FLAGS:
+            continue
         old, new = _shape_value(saved, key), _shape_value(flags, key)
         if key in saved and key in flags and old != new:
             flag = FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
@@ -231,7 +278,7 @@ def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:
         if t.train_iters == start:
             logger.info(f"the checkpoint is at iteration {start} = --train-iters: nothing "
                         "left to train")
-        check_shapes(_saved_args(loaded.state), run.flags, loaded.path)
+        check_shapes(_saved_args(loaded.state), run.flags, loaded.path, loaded.sharded)
     if t.save:
         check_save_dir(t.save, start, t.overwrite_checkpoints)
     return start
@@ -347,7 +394,8 @@ def restore(loaded: LoadedCheckpoint, executor, updater, run) -> None:
     newest_module = store.modules[store.buffer_of(store.newest)]
     updater.restore_masters(_saved_masters(state, newest_module),
                             store.params[store.buffer_of(store.newest)])
-    _restore_rng(state["rng_state"])
+    if state.get("rng_state") is not None:  # torch_dist resharded: not this layout's
+        _restore_rng(state["rng_state"])
 
 
 def _saved_masters(state: dict, module) -> list[torch.Tensor]:

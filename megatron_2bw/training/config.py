@@ -75,6 +75,7 @@ class TrainConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
+    ckpt_format: str = "torch_dist"      # --ckpt-format (what --save writes)
     metrics_file: Optional[str] = None
     tensorboard_dir: Optional[str] = None
     seed: int = 1234

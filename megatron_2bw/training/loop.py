@@ -108,6 +108,7 @@ class Trainer:
         self.iteration = prepare_resume(loaded, run)  # refuses before any work
         self.executor, self.updater = self._build(self._schedule(1))
         if loaded:
+            loaded.load_tensors(t.load, self.executor, self.updater)
             restore(loaded, self.executor, self.updater, run)
             logger.info(f"resumed from {t.load} at iteration {self.iteration}")
         is_logger = env.rank == env.world_size - 1
@@ -195,7 +196,8 @@ class Trainer:
     def _save(self, end: int) -> None:
         t = self.run.train
         save_checkpoint(t.save, end, self.executor, self.updater, self.run.flags,
-                        self.run.parallel.schedule, overwrite=t.overwrite_checkpoints)
+                        self.run.parallel.schedule, overwrite=t.overwrite_checkpoints,
+                        ckpt_format=t.ckpt_format)
 
     def _stops(self, stop: GracefulStop, end: int) -> bool:
         """At a segment end before the last: whether all ranks agree to stop; then save

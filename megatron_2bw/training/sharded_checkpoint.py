@@ -1,0 +1,280 @@
+"""--ckpt-format torch_dist: megatron-core's dist_checkpointing, resharded on load.
+
+    {save}/latest_checkpointed_iteration.txt
+    {save}/iter_{iteration:07d}/  common.pt  metadata.json  .metadata  __*_*.distcp
+                                  manifest.json (ours: a sha256 per file)
+
+Every tensor is a megatron-core `ShardedTensor` that names its place in the *global*
+model (the layer index is an axis of the key, the tensor-parallel split an offset), so
+a checkpoint written at one TP x PP x DP layout loads at another: each rank asks for
+the pieces its own layout holds. What is saved, under Megatron-LM's keys where it has
+them:
+
+- `model`: the newest weight version, megatron-core's `sharded_state_dict` (the keys
+  Megatron-LM's torch_dist checkpoints have);
+- `pipedream_2bw.shadow_model.*`: 2BW's older weight version, which the next
+  iteration's forward passes use (Megatron-LM does not read it);
+- `optimizer.state.{exp_avg,exp_avg_sq,momentum_buffer,fp32_param,delay_compensation}.*`:
+  each optimizer tensor sharded like its parameter (the last stage's tied output-layer
+  copy is a replica of the word embedding, saved once);
+- `rng_state`: per (pipeline, tensor) rank, as Megatron-LM; restored only at the layout
+  it was saved at (another layout has other ranks; Megatron-LM does the same);
+- common (rank 0's `common.pt`): args, iteration, checkpoint_version 3.0,
+  opt_param_scheduler, and this engine's scalars (versions, loss scales, Adam's step).
+
+A load fills the same nested state a `--ckpt-format torch` checkpoint gives, so
+`checkpointing.restore` applies both alike (schedule checks, 2BW's versions, masters).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+from ..models.compat import cpu_dist_checkpointing
+from .checkpoint_files import (MANIFEST, CheckpointError, FileEntry, iteration_dir,
+                               previous_hint, read_manifest, write_manifest, write_tracker)
+
+logger = logging.getLogger(__name__)
+MODEL_PREFIX = "model."  # PipelineStage holds megatron-core's model as `.model`
+SHADOW = "pipedream_2bw.shadow_model."
+COMMON_FILE = "common.pt"
+
+
+def is_sharded(root: str, iteration: int) -> bool:
+    """Whether the iteration was saved by dist_checkpointing (Megatron-LM's own test)."""
+    base = iteration_dir(root, iteration)
+    return os.path.exists(os.path.join(base, COMMON_FILE)) or os.path.exists(
+        os.path.join(base, "metadata.json"))
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def _model_shards(module, prefix: str = "") -> dict:
+    return module.model.sharded_state_dict(prefix=prefix)
+
+
+def _optimizer_shards(updater, names: list[str], model: dict,
+                      kinds: Optional[set[str]] = None) -> dict:
+    """{kind: {param name: ShardedTensor}} beside each parameter's own shard."""
+    out: dict = {}
+    for kind, pairs in updater.per_parameter_state().items():
+        if kinds is not None and kind not in kinds:
+            continue
+        out[kind] = {names[i]: make_sharded_optimizer_tensor(
+            model[names[i][len(MODEL_PREFIX):]], tensor, f"optimizer.state.{kind}")
+            for i, tensor in pairs}
+    return out
+
+
+def _rng_shard(state: Optional[dict]) -> ShardedObject:
+    """This (pipeline, tensor) rank's RNG state; data-parallel replicas hold copies."""
+    return ShardedObject("rng_state", state,
+                         (ps.get_pipeline_model_parallel_world_size(),
+                          ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(),
+                          ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank())
+
+
+def _common(iteration: int, executor, updater, flags: dict, schedule: str) -> dict:
+    store, opt = executor.weights, updater.state_dict()
+    return {"args": argparse.Namespace(**flags), "checkpoint_version": 3.0,
+            "iteration": iteration, "opt_param_scheduler": opt["scheduler"],
+            "pipedream_2bw": {
+                "pipeline_schedule": schedule, "newest_version": store.newest,
+                "versions": sorted(store.valid),
+                "loss_scale_of": {v: store.loss_scale_of.get(v, 1.0) for v in store.valid},
+                "adam_step": opt["adam"]["step"], "scaler": opt["scaler"],
+                "lr_groups": opt["lr_groups"], "optimizer": updater.config.optimizer,
+                "compensation_kind": opt["compensation"]["kind"],
+                "optimizer_tensors": sorted(updater.per_parameter_state())}}
+
+
+def _sharded_state(iteration: int, executor, updater, flags: dict, schedule: str,
+                   rng: dict) -> dict:
+    store = executor.weights
+    names = [info.name for info in updater.infos]
+    newest = store.modules[store.buffer_of(store.newest)]
+    model = _model_shards(newest)
+    state = {**_common(iteration, executor, updater, flags, schedule), "model": model,
+             "optimizer": _optimizer_shards(updater, names, model), "rng_state": _rng_shard(rng)}
+    older = [v for v in store.valid if v != store.newest]
+    if older:
+        state["shadow_model"] = _model_shards(store.modules[store.buffer_of(older[0])], SHADOW)
+    return state
+
+
+# ---------------------------------------------------------------------------- saving
+
+
+def save_sharded(path: str, iteration: int, executor, updater, flags: dict, schedule: str,
+                 rng: dict) -> None:
+    """Every rank calls this (a collective); the caller has cleared `path`'s iteration."""
+    state = _sharded_state(iteration, executor, updater, flags, schedule, rng)
+    with cpu_dist_checkpointing():
+        dist_checkpointing.save(state, path)
+
+
+def commit_sharded(root: str, iteration: int) -> None:
+    """Rank 0, after every rank saved: the manifest of all files, then the tracker."""
+    base = iteration_dir(root, iteration)
+    entries = {}
+    for rel in sorted(os.listdir(base)):
+        full = os.path.join(base, rel)
+        if rel == MANIFEST or not os.path.isfile(full):
+            continue
+        with open(full, "rb") as f:
+            entries[rel] = FileEntry(hashlib.file_digest(f, "sha256").hexdigest(),
+                                     os.path.getsize(full))
+    write_manifest(root, iteration, entries)
+    write_tracker(root, iteration)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def verify_sharded(root: str, iteration: int) -> bool:
+    """Every file against the manifest (rank 0 calls this); False without a manifest."""
+    manifest = read_manifest(root, iteration)
+    if manifest is None:
+        return False
+    base = iteration_dir(root, iteration)
+    for rel, entry in manifest.items():
+        full = os.path.join(base, rel)
+        try:
+            with open(full, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError:
+            raise CheckpointError(f"checkpoint file missing ({full}); "
+                                  f"{previous_hint(root, iteration)}") from None
+        if digest != entry.sha256 or os.path.getsize(full) != entry.size:
+            raise CheckpointError(f"checkpoint file corrupt: its sha256 differs from the "
+                                  f"manifest ({full}); {previous_hint(root, iteration)}")
+    return True
+
+
+def read_common(root: str, iteration: int) -> dict:
+    """The common state (args, iteration, schedule, engine scalars): enough to check a
+    resume before the model exists."""
+    path = iteration_dir(root, iteration)
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as err:  # noqa: BLE001 (any failure to read is the user's file)
+        raise CheckpointError(f"checkpoint unreadable ({path}: {str(err).splitlines()[0]}); "
+                              f"{previous_hint(root, iteration)}") from err
+    if "pipedream_2bw" not in common:
+        raise CheckpointError(f"{path} is a torch_dist checkpoint without megatron-2bw's "
+                              "engine state (written by Megatron-LM?); load it with "
+                              "--finetune-style weights-only loading, not supported yet")
+    return common
+
+
+def _saved_layout(common: dict) -> tuple[int, int]:
+    args = vars(common["args"])
+    return args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
+
+
+def _requested_kinds(common: dict, updater, path: str) -> set[str]:
+    """The optimizer tensors this run needs and the checkpoint has; a clear error where
+    the run needs one the checkpoint lacks (another optimizer or compensation)."""
+    saved, engine = set(common["pipedream_2bw"]["optimizer_tensors"]), common["pipedream_2bw"]
+    needed = set(updater.per_parameter_state())
+    if engine["compensation_kind"] != updater.config.delay_compensation:
+        raise CheckpointError(f"the checkpoint was trained with --delay-compensation "
+                              f"{engine['compensation_kind']}, this run asks for "
+                              f"{updater.config.delay_compensation} ({path}); resume with "
+                              "the checkpoint's")
+    missing = needed - saved - {"fp32_param"}  # no masters: the weights are the masters
+    if missing or engine["optimizer"] != updater.config.optimizer:
+        raise CheckpointError(f"the checkpoint was saved with --optimizer "
+                              f"{engine['optimizer']}, this run has --optimizer "
+                              f"{updater.config.optimizer} ({path}); resume with the "
+                              "checkpoint's")
+    return needed & saved
+
+
+def _template(common: dict, executor, updater, kinds: set[str]) -> dict:
+    """What this rank asks for, in its own layout (loads reshard to it)."""
+    store = executor.weights
+    names = [info.name for info in updater.infos]
+    model = _model_shards(store.modules[0])
+    template = {"model": model, "optimizer": _optimizer_shards(updater, names, model, kinds)}
+    if len(common["pipedream_2bw"]["versions"]) > 1 and store.num_buffers > 1:
+        template["shadow_model"] = _model_shards(store.modules[1], SHADOW)
+    if _saved_layout(common) == (ps.get_tensor_model_parallel_world_size(),
+                                 ps.get_pipeline_model_parallel_world_size()):
+        template["rng_state"] = _rng_shard(None)
+    return template
+
+
+def _weights(loaded: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A module state dict (our `model.` names) from loaded megatron-core shards."""
+    return {MODEL_PREFIX + k[len(prefix):]: v.detach().clone() for k, v in loaded.items()
+            if torch.is_tensor(v)}
+
+
+def _optimizer_state(common: dict, updater, loaded: dict) -> dict:
+    """The nested optimizer state `MegatronUpdater.load_state_dict` reads."""
+    engine, state = common["pipedream_2bw"], updater.state_dict()
+    order = {kind: [updater.infos[i].name for i, _ in pairs]
+             for kind, pairs in updater.per_parameter_state().items()}
+    tensors = {kind: [per[name].detach().clone() for name in order[kind]]
+               for kind, per in loaded.items()}
+    state["adam"].update(step=engine["adam_step"],
+                         exp_avg=tensors.get("exp_avg", state["adam"]["exp_avg"]),
+                         exp_avg_sq=tensors.get("exp_avg_sq", state["adam"]["exp_avg_sq"]))
+    state["muon"]["momentum_buffers"] = tensors.get("momentum_buffer",
+                                                    state["muon"]["momentum_buffers"])
+    state["compensation"] = {"kind": engine["compensation_kind"],
+                             "previous_update": tensors.get("delay_compensation", [])}
+    state.update(scheduler=common["opt_param_scheduler"], scaler=engine["scaler"],
+                 lr_groups=engine["lr_groups"], masters=tensors.get("fp32_param"))
+    return state
+
+
+def load_sharded(root: str, iteration: int, common: dict, executor, updater) -> dict:
+    """The checkpoint resharded to this rank's layout, as the nested state
+    `checkpointing.restore` applies (a collective: every rank calls it)."""
+    path = iteration_dir(root, iteration)
+    template = _template(common, executor, updater, _requested_kinds(common, updater, path))
+    try:
+        with cpu_dist_checkpointing():
+            loaded = dist_checkpointing.load(template, path)
+    except Exception as err:  # noqa: BLE001 (a clear line instead of a deep traceback)
+        raise CheckpointError(f"the checkpoint does not fit this model ({path}: "
+                              f"{str(err).strip().splitlines()[-1][:300]}); resume with the "
+                              "model flags it was saved with") from err
+    engine = common["pipedream_2bw"]
+    newest = engine["newest_version"]
+    versions = {newest: _weights(loaded["model"])}
+    if "shadow_model" in loaded:
+        versions[newest - 1] = _weights(loaded["shadow_model"], SHADOW)
+    rng = loaded.get("rng_state")
+    if rng is None:
+        _warn_layout(common)
+    return {"iteration": common["iteration"], "args": common["args"],
+            "pipeline_schedule": engine["pipeline_schedule"], "newest_version": newest,
+            "weight_versions": versions, "loss_scale_of": engine["loss_scale_of"],
+            "optimizer": _optimizer_state(common, updater, loaded["optimizer"]),
+            "rng_state": rng}
+
+
+def _warn_layout(common: dict) -> None:
+    tp, pp = _saved_layout(common)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        logger.warning(f"the checkpoint was saved at tensor x pipeline parallel {tp} x {pp}; "
+                       f"resharded to {ps.get_tensor_model_parallel_world_size()} x "
+                       f"{ps.get_pipeline_model_parallel_world_size()}; its random-number "
+                       "states belong to the old ranks and are not restored (dropout "
+                       "masks differ from an unresharded resume)")
