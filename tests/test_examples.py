@@ -1,7 +1,8 @@
 """Megatron-LM's example scripts, shrunk to CPU sizes, run here unchanged otherwise.
 
-examples/gpt3 and examples/bert carry the flag sets of Megatron-LM's
-train_gpt3_175b_distributed.sh and train_bert_340m_distributed.sh at core_v0.16.1
+examples/gpt3, examples/bert and examples/llama carry the flag sets of Megatron-LM's
+train_gpt3_175b_distributed.sh, train_bert_340m_distributed.sh and
+train_llama3_8b_h100_fp8.sh at core_v0.16.1
 (--attention-backend, --rampup-batch-size, --fp16, --lr-warmup-fraction, --split,
 --save/--load, --tensorboard-dir, ...), each run as is and with --pipeline-schedule 2bw
 for a few iterations through torchrun, on the embedded corpus.
@@ -24,11 +25,11 @@ SCRIPTS = {"gpt3": "examples/gpt3/train_gpt3_175b_distributed.sh",
            "bert": "examples/bert/train_bert_340m_distributed.sh"}
 
 
-def _run(script: str, tmp_path, extra: str) -> str:
+def _run(script: str, tmp_path, extra: str, **sizes: str) -> str:
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()), TRAIN_ITERS="4",
                LR_DECAY_ITERS="4", LOG_INTERVAL="1", EVAL_INTERVAL="2", SAVE_INTERVAL="4",
-               EXTRA_ARGS=extra)
+               EXTRA_ARGS=extra, **sizes)
     proc = subprocess.run(["bash", os.path.join(ROOT, script), str(tmp_path / "ckpt"),
                            str(tmp_path / "tb")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -52,3 +53,18 @@ def test_example_script_runs(tmp_path, name: str, schedule: str) -> None:
     assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
     if name == "gpt3":  # --rampup-batch-size 4 4 96: 4 samples in the first step
         assert "setting batch size to 4 at iteration 1" in out
+
+
+@pytest.mark.parametrize("schedule", ["flush", "2bw"])
+def test_llama_example_runs(tmp_path, schedule: str) -> None:
+    """Megatron-LM's Llama-3 8B flag set (RoPE, GQA, SwiGLU, --bf16 --grad-reduce-in-bf16,
+    --decoupled-lr, --calculate-per-token-loss, sample-based schedule, --ckpt-format
+    torch_dist, ...) for 4 steps of 8 samples at PP=2 (--use-distributed-optimizer then
+    changes nothing: one data-parallel rank)."""
+    extra = "--pipeline-model-parallel-size 2 --pipeline-schedule " + schedule
+    out = _run("examples/llama/train_llama3_8b_h100_fp8.sh", tmp_path, extra,
+               TRAIN_SAMPLES="32", LR_DECAY_SAMPLES="32", LR_WARMUP_SAMPLES="8")
+    lines = [ln for ln in out.splitlines() if "] iteration " in ln]
+    assert len(lines) == 4 and f"pipeline schedule: {schedule}" in lines[-1], out[-3000:]
+    assert "(torch_dist)" in out and "lm loss value:" in out
+    assert os.path.exists(tmp_path / "ckpt" / "iter_0000004" / "common.pt")

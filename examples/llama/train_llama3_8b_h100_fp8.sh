@@ -6,9 +6,10 @@
 # arguments (MOCK, as in Megatron-LM). Extra flags go in $EXTRA_ARGS.
 #
 # Status (docs/megatron-flags.md): --decoupled-lr/--decoupled-min-lr,
-# --grad-reduce-in-bf16 and --calculate-per-token-loss run with Megatron-LM's meaning
-# (docs/training.md); one flag of this script is not implemented yet and stops it with
-# one `error:` line: --ckpt-format torch_dist.
+# --grad-reduce-in-bf16, --calculate-per-token-loss and --ckpt-format torch_dist run with
+# Megatron-LM's meaning (docs/training.md, docs/checkpoints.md). --sequence-parallel and
+# --use-distributed-optimizer change nothing at TP=1 and one data-parallel rank, and are
+# refused where they would (run it with EXTRA_ARGS="--pipeline-model-parallel-size 2").
 #
 #   bash examples/llama/train_llama3_8b_h100_fp8.sh [CKPT] [TB] [TOKENIZER|MOCK] [DATA|MOCK]
 set -euo pipefail
