@@ -5,7 +5,8 @@
   run's losses bit for bit.
 - A SIGSTOPped rank ends its neighbour within the distributed timeout (the seconds-level
   test hook), with a message naming the frozen stage and rank.
-- Tasks started by srun without torchrun's rendezvous are refused with one line.
+- Tasks started by srun itself take their ranks from SLURM's variables and train;
+  mpirun and PMI launches without torchrun's rendezvous are refused with one line.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,9 +92,17 @@ def test_sigterm_saves_where_it_stopped_and_resumes_exactly(tmp_path) -> None:
     try:
         _wait_for(stopped_m, 2, [stopped], 120)
         # SLURM signals every process of the step; torchrun's own answer to SIGTERM is
-        # exit status 1 (after its workers end), so only the workers get it here
-        for pid in _workers(stopped):
-            os.kill(pid, signal.SIGTERM)
+        # exit status 1 (after its workers end), so only the workers get it here. It
+        # keeps coming until they are gone (SLURM signals node by node, so a rank can get
+        # one after it saved): none of them may end a worker (exit 143 under srun).
+        workers = _workers(stopped)
+        while stopped.poll() is None:
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
         out = _finish(stopped, 120)
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
             k = int(f.read())
@@ -174,42 +184,104 @@ def test_a_rank_that_never_starts_is_one_line(present: int) -> None:
     assert out.strip().splitlines()[-1].startswith(f"error: {expected}"), out[-3000:]
 
 
-@pytest.mark.slow
-def test_srun_without_torchrun_is_refused() -> None:
+def _srun_task_env(task: int, tasks: int, job_id: int) -> dict:
+    """What srun gives each task it starts, with no torchrun variables."""
     env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                       "MASTER_PORT", "LOCAL_RANK")}
-    env.update(SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY,
-                           "--train-iters", "2", "--global-batch-size", "2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    lines = [line for line in proc.stderr.splitlines() if "arn" not in line]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert [line for line in lines if "error:" in line] == [lines[-1]]
-    assert "srun (SLURM_STEP_NUM_TASKS=2)" in lines[-1] and "torchrun" in lines[-1]
+    env.update(SLURM_NTASKS=str(tasks), SLURM_STEP_NUM_TASKS=str(tasks),
+               SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_JOB_ID=str(job_id),
+               SLURM_STEP_NODELIST="localhost", SLURM_JOB_NODELIST="localhost")
+    return env
 
 
-@pytest.mark.parametrize("env,refused", [
-    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}, True),   # srun, quiet task
-    ({"OMPI_COMM_WORLD_SIZE": "2"}, True),                        # mpirun
-    ({"SLURM_NTASKS": "4"}, False),       # a batch script's one plain process
+def _job_id_with_free_port() -> int:
+    """A job id whose derived rendezvous port (10000 + id mod 20000) is free here."""
+    for job_id in range(os.getpid() % 20000, os.getpid() % 20000 + 20000):
+        port = distributed.srun_master_port(job_id)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return job_id
+    raise AssertionError("no free port in 10000-29999")
+
+
+@pytest.mark.slow
+def test_srun_tasks_train_without_torchrun(tmp_path) -> None:
+    """Two tasks as srun starts them (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the
+    step's node list, no MASTER_ADDR/MASTER_PORT) form one world of two and train PP=2."""
+    metrics = str(tmp_path / "m.jsonl")
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY, *PP2_2BW,
+           "--train-iters", "4", "--metrics-file", metrics]
+    job_id = _job_id_with_free_port()
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=_srun_task_env(task, 2, job_id),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for task in (0, 1)]
+    try:
+        outs = [_finish(p, 120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert [r["iteration"] for r in _records(metrics)] == [1, 2, 3, 4], outs[1][-3000:]
+
+
+def _fake_scontrol(*args: str) -> str:
+    """scontrol's answers on a cluster whose node names differ from their addresses."""
+    if args[:2] == ("show", "hostnames"):
+        return "n01\nn02\nn03\nn04\n"
+    if args[:2] == ("show", "node"):
+        return f"NodeName={args[2]} Arch=x86_64 CoresPerSocket=8\n   NodeAddr=10.0.0.1 " \
+               f"NodeHostName={args[2]} Version=22.05.8\n"
+    return ""
+
+
+SRUN_TASK = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+             "SLURM_JOB_ID": "123", "SLURM_STEP_NODELIST": "n[01-04]"}
+ADOPTED = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_PORT": "10123"}
+
+
+@pytest.mark.parametrize("env,scontrol,outcome", [
+    (SRUN_TASK, True, dict(ADOPTED, MASTER_ADDR="10.0.0.1")),  # srun: the first node's NodeAddr
+    (SRUN_TASK, False, dict(ADOPTED, MASTER_ADDR="n01")),      # no scontrol: its name
+    (dict(SRUN_TASK, MASTER_ADDR="head", MASTER_PORT="6000"), True,
+     dict(ADOPTED, MASTER_ADDR="head", MASTER_PORT="6000")),   # the batch script's exports
+    (dict(SRUN_TASK, SLURM_PROCID="x"), True, "refused"),     # a broken SLURM environment
+    (dict(SRUN_TASK, SLURM_PROCID="4"), True, "refused"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, True, "refused"),          # mpirun
+    ({"PMI_SIZE": "2", "PMI_RANK": "1"}, True, "quiet"),       # a PMI launcher, not task 0
+    ({"SLURM_NTASKS": "4"}, True, {}),   # a batch script's one plain process
     ({"SLURM_STEP_NUM_TASKS": "2", "RANK": "0", "WORLD_SIZE": "2",
-      "MASTER_ADDR": "x"}, False),        # torchrun under srun
+      "MASTER_ADDR": "x"}, True, {}),     # torchrun under srun: its variables win
 ])
-def test_launcher_detection(monkeypatch, capsys, env, refused) -> None:
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
-                "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+def test_launcher_detection(monkeypatch, capsys, env, scontrol, outcome) -> None:
+    """srun's tasks are adopted (init_distributed runs both checks, adoption first);
+    mpirun and PMI launches without torchrun's variables are refused with one line."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+                "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
+                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    if refused:
-        with pytest.raises(SystemExit) as exc:
-            distributed.refuse_foreign_launcher()
-        assert exc.value.code == 2
-        quiet = env.get("SLURM_PROCID", "0") != "0"
-        assert (capsys.readouterr().err == "") == quiet
-    else:
+    monkeypatch.setattr(distributed, "_scontrol", _fake_scontrol if scontrol else lambda *a: "")
+
+    def start() -> None:
+        distributed.adopt_srun_env()
         distributed.refuse_foreign_launcher()
+    if isinstance(outcome, str):
+        with pytest.raises(SystemExit) as exc:
+            start()
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert (err == "") == (outcome == "quiet"), err
+        assert outcome == "quiet" or len(err.splitlines()) == 1
+        return
+    before = {v: os.environ.get(v) for v in ADOPTED.keys() | {"MASTER_ADDR"}}
+    start()
+    after = {v: os.environ.get(v) for v in before}
+    assert after == (dict(before, **outcome) if outcome else before)
 
 
 def test_timeout_hook(monkeypatch) -> None:
@@ -241,10 +313,40 @@ def test_sigterm_is_noted_not_fatal() -> None:
         assert stop.reason() == "receiving SIGTERM (--exit-signal-handler)"
     finally:
         stop.close()
-    assert signal.getsignal(signal.SIGTERM) == previous
+        after = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
+    # a late SIGTERM (SLURM signals node by node) must not end a rank that saved: it stays
+    # ignored after training, not back to the default action (exit 143)
+    assert after == signal.SIG_IGN
     assert not GracefulStop(on_signal=False, duration_mins=0, device=None).active
     late = GracefulStop(on_signal=False, duration_mins=1e-9, device=None)
     assert "(--exit-duration-in-mins 1e-09)" in late.reason()
+
+
+def test_sigterm_after_training_is_ignored_or_the_embedders_handler() -> None:
+    """close() keeps SIGTERM from killing the process until it exits; a Python handler
+    installed before (a program embedding the loop) gets SIGTERM back instead."""
+    previous = signal.getsignal(signal.SIGTERM)
+    seen = []
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        GracefulStop(on_signal=True, duration_mins=None, device=None).close()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored: this process goes on
+
+        def own(signum, frame):
+            seen.append(signum)
+        signal.signal(signal.SIGTERM, own)
+        GracefulStop(on_signal=True, duration_mins=None, device=None).close()
+        assert signal.getsignal(signal.SIGTERM) is own
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # without the flag nothing changes
+        GracefulStop(on_signal=False, duration_mins=5, device=None).close()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_receive_timeout_names_the_peer(monkeypatch) -> None:

@@ -68,7 +68,9 @@ VOCAB = 1000  # the probe dataset: NullTokenizer ids 0..999
 def _clean_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in (
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS",
-        "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")}
+        "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID",
+        "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
     return env
 
@@ -764,13 +766,21 @@ def _launcher(env: dict, flags: Optional[list] = None) -> Callable[[Ctx], Run]:
                           env=_clean_env(**env))
 
 
+# what srun gives a task it starts itself (no torchrun); srun's tasks are adopted
+# (ranks from SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID), so the probes break it
+SRUN_TASK = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost"}
+
+
 def class8() -> list:
     return [
-        Probe("srun, 2 tasks, task 0, no rendezvous", 8, "error",
-              _launcher({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}),
-              "srun (SLURM_STEP_NUM_TASKS=2)"),
-        Probe("srun, 4 tasks, task 1 (quiet refusal)", 8, "error",
-              _launcher({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"}), quiet=True),
+        Probe("srun task with a broken SLURM_PROCID", 8, "error",
+              _launcher(dict(SRUN_TASK, SLURM_PROCID="x")), "SLURM_PROCID='x'"),
+        Probe("srun, 4 tasks, task 1 without SLURM_LOCALID (quiet refusal)", 8, "error",
+              _launcher({k: v for k, v in dict(SRUN_TASK, SLURM_NTASKS="4",
+                                                  SLURM_STEP_NUM_TASKS="4",
+                                                  SLURM_PROCID="1").items()
+                         if k != "SLURM_LOCALID"}), quiet=True),
         Probe("mpirun, 2 tasks", 8, "error", _launcher({"OMPI_COMM_WORLD_SIZE": "2"}),
               "OMPI_COMM_WORLD_SIZE"),
         Probe("PMI launcher, 2 tasks", 8, "error", _launcher({"PMI_SIZE": "2"}), "PMI_SIZE"),

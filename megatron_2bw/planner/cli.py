@@ -3,14 +3,19 @@ and (with a large vocabulary) uneven first/last stages.
 
 Takes Megatron-LM's model flags, the batch, the device count and the cluster; prints a
 ranked table and a paragraph on why the best plan won; `--json FILE` writes
-{"best": ..., "candidates": [...]} with the command line of each plan.
-`python -m megatron_2bw.planner profile ...` measures the layers first (see profile.py).
+{"best": ..., "candidates": [...]} with the command line of each plan. `--emit
+{command,torchrun,sbatch}` with the data, --train-iters and --lr writes a runnable launch
+of the best plan instead (docs/launch.md); trainer flags the planner does not take go
+after `--`. `python -m megatron_2bw.planner profile ...` measures the layers first.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -18,8 +23,10 @@ from typing import NoReturn
 from .compute import FlopsCompute, LayerModel, ProfiledCompute, load_profile
 from .cost_model import CostModel
 from .explain import format_table
-from .hardware import PRESETS, Hardware, load_hardware
-from .report import to_json
+from .hardware import PRESETS, Hardware, LaunchEnv, load_hardware, load_launch_env
+from .launch import (FORMS, Job, LaunchError, add_launch_flags, check_launch_args,
+                     default_time, emit, nodes_for, trainer_groups)
+from .report import ENTRY_POINTS, plan_groups, to_json
 from .search import SearchResult, SearchSpace, search
 from .spec import (COMPENSATIONS, DEFAULT_RECOMPUTE_OPTIONS, OPTIMIZERS, SCHEDULES,
                    ModelSpec, Recompute, optimizer_precision)
@@ -112,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top", type=_positive_int, default=10, help="rows of the table")
     s.add_argument("--json", metavar="FILE", help="write the plans as JSON")
     s.add_argument("--quiet", action="store_true", help="no table or explanation on stdout")
+    add_launch_flags(p)
     return p
 
 
@@ -149,8 +157,35 @@ def _layers(args: argparse.Namespace, model: ModelSpec, hw: Hardware) -> LayerMo
     return ProfiledCompute(profile, model)
 
 
+def _split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The planner's flags, and the trainer flags after `--` for the emitted launch."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def _check_launch(args: argparse.Namespace, hw: Hardware, extra: list[str]) -> LaunchEnv:
+    """The cluster's launch environment, once the --emit flags are known to make a launch
+    that can run (before the search, so a mistake costs nothing)."""
+    if extra and not args.emit:
+        raise PlannerArgumentError(f"{extra[0]} (after --) is for the emitted launch: add "
+                                   f"--emit {{{','.join(FORMS)}}}")
+    try:
+        env = load_launch_env(args.hardware)
+    except ValueError as err:
+        raise PlannerArgumentError(f"--hardware: {err}") from None
+    try:
+        check_launch_args(args, nodes_for(args.num_gpus, hw.devices_per_node))
+    except LaunchError as err:
+        raise PlannerArgumentError(str(err)) from None
+    return env
+
+
 def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
-    """Parse, validate, search. Raises PlannerArgumentError on bad input."""
+    """Parse, validate, search. Raises PlannerArgumentError on bad input. The namespace
+    also holds `trainer_extra` (what came after `--`) and `launch_env`."""
+    argv, extra = _split_extra(argv)
     args = build_parser().parse_args(argv)
     try:
         model = model_from_args(args)
@@ -158,6 +193,7 @@ def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
         raise PlannerArgumentError(str(err)) from None
     hw = _hardware(args)
     _check_gpus(args, hw)
+    args.trainer_extra, args.launch_env = extra, _check_launch(args, hw, extra)
     cm = CostModel(model, _layers(args, model, hw), hw,
                    optimizer_precision(args.optimizer, args.delay_compensation))
     space = SearchSpace(args.num_gpus, args.global_batch_size, schedules=args.schedules,
@@ -165,6 +201,58 @@ def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
                         tensor_parallel_sizes=args.tensor_parallel_sizes,
                         recompute=args.recompute, uneven_stages=not args.no_uneven_stages)
     return cm, search(cm, space, keep=max(args.top, 20), exhaustive=args.exhaustive), args
+
+
+def launch_job(cm: CostModel, result: SearchResult, args: argparse.Namespace,
+               argv: list[str]) -> Job:
+    """The emitted launch of the best plan (`args` passed `_check_launch`)."""
+    best, hw = result.best, cm.hardware
+    cfg = best.config
+    nodes = nodes_for(cfg.num_gpus, hw.devices_per_node)
+    iterations = args.train_iters or math.ceil(args.train_samples / cfg.global_batch_size)
+    summary = (f"Plan: {cfg.label()} on {nodes.count} node(s) x {nodes.per_node} {hw.name} "
+               f"devices; predicted {best.iteration_time_s:.3g} s/iteration, "
+               f"{best.memory_gb:.3g} GB per device.",
+               "Written by: python -m megatron_2bw.planner " + shlex.join(argv))
+    if cfg.schedule == "2bw" and args.optimizer == "adam" and args.delay_compensation == "none":
+        summary += ("Note: 2BW's one-step delay costs plain AdamW accuracy; --optimizer muon "
+                    "--delay-compensation error-feedback recovers it (docs/convergence.md).",)
+    return Job(entry_point=ENTRY_POINTS[cm.model.model],
+               groups=trainer_groups(plan_groups(cm.model, cfg, args), args, args.trainer_extra),
+               nodes=nodes, env=args.launch_env, name=args.job_name,
+               master_addr=args.master_addr, master_port=args.master_port,
+               time=args.time or default_time(best.iteration_time_s, iterations),
+               partition=args.partition, workdir=args.workdir,
+               env_file=args.env_file and os.path.abspath(args.env_file), summary=summary)
+
+
+def _write_launch(job: Job, args: argparse.Namespace) -> None:
+    """stdout (alone, so it can be piped) or --output (executable for the scripts)."""
+    text = emit(args.emit, job)
+    if not args.output:
+        sys.stdout.write(text)
+        sys.stderr.write("".join(f"python -m megatron_2bw.planner: {line}\n"
+                                 for line in job.summary if not line.startswith("Written")))
+        return
+    Path(args.output).write_text(text)
+    if args.emit != "command":
+        os.chmod(args.output, 0o755)
+    sys.stdout.write(f"Wrote {args.output} ({args.emit}, {job.nodes.count} node(s) x "
+                     f"{job.nodes.per_node} processes).\n")
+
+
+def _print_report(cm: CostModel, result: SearchResult, args: argparse.Namespace,
+                  report: dict) -> None:
+    """The search in one line, the table, why the best won, and the best plan's flags."""
+    out = sys.stdout
+    out.write(f"{cm.model.model.upper()} {cm.model.total_params() / 1e9:.2f}B parameters, "
+              f"batch {args.global_batch_size}, {args.num_gpus} x {cm.hardware.name} devices, "
+              f"compute from {cm.layers.source}; {result.num_enumerated} configurations, "
+              f"{result.num_fitting} fit, {len(result.ranked)} simulated "
+              f"({result.seconds:.1f} s)\n\n")
+    out.write(format_table(result, args.top) + "\n\n" + report["best"]["explanation"] + "\n\n")
+    out.write("The plan's flags (add data, --train-iters and --lr, or let --emit write the "
+              "whole launch):\n  " + report["best"]["command"] + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,13 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{result.num_enumerated} fits in {cm.hardware.memory_per_device_gb:g} GB "
                          f"per device: raise --num-gpus or lower --global-batch-size\n")
         return 1
-    if not args.quiet:
-        out = sys.stdout
-        out.write(f"{cm.model.model.upper()} {cm.model.total_params() / 1e9:.2f}B parameters, "
-                  f"batch {args.global_batch_size}, {args.num_gpus} x {cm.hardware.name} devices, "
-                  f"compute from {cm.layers.source}; {result.num_enumerated} configurations, "
-                  f"{result.num_fitting} fit, {len(result.ranked)} simulated "
-                  f"({result.seconds:.1f} s)\n\n")
-        out.write(format_table(result, args.top) + "\n\n" + report["best"]["explanation"] + "\n\n")
-        out.write("Run it:\n  " + report["best"]["command"] + "\n")
+    if not args.quiet and not (args.emit and not args.output):
+        _print_report(cm, result, args, report)
+    if args.emit:
+        _write_launch(launch_job(cm, result, args, argv), args)
     return 0

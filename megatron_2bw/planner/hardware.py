@@ -100,14 +100,42 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
-def load_hardware(spec: str) -> Hardware:
-    """A preset name, or a path to a JSON file holding `Hardware`'s fields.
+@dataclass(frozen=True)
+class LaunchEnv:
+    """How a job starts on a cluster, beside the numbers the cost model reads. The emitted
+    launches (`planner/launch.py`) need it: Slurm allocates GPUs only when asked
+    (`--gpus-per-node`), and NCCL reaches EFA only with the environment below."""
 
-    A JSON file may omit the fields that have defaults; `name` defaults to the file name.
-    Raises ValueError with a one-line reason.
-    """
-    if spec in PRESETS:
-        return PRESETS[spec]
+    gpus: bool = True
+    """The devices are GPUs (sbatch asks for them); False for CPU processes (gloo)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Variables every process of a multi-node job needs, in order."""
+    source: str = ""
+    """Where `env` comes from, written next to it in the emitted scripts."""
+
+
+# EFA with NCCL on p4d/p5 (aws-ofi-nccl's "EFA cheatsheet", and the EC2 guide's NCCL test):
+# FI_PROVIDER=efa selects libfabric's EFA provider (aws-ofi-nccl <= 1.5.0 needs it, later
+# versions pick EFA themselves); FI_EFA_USE_DEVICE_RDMA=1 turns on GPUDirect RDMA (needed
+# by aws-ofi-nccl 1.6.x, on by default since 1.7.0). Both are harmless with current
+# versions. NCCL_PROTO=simple is left out: only for <= 1.5.0, it costs bandwidth after.
+EFA_SOURCE = ("https://github.com/aws/aws-ofi-nccl/blob/master/doc/efa-env-var.md; "
+              "https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-start-nccl.html")
+EFA_ENV = (("FI_PROVIDER", "efa"), ("FI_EFA_USE_DEVICE_RDMA", "1"))
+
+# p3.16xlarge has no EFA (p3dn.24xlarge does): NCCL uses TCP sockets, nothing to set.
+LAUNCH_PRESETS: dict[str, LaunchEnv] = {
+    "p3.16xlarge": LaunchEnv(),
+    "p4d.24xlarge": LaunchEnv(env=EFA_ENV, source=EFA_SOURCE),
+    "p5.48xlarge": LaunchEnv(env=EFA_ENV, source=EFA_SOURCE),
+}
+LAUNCH_KEY = "launch"
+"""The optional key of a hardware JSON file holding its `LaunchEnv`:
+{"gpus": bool, "env": {"NAME": "value", ...}}."""
+
+
+def _read_json(spec: str) -> dict:
+    """A hardware file's JSON object; ValueError with a one-line reason."""
     path = Path(spec)
     if not path.suffix == ".json" and not path.exists():
         raise ValueError(f"unknown hardware {spec!r}: use a preset ({', '.join(PRESETS)}) "
@@ -118,6 +146,36 @@ def load_hardware(spec: str) -> Hardware:
         raise ValueError(f"cannot read hardware file {spec}: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"hardware file {spec} must hold a JSON object")
+    return data
+
+
+def load_launch_env(spec: str) -> LaunchEnv:
+    """The launch environment of a preset, or the "launch" object of a hardware file
+    (default: GPUs, no variables). ValueError with a one-line reason."""
+    if spec in LAUNCH_PRESETS:
+        return LAUNCH_PRESETS[spec]
+    launch = _read_json(spec).get(LAUNCH_KEY, {})
+    gpus = launch.get("gpus", True) if isinstance(launch, dict) else None
+    env = launch.get("env", {}) if isinstance(launch, dict) else None
+    if (not isinstance(gpus, bool) or not isinstance(env, dict) or set(launch) - {"gpus", "env"}
+            or not all(k.isidentifier() and isinstance(v, str) for k, v in env.items())):
+        raise ValueError(f'hardware file {spec}: "{LAUNCH_KEY}" must be '
+                         '{"gpus": true|false, "env": {"NAME": "value", ...}}')
+    return LaunchEnv(gpus=gpus, env=tuple(env.items()), source=f"hardware file {Path(spec).name}")
+
+
+def load_hardware(spec: str) -> Hardware:
+    """A preset name, or a path to a JSON file holding `Hardware`'s fields.
+
+    A JSON file may omit the fields that have defaults; `name` defaults to the file name;
+    its "launch" object is read by `load_launch_env`. Raises ValueError with a one-line
+    reason.
+    """
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    data = _read_json(spec)
+    data.pop(LAUNCH_KEY, None)
     known = {f.name for f in fields(Hardware)}
     unknown = sorted(set(data) - known)
     if unknown:

@@ -1,11 +1,13 @@
 """Plans as data for machines: the JSON candidates and the command line that runs each."""
 from __future__ import annotations
 
+import argparse
 import shlex
 
 from .cost_model import CostModel, Estimate
 from .explain import costs_by_cause, explain
 from .hardware import GB
+from .launch import DEFAULT_PORT, Shell, nodes_for, rendezvous_words
 from .search import SearchResult
 from .spec import ModelSpec, ParallelConfig
 
@@ -35,16 +37,27 @@ def plan_flags(cfg: ParallelConfig) -> list[str]:
 
 
 def launch_command(model: ModelSpec, cfg: ParallelConfig, devices_per_node: int) -> str:
-    """The torchrun line that runs `cfg` (on every server when there are several)."""
-    per_node = min(devices_per_node, cfg.num_gpus)
-    nodes = -(-cfg.num_gpus // per_node)
-    launcher = ["torchrun", "--nproc_per_node", str(per_node)]
-    if nodes > 1:
-        launcher += ["--nnodes", str(nodes), "--node_rank", "$NODE_RANK",
-                     "--master_addr", "$MASTER_ADDR", "--master_port", "6000"]
-    flags = model_flags(model) + plan_flags(cfg) + ["--fp16"]
-    words = launcher + [ENTRY_POINTS[model.model]] + flags
-    return " ".join(w if w.startswith("$") else shlex.quote(w) for w in words)
+    """The torchrun line of `cfg`'s flags: the plan's part of a launch. On several servers
+    the same line runs on each, `$MASTER_ADDR` standing for the one that hosts the
+    rendezvous; `--emit` (launch.py) writes complete launches, data and all."""
+    nodes = nodes_for(cfg.num_gpus, devices_per_node)
+    endpoint = Shell(f"$MASTER_ADDR:{DEFAULT_PORT}") if nodes.count > 1 else None
+    words = (["torchrun"] + rendezvous_words(nodes, endpoint, "megatron-2bw")
+             + [ENTRY_POINTS[model.model]] + model_flags(model) + plan_flags(cfg) + ["--fp16"])
+    return " ".join(w if isinstance(w, Shell) else shlex.quote(w) for w in words)
+
+
+def plan_groups(model: ModelSpec, cfg: ParallelConfig,
+                args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """The emitted launch's plan flags: model shape, then parallel sizes, schedule, batch,
+    recomputation, number format and the optimizer the memory model counted (its delay
+    compensation only on a 2BW plan, the only schedule that has the delay)."""
+    optimizer = ["--optimizer", args.optimizer]
+    if cfg.schedule == "2bw" and args.delay_compensation != "none":
+        optimizer += ["--delay-compensation", args.delay_compensation]
+    precision = ["--bf16" if args.bf16 else "--fp16"]
+    return [("MODEL_ARGS", model_flags(model)),
+            ("PARALLEL_ARGS", plan_flags(cfg) + precision + optimizer)]
 
 
 def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:

@@ -67,6 +67,15 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
                         "Megatron-LM's legacy one file per tensor x pipeline rank (the format "
                         "of a --load is detected)")
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
+    g.add_argument("--finetune", action="store_true", help="load the weights of --load only: "
+                   "iteration 0, fresh optimizer, schedule and random state")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer "
+                   "state and learning-rate schedule")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the random state")
+    g.add_argument("--no-save-optim", action="store_true", help="save no optimizer state")
+    g.add_argument("--no-save-rng", action="store_true", help="save no random state")
+    g.add_argument("--use-checkpoint-args", action="store_true", help="take the model "
+                   "flags from --load's checkpoint (the parallel layout stays this run's)")
     g.add_argument("--exit-interval", type=int, help="stop at this iteration (after saving)")
     g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
     g.add_argument("--overwrite-checkpoints", action="store_true",
@@ -358,7 +367,9 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                         rampup_batch_size=view.rampup, log_interval=args.log_interval,
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         save=args.save, load=args.load, save_interval=args.save_interval,
-                        ckpt_format=args.ckpt_format,
+                        ckpt_format=args.ckpt_format, finetune=args.finetune,
+                        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+                        no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
                         metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
                         seed=args.seed, exit_interval=args.exit_interval,
                         overwrite_checkpoints=args.overwrite_checkpoints,

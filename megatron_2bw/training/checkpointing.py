@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
+from .checkpoint_contents import from_megatron_names, restore_rng, rng_state, to_megatron_names
 from .sharded_checkpoint import (commit_sharded, is_sharded, load_sharded, read_common,
                                  save_sharded, verify_sharded)
 from .checkpoint_files import (TRACKER, CheckpointError, check_save_dir, clear_for_save,
@@ -81,14 +82,13 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def _rng_state() -> dict:
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    return {"torch": torch.get_rng_state(), "tracker": tracker.get_states()}
+@dataclass(frozen=True)
+class SaveOptions:
+    """How --save writes: the format, and what --no-save-optim / --no-save-rng leave out."""
 
-
-def _restore_rng(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    ckpt_format: str = "torch"
+    optim: bool = True
+    rng: bool = True
 
 
 # ---------------------------------------------------------------------------- saving
@@ -114,14 +114,24 @@ def _attempt(action: Callable[[], None]) -> Optional[str]:
     return None
 
 
-def _state(iteration: int, executor, updater, flags: dict, schedule: str) -> dict:
+def _state(iteration: int, executor, updater, args: argparse.Namespace, schedule: str,
+           options: SaveOptions) -> dict:
+    """Megatron-LM's keys (args, checkpoint_version, iteration, model under megatron-core's
+    names, opt_param_scheduler, rng_state) and this engine's (every weight version, loss
+    scales, the whole optimizer), which Megatron-LM does not read."""
     store = executor.weights
-    versions = {v: store.modules[store.buffer_of(v)].state_dict() for v in sorted(store.valid)}
-    return {"iteration": iteration, "checkpoint_version": 3.0, "args": flags,
-            "pipeline_schedule": schedule, "model": versions[store.newest],
-            "weight_versions": versions, "newest_version": store.newest,
-            "loss_scale_of": {v: store.loss_scale_of.get(v, 1.0) for v in versions},
-            "optimizer": updater.state_dict(), "rng_state": _rng_state()}
+    versions = {v: to_megatron_names(store.modules[store.buffer_of(v)].state_dict())
+                for v in sorted(store.valid)}
+    state = {"iteration": iteration, "checkpoint_version": 3.0, "args": args,
+             "pipeline_schedule": schedule, "model": versions[store.newest],
+             "weight_versions": versions, "newest_version": store.newest,
+             "loss_scale_of": {v: store.loss_scale_of.get(v, 1.0) for v in versions}}
+    if options.optim:
+        state["optimizer"] = updater.state_dict()
+        state["opt_param_scheduler"] = state["optimizer"]["scheduler"]
+    if options.rng:
+        state["rng_state"] = rng_state()
+    return state
 
 
 def _clear(root: str, iteration: int, overwrite: bool) -> None:
@@ -146,8 +156,9 @@ def _commit(root: str, iteration: int, entries: dict) -> None:
     write_tracker(root, iteration)
 
 
-def save_checkpoint(root: str, iteration: int, executor, updater, flags: dict,
-                    schedule: str, overwrite: bool = False, ckpt_format: str = "torch") -> None:
+def save_checkpoint(root: str, iteration: int, executor, updater, args: argparse.Namespace,
+                    schedule: str, overwrite: bool = False,
+                    options: SaveOptions = SaveOptions()) -> None:
     """Every rank calls this at a drained pipeline; DP rank 0 of each (tp, pp) writes
     (torch_dist: dist_checkpointing spreads the writing over the ranks).
 
@@ -156,12 +167,12 @@ def save_checkpoint(root: str, iteration: int, executor, updater, flags: dict,
     """
     _agree(_attempt(lambda: _clear(root, iteration, overwrite)) if dist.get_rank() == 0
            else None)
-    if ckpt_format == "torch_dist":
-        _save_sharded(root, iteration, executor, updater, flags, schedule)
+    if options.ckpt_format == "torch_dist":
+        _save_sharded(root, iteration, executor, updater, args, schedule, options)
         return
     entries, error = {}, None
     if ps.get_data_parallel_rank() == 0:
-        state = _state(iteration, executor, updater, flags, schedule)
+        state = _state(iteration, executor, updater, args, schedule, options)
         error = _attempt(lambda: entries.update(_write_rank_file(root, iteration, state)))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (entries, error))
@@ -175,15 +186,16 @@ def save_checkpoint(root: str, iteration: int, executor, updater, flags: dict,
     logger.info(f"saved checkpoint at iteration {iteration} to {root}")
 
 
-def _save_sharded(root: str, iteration: int, executor, updater, flags: dict,
-                  schedule: str) -> None:
+def _save_sharded(root: str, iteration: int, executor, updater, args: argparse.Namespace,
+                  schedule: str, options: SaveOptions) -> None:
     """--ckpt-format torch_dist (sharded_checkpoint.py): all ranks write, then rank 0
     records the manifest and the tracker."""
     path = iteration_dir(root, iteration)
     _agree(_attempt(lambda: os.makedirs(path, exist_ok=True)) if dist.get_rank() == 0
            else None)
-    _agree(_attempt(lambda: save_sharded(path, iteration, executor, updater, flags, schedule,
-                                         _rng_state())))
+    _agree(_attempt(lambda: save_sharded(path, iteration, executor, updater, args, schedule,
+                                         rng_state() if options.rng else None,
+                                         options.optim)))
     _agree(_attempt(lambda: commit_sharded(root, iteration)) if dist.get_rank() == 0
            else None)
     logger.info(f"saved checkpoint at iteration {iteration} to {root} (torch_dist)")
@@ -199,10 +211,14 @@ class LoadedCheckpoint:
     path: str = ""
     sharded: bool = False  # --ckpt-format torch_dist: reshardable
 
-    def load_tensors(self, root: str, executor, updater) -> None:
-        """torch_dist: the tensors, resharded to this rank's layout (a collective)."""
+    def load_tensors(self, root: str, executor, updater, train) -> None:
+        """torch_dist: the tensors `train`'s --finetune / --no-load-* flags ask for,
+        resharded to this rank's layout (a collective)."""
         if self.sharded:
-            self.state = load_sharded(root, self.iteration, self.state, executor, updater)
+            self.state = load_sharded(root, self.iteration, self.state, executor, updater,
+                                      optimizer=not (train.finetune or train.no_load_optim),
+                                      shadow=not train.finetune,
+                                      rng=not (train.finetune or train.no_load_rng))
 
 
 def read_checkpoint(root: str, rel: Optional[str] = None,
@@ -268,7 +284,10 @@ def check_shapes(saved: dict, flags: dict, path: str, reshardable: bool = False)
 def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:
     """Checks before the model is built; returns the iteration the run starts from."""
     t = run.train
-    start = loaded.iteration if loaded else 0
+    start = loaded.iteration if loaded and not t.finetune else 0
+    if loaded and t.finetune:
+        logger.info(f"--finetune: starting at iteration 0 from the weights of iteration "
+                    f"{loaded.iteration}")
     if loaded:
         if t.train_iters < start:
             raise CheckpointError(
@@ -364,7 +383,7 @@ def continuation_line(saved: Optional[str], schedule: str, newest: int,
 
 def _load_module(module, weights: dict, path: str) -> None:
     try:
-        module.load_state_dict(weights)
+        module.load_state_dict(from_megatron_names(weights))
     except RuntimeError as err:
         raise CheckpointError(f"the checkpoint does not fit this model: "
                               f"{str(err).strip().splitlines()[-1].strip()} ({path}); resume "
@@ -372,30 +391,62 @@ def _load_module(module, weights: dict, path: str) -> None:
 
 
 def restore(loaded: LoadedCheckpoint, executor, updater, run) -> None:
-    """Put the saved weight versions, optimizer state and RNG state back.
+    """Put the saved weight versions, optimizer state and RNG state back, as far as
+    --finetune, --no-load-optim and --no-load-rng allow (Megatron-LM's meanings).
 
     Masters come from the checkpoint, or from the restored newest weights when it has none
-    (a checkpoint of an fp32 run resumed with --bf16); the LR schedule as `run`'s
-    --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler say.
+    (a checkpoint of an fp32 run resumed with --bf16, or optimizer state not loaded); the
+    LR schedule as --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler say.
     """
-    state, store = loaded.state, executor.weights
-    source = scheduler_source(loaded, updater, run)
-    versions = state["weight_versions"]
+    state, store, t = loaded.state, executor.weights, run.train
     newest = state["newest_version"]
+    newest_params = store.params[store.buffer_of(store.newest)]
+    if t.finetune:
+        _restore_weights(loaded, store, {newest: state["weight_versions"][newest]}, False)
+        updater.restore_masters(None, newest_params)
+        logger.info(f"--finetune: the weights of {loaded.path} (iteration {loaded.iteration}, "
+                    f"weight version {newest}); the iteration count, optimizer, learning-rate "
+                    "schedule and random state start fresh")
+        return
+    optim = _loads_optimizer(loaded, t.no_load_optim)
+    source = scheduler_source(loaded, updater, run) if optim else None
     line = continuation_line(state.get("pipeline_schedule"), run.parallel.schedule, newest,
-                             len(versions), store.num_buffers)
+                             len(state["weight_versions"]), store.num_buffers)
     if line:
         logger.info(line)
-    for v in sorted(store.valid):
-        source_weights = versions.get(v, versions[newest])  # a flush checkpoint has no shadow
-        _load_module(store.modules[store.buffer_of(v)], source_weights, loaded.path)
-        store.loss_scale_of[v] = state["loss_scale_of"].get(v, state["loss_scale_of"][newest])
-    updater.load_state_dict(state["optimizer"], scheduler_from=source)
+    _restore_weights(loaded, store, state["weight_versions"], True)
+    if optim:
+        updater.load_state_dict(state["optimizer"], scheduler_from=source)
     newest_module = store.modules[store.buffer_of(store.newest)]
-    updater.restore_masters(_saved_masters(state, newest_module),
-                            store.params[store.buffer_of(store.newest)])
-    if state.get("rng_state") is not None:  # torch_dist resharded: not this layout's
-        _restore_rng(state["rng_state"])
+    updater.restore_masters(_saved_masters(state, newest_module) if optim else None,
+                            newest_params)
+    if not t.no_load_rng and state.get("rng_state") is not None:  # None: another layout
+        restore_rng(state["rng_state"])
+
+
+def _loads_optimizer(loaded: LoadedCheckpoint, no_load_optim: bool) -> bool:
+    """Whether the optimizer state is restored; a checkpoint without it needs the flag."""
+    if no_load_optim:
+        logger.info("--no-load-optim: the optimizer state and the learning-rate schedule "
+                    "start fresh (Megatron-LM's meaning: the warm-up runs again)")
+        return False
+    if loaded.state.get("optimizer") is None:
+        raise CheckpointError(f"the checkpoint holds no optimizer state (saved with "
+                              f"--no-save-optim?) ({loaded.path}); pass --no-load-optim to "
+                              "start the optimizer fresh, or --finetune")
+    return True
+
+
+def _restore_weights(loaded: LoadedCheckpoint, store, versions: dict, scales: bool) -> None:
+    """Each weight buffer from its saved version (a flush checkpoint has no shadow: the
+    newest stands in), and the loss scales those versions were made with."""
+    newest = loaded.state["newest_version"]
+    for v in sorted(store.valid):
+        _load_module(store.modules[store.buffer_of(v)], versions.get(v, versions[newest]),
+                     loaded.path)
+        if scales:
+            saved = loaded.state["loss_scale_of"]
+            store.loss_scale_of[v] = saved.get(v, saved[newest])
 
 
 def _saved_masters(state: dict, module) -> list[torch.Tensor]:
@@ -404,5 +455,5 @@ def _saved_masters(state: dict, module) -> list[torch.Tensor]:
     masters = state["optimizer"].get("masters")
     if masters is not None:
         return masters
-    weights = state["weight_versions"][state["newest_version"]]
+    weights = from_megatron_names(state["weight_versions"][state["newest_version"]])
     return [weights[name] for name, p in module.named_parameters() if p.requires_grad]

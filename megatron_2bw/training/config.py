@@ -76,6 +76,11 @@ class TrainConfig:
     load: Optional[str] = None
     save_interval: Optional[int] = None
     ckpt_format: str = "torch_dist"      # --ckpt-format (what --save writes)
+    finetune: bool = False               # --finetune: weights only, from iteration 0
+    no_load_optim: bool = False          # --no-load-optim
+    no_load_rng: bool = False            # --no-load-rng
+    no_save_optim: bool = False          # --no-save-optim
+    no_save_rng: bool = False            # --no-save-rng
     metrics_file: Optional[str] = None
     tensorboard_dir: Optional[str] = None
     seed: int = 1234

@@ -1,15 +1,16 @@
-"""Process-group setup for torchrun, SLURM-style env, or a single plain process."""
+"""Process-group setup for torchrun, srun's tasks, or a single plain process."""
 from __future__ import annotations
 
 import logging
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,8 @@ PROCESS_START = time.monotonic()
 # Test hook: a seconds-level --distributed-timeout-minutes, so the fault tests see a
 # stalled rank end the job in seconds. Not a user setting.
 TIMEOUT_ENV = "MEGATRON_2BW_TIMEOUT_SECONDS"
+
+logger = logging.getLogger("megatron_2bw.distributed")
 
 # Launchers that start one process per task and say how many there are. Not SLURM_NTASKS:
 # the batch script of a multi-task allocation has it too, and one plain process is
@@ -47,7 +50,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _refuse(message: str, first_task: bool = True) -> None:
+def _refuse(message: str, first_task: bool = True) -> NoReturn:
     """A start-up error before any process group exists: one line (from the first task
     only), exit status 2, no traceback."""
     if first_task:
@@ -81,8 +84,10 @@ def _launcher_tasks() -> Optional[tuple[str, int, int, str]]:
 
 
 def refuse_foreign_launcher() -> None:
-    """Without torchrun's rendezvous each of N tasks would train alone on one --save:
-    refuse (srun support comes later) with one line on the first task, exit status 2."""
+    """Without a rendezvous each of N tasks would train alone on one --save: tasks that
+    mpirun or a PMI launcher started without torchrun's variables are refused with one
+    line on the first task, exit status 2 (srun's tasks are adopted first, see
+    adopt_srun_env)."""
     found = _launcher_tasks()
     missing = [v for v in _RENDEZVOUS if v not in os.environ]
     if found is None or not missing:
@@ -91,8 +96,81 @@ def refuse_foreign_launcher() -> None:
     _refuse(f"started as one of {tasks} tasks by {launcher} ({var}={tasks}) without "
             f"torchrun's {', '.join(missing)}: each task would train alone; launch through "
             f"torchrun (one task per node running `torchrun --nnodes N --nproc-per-node G "
-            f"...`); starting ranks by {launcher} directly is not supported yet",
+            f"...`) or srun (one task per process); starting ranks by {launcher} directly "
+            f"is not supported",
             first_task=task == 0)
+
+
+def _slurm_int(name: str, task: Optional[int] = None) -> int:
+    """An integer SLURM variable of an srun task, or a one-line refusal (from the first
+    task, when this task's number is known): a task without it cannot know its place."""
+    value = os.environ.get(name, "")
+    if not value.isdigit():
+        _refuse(f"srun task with {name}={value!r}, not a count: cannot tell this task's "
+                "place; launch through srun, or set RANK, WORLD_SIZE, LOCAL_RANK, "
+                "MASTER_ADDR and MASTER_PORT (torchrun does)", first_task=task in (None, 0))
+    return int(value)
+
+
+def _scontrol(*args: str) -> str:
+    """scontrol's answer, or "" where it is missing or fails (a container without the
+    SLURM client): the callers then fall back to the plain host name."""
+    try:
+        proc = subprocess.run(["scontrol", *args], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def _first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list (`n[01-04],m7` -> `n01`): task 0 runs there and
+    hosts the rendezvous. scontrol expands it as SLURM does; the parse is its fallback."""
+    hosts = _scontrol("show", "hostnames", nodelist).split()
+    if hosts:
+        return hosts[0]
+    match = re.match(r"([^,\[]*)(?:\[(\d+))?", nodelist)
+    return (match.group(1) + (match.group(2) or "")) if match else nodelist
+
+
+def _node_addr(node: str) -> str:
+    """The node's NodeAddr as SLURM knows it: a node name need not resolve (several
+    slurmd on one machine, clusters with a separate fabric name); else the name."""
+    found = re.search(r"\bNodeAddr=(\S+)", _scontrol("show", "node", node))
+    return found.group(1) if found else node
+
+
+def srun_master_port(job_id: int) -> int:
+    """The rendezvous port when MASTER_PORT is unset: 10000 + job id mod 20000, the same
+    on every task without talking, below Linux's ephemeral ports (32768 and up, handed to
+    outgoing connections), and different for jobs that follow one another on a node.
+    Two steps of one job running at once need MASTER_PORT set apart."""
+    return 10000 + job_id % 20000
+
+
+def adopt_srun_env() -> None:
+    """Tasks started by srun itself (one per process, no torchrun) take their rank, world
+    size and local rank from SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID (the
+    step's count, not SLURM_NTASKS: a batch script's one process has that too). The
+    rendezvous is MASTER_ADDR/MASTER_PORT when set, else the step's first node (its
+    NodeAddr) and a port from the job id; task 0 hosts it. torchrun's variables win."""
+    if "RANK" in os.environ or os.environ.get("SLURM_STEP_NUM_TASKS", "1") == "1":
+        return
+    tasks, task = _slurm_int("SLURM_STEP_NUM_TASKS"), _slurm_int("SLURM_PROCID")
+    local = _slurm_int("SLURM_LOCALID", task)
+    if task >= tasks:
+        _refuse(f"SLURM_PROCID={task} is not below SLURM_STEP_NUM_TASKS={tasks}")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(srun_master_port(_slurm_int("SLURM_JOB_ID", task)))
+    if "MASTER_ADDR" not in os.environ:
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            _refuse("srun task without SLURM_STEP_NODELIST or SLURM_JOB_NODELIST: cannot "
+                    "find the first node; set MASTER_ADDR", first_task=task == 0)
+        os.environ["MASTER_ADDR"] = _node_addr(_first_host(nodes))
+    os.environ.update(RANK=str(task), WORLD_SIZE=str(tasks), LOCAL_RANK=str(local))
+    logger.info("srun task %d of %d (local rank %d): rendezvous at %s:%s", task, tasks, local,
+                os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
 
 
 def check_launch_env() -> None:
@@ -120,6 +198,7 @@ def init_distributed(timeout_minutes: float = 10.0) -> DistEnv:
     `timeout_minutes` (--distributed-timeout-minutes) bounds every wait on another rank,
     so a stalled rank ends the job instead of blocking it for gloo's 30 minutes; it is
     needed here, where the group is made, so it comes from the parsed flags."""
+    adopt_srun_env()
     refuse_foreign_launcher()
     timeout = distributed_timeout(timeout_minutes)
     check_launch_env()

@@ -10,6 +10,7 @@ import logging
 from typing import Optional, Sequence
 
 from .arguments import config_from_args, parse_args
+from .checkpoint_contents import apply_checkpoint_args
 from .data_sources import data_sources, tokenizer_from_args
 from .distributed import init_distributed, setup_logging
 from .errors import guarded, watch_peers
@@ -26,12 +27,15 @@ def main(model: str, argv: Optional[Sequence[str]] = None) -> int:
 
 def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     args = parse_args(model, argv)
+    taken = apply_checkpoint_args(args) if args.use_checkpoint_args else []
     check_ranges(args)  # before a process group starts
     env = init_distributed(timeout_minutes=args.distributed_timeout_minutes)
     watch_peers()
     setup_logging(env.rank, env.world_size)
     check_megatron_flags(args, env.world_size)   # removed and refused Megatron-LM flags
     validate_flags(args, model, env.world_size)  # cross-flag rules, before reading any file
+    if taken:
+        logger.info(f"--use-checkpoint-args: from {args.load}: {', '.join(taken)}")
     for note in mapped_notes(args, env.device.type == "cuda"):
         logger.info(note)
     check_output_paths(args)                      # before the first iteration

@@ -26,7 +26,9 @@ from ..runtime.grad_sync import GradReduceConfig, TiedGradSync
 from ..runtime.p2p import PeerTimeout, is_timeout
 from ..runtime.topology import data_parallel_group, stage_links
 from ..schedules import Schedule, build_eval_schedule, build_schedule
-from .checkpointing import prepare_resume, read_checkpoint, restore, save_checkpoint
+from .checkpoint_contents import megatron_args
+from .checkpointing import (SaveOptions, prepare_resume, read_checkpoint, restore,
+                            save_checkpoint)
 from .config import RunConfig
 from .data_sources import DataSources
 from .distributed import DistEnv
@@ -108,7 +110,7 @@ class Trainer:
         self.iteration = prepare_resume(loaded, run)  # refuses before any work
         self.executor, self.updater = self._build(self._schedule(1))
         if loaded:
-            loaded.load_tensors(t.load, self.executor, self.updater)
+            loaded.load_tensors(t.load, self.executor, self.updater, t)
             restore(loaded, self.executor, self.updater, run)
             logger.info(f"resumed from {t.load} at iteration {self.iteration}")
         is_logger = env.rank == env.world_size - 1
@@ -195,9 +197,10 @@ class Trainer:
 
     def _save(self, end: int) -> None:
         t = self.run.train
-        save_checkpoint(t.save, end, self.executor, self.updater, self.run.flags,
+        save_checkpoint(t.save, end, self.executor, self.updater, megatron_args(self.run),
                         self.run.parallel.schedule, overwrite=t.overwrite_checkpoints,
-                        ckpt_format=t.ckpt_format)
+                        options=SaveOptions(t.ckpt_format, not t.no_save_optim,
+                                            not t.no_save_rng))
 
     def _stops(self, stop: GracefulStop, end: int) -> bool:
         """At a segment end before the last: whether all ranks agree to stop; then save

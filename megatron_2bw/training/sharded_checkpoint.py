@@ -87,9 +87,10 @@ def _rng_shard(state: Optional[dict]) -> ShardedObject:
                          replica_id=ps.get_data_parallel_rank())
 
 
-def _common(iteration: int, executor, updater, flags: dict, schedule: str) -> dict:
+def _common(iteration: int, executor, updater, args: argparse.Namespace, schedule: str,
+            optim: bool, rng: bool) -> dict:
     store, opt = executor.weights, updater.state_dict()
-    return {"args": argparse.Namespace(**flags), "checkpoint_version": 3.0,
+    return {"args": args, "checkpoint_version": 3.0,
             "iteration": iteration, "opt_param_scheduler": opt["scheduler"],
             "pipedream_2bw": {
                 "pipeline_schedule": schedule, "newest_version": store.newest,
@@ -98,17 +99,22 @@ def _common(iteration: int, executor, updater, flags: dict, schedule: str) -> di
                 "adam_step": opt["adam"]["step"], "scaler": opt["scaler"],
                 "lr_groups": opt["lr_groups"], "optimizer": updater.config.optimizer,
                 "compensation_kind": opt["compensation"]["kind"],
-                "optimizer_tensors": sorted(updater.per_parameter_state())}}
+                "optimizer_saved": optim, "rng_saved": rng,
+                "optimizer_tensors": sorted(updater.per_parameter_state()) if optim else []}}
 
 
-def _sharded_state(iteration: int, executor, updater, flags: dict, schedule: str,
-                   rng: dict) -> dict:
+def _sharded_state(iteration: int, executor, updater, args: argparse.Namespace,
+                   schedule: str, rng: Optional[list], optim: bool) -> dict:
     store = executor.weights
     names = [info.name for info in updater.infos]
     newest = store.modules[store.buffer_of(store.newest)]
     model = _model_shards(newest)
-    state = {**_common(iteration, executor, updater, flags, schedule), "model": model,
-             "optimizer": _optimizer_shards(updater, names, model), "rng_state": _rng_shard(rng)}
+    state = {**_common(iteration, executor, updater, args, schedule, optim, rng is not None),
+             "model": model}
+    if optim:
+        state["optimizer"] = _optimizer_shards(updater, names, model)
+    if rng is not None:
+        state["rng_state"] = _rng_shard(rng)
     older = [v for v in store.valid if v != store.newest]
     if older:
         state["shadow_model"] = _model_shards(store.modules[store.buffer_of(older[0])], SHADOW)
@@ -118,10 +124,11 @@ def _sharded_state(iteration: int, executor, updater, flags: dict, schedule: str
 # ---------------------------------------------------------------------------- saving
 
 
-def save_sharded(path: str, iteration: int, executor, updater, flags: dict, schedule: str,
-                 rng: dict) -> None:
-    """Every rank calls this (a collective); the caller has cleared `path`'s iteration."""
-    state = _sharded_state(iteration, executor, updater, flags, schedule, rng)
+def save_sharded(path: str, iteration: int, executor, updater, args: argparse.Namespace,
+                 schedule: str, rng: Optional[list], optim: bool = True) -> None:
+    """Every rank calls this (a collective); the caller has cleared `path`'s iteration.
+    `rng` None / `optim` False: --no-save-rng / --no-save-optim."""
+    state = _sharded_state(iteration, executor, updater, args, schedule, rng, optim)
     with cpu_dist_checkpointing():
         dist_checkpointing.save(state, path)
 
@@ -204,16 +211,20 @@ def _requested_kinds(common: dict, updater, path: str) -> set[str]:
     return needed & saved
 
 
-def _template(common: dict, executor, updater, kinds: set[str]) -> dict:
-    """What this rank asks for, in its own layout (loads reshard to it)."""
+def _template(common: dict, executor, updater, kinds: Optional[set[str]], shadow: bool,
+              rng: bool) -> dict:
+    """What this rank asks for, in its own layout (loads reshard to it); `kinds` None:
+    no optimizer state."""
     store = executor.weights
     names = [info.name for info in updater.infos]
     model = _model_shards(store.modules[0])
-    template = {"model": model, "optimizer": _optimizer_shards(updater, names, model, kinds)}
-    if len(common["pipedream_2bw"]["versions"]) > 1 and store.num_buffers > 1:
+    template = {"model": model}
+    if kinds is not None:
+        template["optimizer"] = _optimizer_shards(updater, names, model, kinds)
+    if shadow and len(common["pipedream_2bw"]["versions"]) > 1 and store.num_buffers > 1:
         template["shadow_model"] = _model_shards(store.modules[1], SHADOW)
-    if _saved_layout(common) == (ps.get_tensor_model_parallel_world_size(),
-                                 ps.get_pipeline_model_parallel_world_size()):
+    if rng and _saved_layout(common) == (ps.get_tensor_model_parallel_world_size(),
+                                         ps.get_pipeline_model_parallel_world_size()):
         template["rng_state"] = _rng_shard(None)
     return template
 
@@ -243,11 +254,16 @@ def _optimizer_state(common: dict, updater, loaded: dict) -> dict:
     return state
 
 
-def load_sharded(root: str, iteration: int, common: dict, executor, updater) -> dict:
+def load_sharded(root: str, iteration: int, common: dict, executor, updater,
+                 optimizer: bool = True, shadow: bool = True, rng: bool = True) -> dict:
     """The checkpoint resharded to this rank's layout, as the nested state
-    `checkpointing.restore` applies (a collective: every rank calls it)."""
+    `checkpointing.restore` applies (a collective: every rank calls it). `optimizer`,
+    `shadow`, `rng` False: --no-load-optim, --finetune, --no-load-rng leave them out."""
     path = iteration_dir(root, iteration)
-    template = _template(common, executor, updater, _requested_kinds(common, updater, path))
+    optimizer = optimizer and common["pipedream_2bw"].get("optimizer_saved", True)
+    kinds = _requested_kinds(common, updater, path) if optimizer else None
+    rng = rng and common["pipedream_2bw"].get("rng_saved", True)
+    template = _template(common, executor, updater, kinds, shadow, rng)
     try:
         with cpu_dist_checkpointing():
             loaded = dist_checkpointing.load(template, path)
@@ -260,14 +276,15 @@ def load_sharded(root: str, iteration: int, common: dict, executor, updater) -> 
     versions = {newest: _weights(loaded["model"])}
     if "shadow_model" in loaded:
         versions[newest - 1] = _weights(loaded["shadow_model"], SHADOW)
-    rng = loaded.get("rng_state")
-    if rng is None:
+    rng_loaded = loaded.get("rng_state")
+    if rng and rng_loaded is None and "rng_state" not in template:
         _warn_layout(common)
     return {"iteration": common["iteration"], "args": common["args"],
             "pipeline_schedule": engine["pipeline_schedule"], "newest_version": newest,
             "weight_versions": versions, "loss_scale_of": engine["loss_scale_of"],
-            "optimizer": _optimizer_state(common, updater, loaded["optimizer"]),
-            "rng_state": rng}
+            "optimizer": (_optimizer_state(common, updater, loaded["optimizer"])
+                          if optimizer else None),
+            "rng_state": rng_loaded}
 
 
 def _warn_layout(common: dict) -> None:

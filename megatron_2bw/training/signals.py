@@ -5,7 +5,8 @@ SLURM sends SIGTERM before a job's time limit, and so does a preemption. The han
 only notes the signal: the loop asks at the end of each segment, where the pipeline is
 drained (a checkpoint needs that under 2BW), and all ranks agree with one MAX all-reduce
 of the flags (Megatron-LM all-gathers them), so every rank saves the same iteration and
-they stop together.
+they stop together. After training SIGTERM stays ignored until the process exits
+(GracefulStop.close): a late one must not fail a rank that saved.
 """
 from __future__ import annotations
 
@@ -81,7 +82,18 @@ class GracefulStop:
         return None
 
     def close(self) -> None:
-        """Give SIGTERM its previous handler back."""
+        """End of training. With --exit-signal-handler SIGTERM stays harmless until the
+        process exits: it is ignored from here on, unless the handler before ours was a
+        Python function (a program that embeds the loop), which gets it back.
+
+        SLURM signals each node, and each process of a step, separately: a rank can get
+        its SIGTERM after the ranks agreed to stop, after it saved, while it leaves (the
+        process group's teardown, the final log lines). Giving SIGTERM its default action
+        back here would end such a rank with status 143 and fail a job that saved. A rank
+        stuck after this point is still ended by SIGKILL (SLURM sends it KillWait seconds
+        after the SIGTERM) or SIGINT.
+        """
         if self._installed:
-            signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
+            keep = self._previous if callable(self._previous) else signal.SIG_IGN
+            signal.signal(signal.SIGTERM, keep)
             self._installed = False

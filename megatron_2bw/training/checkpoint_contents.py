@@ -1,0 +1,114 @@
+"""What a checkpoint holds beside the tensors, in Megatron-LM's shapes.
+
+Megatron-LM's loaders (its `load_checkpoint`, `tools/checkpoint`) read `args` as an
+`argparse.Namespace` with derived fields (`padded_vocab_size`, `params_dtype`, ...),
+the model under megatron-core's own parameter names, the LR schedule under
+`opt_param_scheduler` and `rng_state` as a list of one dict per data-parallel rank. This
+module builds those from a run and reads them back, so both formats carry them alike;
+it also reads a checkpoint's args before anything is built (`--use-checkpoint-args`).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import os
+import random
+from typing import Optional, Union
+
+import numpy as np
+import torch
+from megatron.core import tensor_parallel
+
+from .checkpoint_files import iteration_dir, read_tracker
+
+logger = logging.getLogger(__name__)
+MODULE_PREFIX = "model."  # PipelineStage holds megatron-core's model as `.model`
+# the model flags --use-checkpoint-args takes from the checkpoint (the parallel layout
+# stays this run's, as in Megatron-LM without --use-mp-args-from-checkpoint-args)
+CHECKPOINT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                   "seq_length", "max_position_embeddings", "untie_embeddings_and_output_weights",
+                   "swiglu", "group_query_attention", "num_query_groups", "kv_channels",
+                   "add_bias_linear", "normalization", "norm_epsilon", "qk_layernorm",
+                   "apply_layernorm_1p", "position_embedding_type", "rotary_base",
+                   "rotary_percent", "make_vocab_size_divisible_by", "vocab_size",
+                   "tokenizer_type", "bert_no_binary_head")
+
+
+def megatron_args(run) -> argparse.Namespace:
+    """The flags as Megatron-LM saves them, with the fields its loaders derive."""
+    m = run.model
+    derived = dict(padded_vocab_size=m.vocab_size, params_dtype=m.params_dtype,
+                   data_parallel_size=run.parallel.data_parallel,
+                   world_size=run.parallel.world_size,
+                   add_position_embedding=m.position_embedding_type == "learned_absolute",
+                   use_rotary_position_embeddings=m.position_embedding_type == "rope",
+                   bert_binary_head=m.bert_binary_head)
+    return argparse.Namespace(**{**run.flags, **derived})
+
+
+def to_megatron_names(weights: dict) -> dict:
+    """A stage's state dict under megatron-core's names (what its GPTModel / BertModel
+    `load_state_dict` takes, with this pipeline rank's local layer indices)."""
+    return {k[len(MODULE_PREFIX):] if k.startswith(MODULE_PREFIX) else k: v
+            for k, v in weights.items()}
+
+
+def from_megatron_names(weights: dict) -> dict:
+    """Back to the stage's names; a checkpoint of an older megatron-2bw has them already."""
+    if any(k.startswith(MODULE_PREFIX) for k in weights):
+        return weights
+    return {MODULE_PREFIX + k: v for k, v in weights.items()}
+
+
+def rng_state() -> list[dict]:
+    """Megatron-LM's `rng_state`: one entry (data-parallel replicas are alike here)."""
+    return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "cuda_rng_state": (torch.cuda.get_rng_state() if torch.cuda.is_available()
+                                else None),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}]
+
+
+def restore_rng(state: Union[list, dict]) -> None:
+    """Megatron-LM's list, or the {"torch", "tracker"} dict of older megatron-2bw."""
+    if isinstance(state, dict):  # megatron-2bw before Megatron-LM's shape
+        torch.set_rng_state(state["torch"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+        return
+    entry = state[0]
+    random.setstate(entry["random_rng_state"])
+    np.random.set_state(entry["np_rng_state"])
+    torch.set_rng_state(entry["torch_rng_state"])
+    if entry.get("cuda_rng_state") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(entry["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(entry["rng_tracker_states"])
+
+
+def saved_args(root: str) -> Optional[dict]:
+    """The args of the newest checkpoint under `root`, read without a process group;
+    None when there is none."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    base = iteration_dir(root, iteration)
+    common = os.path.join(base, "common.pt")
+    files = [common] if os.path.exists(common) else sorted(
+        glob.glob(os.path.join(base, "mp_rank_*", "model_optim_rng.pt")))
+    if not files:
+        return None
+    args = torch.load(files[0], map_location="cpu", weights_only=False).get("args")
+    return vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
+    """--use-checkpoint-args: the model flags from --load's checkpoint; the changes."""
+    saved = saved_args(args.load) if args.load else None
+    if saved is None:
+        return []
+    changed = []
+    for key in CHECKPOINT_ARGS:
+        if key in saved and getattr(args, key, None) != saved[key]:
+            changed.append(f"--{key.replace('_', '-')} {saved[key]}")
+            setattr(args, key, saved[key])
+    return changed
