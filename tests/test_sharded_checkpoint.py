@@ -75,3 +75,31 @@ def test_corrupt_shard_is_named_before_training(tmp_path) -> None:
     line = ("error: checkpoint file corrupt: its sha256 differs from the manifest "
             f"({os.path.join(base, shard)})")
     assert proc.stderr.count(line) == 1, proc.stderr[-3000:]
+
+
+def _convert(src: str, dst: str, fmt: str, nproc: int, *layout: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), os.path.join(ROOT, "tools", "checkpoint",
+                                                           "convert.py"),
+           "--load", src, "--save", dst, "--ckpt-format", fmt, *layout]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_converter_moves_a_torch_checkpoint_to_another_layout(tmp_path) -> None:
+    """A 2BW --ckpt-format torch checkpoint at PP=2 x DP=2, converted to torch_dist and
+    from there to torch at PP=4, resumes at PP=4 with the uninterrupted run's losses."""
+    flags = RUN[:-2] + ["--pipeline-schedule", "2bw"]
+    saved = str(tmp_path / "saved")
+    whole = losses(launch("gpt", 4, flags + PP2_DP2 + ["--ckpt-format", "torch", "--save",
+                                                       saved], str(tmp_path / "whole.jsonl")))
+    _first_half(saved)
+    _convert(saved, str(tmp_path / "dist"), "torch_dist", 2)
+    _convert(str(tmp_path / "dist"), str(tmp_path / "pp4"), "torch", 4,
+             "--pipeline-model-parallel-size", "4")
+    assert os.path.exists(tmp_path / "pp4" / "iter_0000003" / "mp_rank_00_003")
+    got = losses(launch("gpt", 4, flags + LAYOUTS["pp4"] + ["--load", str(tmp_path / "pp4"),
+                                                           "--save", str(tmp_path / "out")],
+                        str(tmp_path / "resumed.jsonl")))
+    assert max_rel(got, whole[3:]) < 1e-5

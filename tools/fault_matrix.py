@@ -57,10 +57,12 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "1",
          "--log-interval", "1"]
 MOCK = ["--mock-data", "--vocab-size", "127", "--make-vocab-size-divisible-by", "64"]
-TINY = MODEL + MOCK + ["--lr", "1e-2", "--lr-decay-style", "constant"]
+# the checkpoint probes damage the legacy format's per-rank files (--ckpt-format torch);
+# torch_dist's manifest check is tested in tests/test_sharded_checkpoint.py
+TINY = MODEL + MOCK + ["--lr", "1e-2", "--lr-decay-style", "constant", "--ckpt-format", "torch"]
 # the shared checkpoint's schedule: linear decay, so every scheduler flag changes something
 LIN = MODEL + MOCK + ["--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "linear",
-                      "--train-iters", "4"]
+                      "--train-iters", "4", "--ckpt-format", "torch"]
 PP2 = ["--global-batch-size", "8", "--pipeline-model-parallel-size", "2"]
 VOCAB = 1000  # the probe dataset: NullTokenizer ids 0..999
 

@@ -238,7 +238,8 @@ def verify(root: str, iteration: int, rel: str) -> bool:
     if entry is None:
         raise CheckpointError(f"the checkpoint manifest lists no {rel} (saved with another "
                               f"parallel layout? it lists {', '.join(manifest)}) "
-                              f"({path}); resume with the layout it was saved with")
+                              f"({path}); resume with the layout it was saved with, or "
+                              "move it to this one with tools/checkpoint/convert.py")
     size = _size(path)
     if size != entry.size:
         what = ("checkpoint file missing" if size < 0 else f"checkpoint file truncated or "

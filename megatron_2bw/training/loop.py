@@ -202,6 +202,13 @@ class Trainer:
                         options=SaveOptions(t.ckpt_format, not t.no_save_optim,
                                             not t.no_save_rng))
 
+    def save_now(self) -> None:
+        """Save the state as loaded (the checkpoint converter) and release the groups."""
+        try:
+            self._save(self.iteration)
+        finally:
+            ps.destroy_model_parallel()
+
     def _stops(self, stop: GracefulStop, end: int) -> bool:
         """At a segment end before the last: whether all ranks agree to stop; then save
         (unless this iteration was just saved) so the run resumes from here."""
