@@ -36,6 +36,16 @@ def launch(model: str, nproc: int, extra: list[str], metrics: str, timeout: int 
         return [r for r in map(json.loads, f) if r.get("split", "train") == split]
 
 
+def complete_records(path: str, split: str = "train") -> list[dict]:
+    """The records of `split` in a metrics file that may still be written (its last,
+    unfinished line left out); none before the file exists."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [line for line in f if line.endswith("\n")]
+    return [r for r in map(json.loads, lines) if r.get("split", "train") == split]
+
+
 def losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
 

@@ -286,3 +286,23 @@ def test_tiny_bert_run_prints_megatron_lines(tmp_path) -> None:
     rows = [json.loads(x) for x in open(metrics)]
     assert KEYS | {"sop_loss", "global_batch_size", "weight_version"} <= set(rows[0])
     assert [r["iteration"] for r in rows if r["split"] == "train"] == [1, 2, 3]
+
+
+def test_flops_count_the_architecture() -> None:
+    """SC21 eq. 3 for a standard GPT; grouped-query attention and SwiGLU change the count
+    by exactly their projections' FLOPs."""
+    import dataclasses
+
+    from megatron_2bw.models.config import ModelConfig
+    from megatron_2bw.training.metrics import transformer_flops
+
+    b, s, l, h, v = 8, 2048, 24, 2048, 51200
+    gpt = ModelConfig(model="gpt", num_layers=l, hidden_size=h, num_attention_heads=16,
+                      seq_length=s, vocab_size=v)
+    eq3 = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
+    assert abs(transformer_flops(b, gpt) / eq3 - 1) < 1e-12
+    gqa = dataclasses.replace(gpt, num_query_groups=4)  # k and v: 4 of 16 heads
+    assert transformer_flops(b, gpt) - transformer_flops(b, gqa) == 3 * b * s * l * 2 * h * (
+        2 * h - 2 * h // 4)
+    glu = dataclasses.replace(gpt, swiglu=True, ffn_hidden_size=4 * h)  # one more input half
+    assert transformer_flops(b, glu) - transformer_flops(b, gpt) == 3 * b * s * l * 2 * h * 4 * h

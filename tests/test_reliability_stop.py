@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -27,7 +26,7 @@ from megatron_2bw.schedules.simulate import simulate
 from megatron_2bw.training import distributed
 from megatron_2bw.training.signals import DRAIN_BUDGET, GracefulStop, stop_check_interval
 from tests.dist_harness import free_port
-from tests.entry_harness import ROOT, TINY, launch, losses
+from tests.entry_harness import ROOT, TINY, complete_records, launch, losses
 
 PP2_2BW = ["--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
            "--pipeline-schedule", "2bw", "--train-iters", "2000"]
@@ -44,18 +43,10 @@ def _torchrun(extra: list[str], metrics: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def _records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        lines = [line for line in f if line.endswith("\n")]
-    return [r for r in map(json.loads, lines) if r.get("split", "train") == "train"]
-
-
 def _wait_for(path: str, count: int, procs: list[subprocess.Popen], limit: float) -> None:
     """Until `path` holds `count` training records (fail if a process ends first)."""
     deadline = time.monotonic() + limit
-    while len(_records(path)) < count:
+    while len(complete_records(path)) < count:
         for p in procs:
             assert p.poll() is None, p.communicate()[0][-3000:]
         assert time.monotonic() < deadline, f"no {count} records in {path} in {limit} s"
@@ -108,7 +99,7 @@ def test_sigterm_saves_where_it_stopped_and_resumes_exactly(tmp_path) -> None:
             k = int(f.read())
         assert k % CHECK == 0 and 0 < k < LAST, (k, out[-2000:])
         assert f"exiting at iteration {k} after receiving SIGTERM" in out
-        first = _records(stopped_m)
+        first = complete_records(stopped_m)
         assert [r["iteration"] for r in first] == list(range(1, k + 1))
         rest = launch("gpt", 2, PP2_2BW + ["--exit-signal-handler", "--load", ckpt,
                                            "--exit-interval", str(LAST)],
@@ -118,7 +109,7 @@ def test_sigterm_saves_where_it_stopped_and_resumes_exactly(tmp_path) -> None:
         for proc in (stopped, reference):
             _kill_job(proc)
     assert [r["iteration"] for r in rest] == list(range(k + 1, LAST + 1))
-    assert losses(first) + losses(rest) == losses(_records(ref_m))  # bit for bit
+    assert losses(first) + losses(rest) == losses(complete_records(ref_m))  # bit for bit
 
 
 def _ranks_by_hand(cmd: list[str], timeout: float, world: int = 2,
@@ -167,7 +158,7 @@ def test_stalled_rank_is_named_within_the_timeout(tmp_path, victim: int) -> None
         # rank 1 was in; either way the store's host is named
         assert last.endswith("(rank 0 when no torchrun agent hosts it) is frozen, gone or "
                              "unreachable"), out[-3000:]
-    assert took < timeout + 60, took  # ends (no gloo default 30-minute hang), even on a loaded machine
+    assert took < timeout + 60, took  # ends (no gloo 30-minute hang), even when loaded
 
 
 @pytest.mark.parametrize("present", [0, 1])
@@ -224,7 +215,7 @@ def test_srun_tasks_train_without_torchrun(tmp_path) -> None:
         for p in procs:
             p.kill()
             p.communicate()
-    assert [r["iteration"] for r in _records(metrics)] == [1, 2, 3, 4], outs[1][-3000:]
+    assert [r["iteration"] for r in complete_records(metrics)] == [1, 2, 3, 4], outs[1][-3000:]
 
 
 def _fake_scontrol(*args: str) -> str:

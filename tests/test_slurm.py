@@ -29,7 +29,6 @@ ignore SIGTERM outside it), and start-up took 10-47 s here depending on the load
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -44,7 +43,7 @@ import pytest
 from megatron_2bw.training.distributed import TIMEOUT_ENV
 from megatron_2bw.training.errors import HOST_WAIT_S
 from megatron_2bw.training.signals import stop_check_interval
-from tests.entry_harness import ROOT
+from tests.entry_harness import ROOT, complete_records
 
 pytestmark = pytest.mark.slow
 
@@ -61,16 +60,8 @@ TIMEOUT_S = 5.0                            # the distributed timeout of the node
 ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
-def _records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        lines = [line for line in f if line.endswith("\n")]
-    return [r for r in map(json.loads, lines) if r.get("split", "train") == "train"]
-
-
 def _losses(path: str) -> list[float]:
-    return [r["loss"] for r in _records(path)]
+    return [r["loss"] for r in complete_records(path)]
 
 
 def _wait(done: Callable[[], bool], limit: float, what: Callable[[], str]) -> None:
@@ -188,15 +179,16 @@ class Reference:
 
     def losses(self, n: int, limit: float = 180) -> list[float]:
         """The first n losses (running it as far as that)."""
-        if len(_records(self.metrics)) < n:
+        if len(complete_records(self.metrics)) < n:
             self.run()
         proc = self.proc
 
         def ready() -> bool:
-            assert proc is None or proc.poll() is None or len(_records(self.metrics)) >= n, \
+            done = len(complete_records(self.metrics)) >= n
+            assert proc is None or proc.poll() is None or done, \
                 _tail(os.path.join(self.work, "reference.out"))
-            return len(_records(self.metrics)) >= n
-        _wait(ready, limit, lambda: f"reference at {len(_records(self.metrics))} of {n}")
+            return done
+        _wait(ready, limit, lambda: f"reference at {len(complete_records(self.metrics))} of {n}")
         return _losses(self.metrics)[:n]
 
     def stop(self) -> None:
@@ -257,7 +249,7 @@ def test_time_limit_saves_and_requeue_resumes_exactly(cluster, reference, tmp_pa
     args = [ckpt, str(tmp_path / "tb")]
     job = cluster.submit(out, args, ["--time=10", "--signal=TERM@90"], LAUNCHER="torchrun",
                          EXTRA_ARGS=f"{SPLIT} --metrics-file {metrics}")
-    _wait(lambda: bool(_records(metrics)) or cluster.state(job) in ENDED, 180,
+    _wait(lambda: bool(complete_records(metrics)) or cluster.state(job) in ENDED, 180,
           lambda: _tail(out))
     _shorten_limit(cluster, job)  # the handler is in now
     reference.run()  # not before: it would slow the job's start-up
@@ -269,7 +261,8 @@ def test_time_limit_saves_and_requeue_resumes_exactly(cluster, reference, tmp_pa
     k = _latest(ckpt)
     assert state == "COMPLETED", log[-3000:]  # every rank and both agents exited 0
     assert f"exiting at iteration {k} after receiving SIGTERM" in log, log[-3000:]
-    assert k % CHECK == 0 and [r["iteration"] for r in _records(metrics)] == list(range(1, k + 1))
+    iterations = [r["iteration"] for r in complete_records(metrics)]
+    assert k % CHECK == 0 and iterations == list(range(1, k + 1))
 
     cluster.run("scontrol", "requeue", job)
     # (a job still completing is requeued when it is done)
@@ -277,7 +270,7 @@ def test_time_limit_saves_and_requeue_resumes_exactly(cluster, reference, tmp_pa
     # now, not in 2 minutes (SLURM's wait after a requeue); and ended by scancel below,
     # not by a second time limit
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10")
-    _wait(lambda: len(_records(metrics)) > k or cluster.state(job) in ENDED, 180,
+    _wait(lambda: len(complete_records(metrics)) > k or cluster.state(job) in ENDED, 180,
           lambda: _tail(out))
     reference.run()
     cluster.run("scancel", "--signal=TERM", job)  # the steps' processes, as the limit does
@@ -286,7 +279,7 @@ def test_time_limit_saves_and_requeue_resumes_exactly(cluster, reference, tmp_pa
     assert state == "COMPLETED", log[-3000:]
     assert f"resumed from {ckpt} at iteration {k}" in log, log[-3000:]
     k2 = _latest(ckpt)
-    assert k2 > k and [r["iteration"] for r in _records(metrics)] == list(range(1, k2 + 1))
+    assert k2 > k and [r["iteration"] for r in complete_records(metrics)] == list(range(1, k2 + 1))
     expected = reference.losses(k2)
     reference.stop()
     assert _losses(metrics) == expected  # bit for bit, across the requeue
@@ -303,7 +296,7 @@ def test_srun_tasks_and_a_lost_node(cluster, reference, tmp_path) -> None:
                          **{TIMEOUT_ENV: str(TIMEOUT_S)})
     first = 10
     try:
-        _wait(lambda: len(_records(metrics)) >= first or cluster.state(job) in ENDED, 120,
+        _wait(lambda: len(complete_records(metrics)) >= first or cluster.state(job) in ENDED, 120,
               lambda: _tail(out))
         ranks = {node: [c for c in _job_processes(job, node).values()  # not srun
                         if c.startswith(sys.executable) and "pretrain_gpt.py" in c]

@@ -323,11 +323,7 @@ class Trainer:
                "consumed_samples": sizes.consumed(k + 1), "global_batch_size": gbs,
                # the version minibatch k's step published (k + 1 under every schedule)
                "weight_version": self.executor.weights.newest}
-        flops = transformer_flops(gbs, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
-                                  m.recompute_granularity == "full")
-        if m.recompute_granularity == "selective":  # one more forward of the attention scores
-            flops += 4 * gbs * m.seq_length ** 2 * m.num_layers * m.hidden_size
-        rec["tflops"] = flops / elapsed / self.env.world_size / 1e12
+        rec["tflops"] = transformer_flops(gbs, m) / elapsed / self.env.world_size / 1e12
         return rec
 
 
