@@ -61,6 +61,26 @@ def from_megatron_names(weights: dict) -> dict:
     return {MODULE_PREFIX + k: v for k, v in weights.items()}
 
 
+def complete_megatron_state(state: dict) -> dict:
+    """A --ckpt-format torch file written by Megatron-LM has one weight version, no loss
+    scales and its own optimizer layout: the engine's view of it (the optimizer is not
+    read: --finetune or --no-load-optim, which restore asks for)."""
+    if "weight_versions" in state:
+        return state
+    iteration = state.get("iteration", 0)
+    return {**state, "weight_versions": {iteration: state["model"]},
+            "newest_version": iteration, "loss_scale_of": {iteration: 1.0},
+            "pipeline_schedule": None, "optimizer": None}
+
+
+def megatron_engine_state(common: dict) -> dict:
+    """The engine scalars of a torch_dist checkpoint Megatron-LM wrote (it has none):
+    one weight version, the iteration's, and its optimizer not read."""
+    iteration = common.get("iteration", 0)
+    return {"pipeline_schedule": None, "newest_version": iteration, "versions": [iteration],
+            "loss_scale_of": {iteration: 1.0}, "optimizer_saved": False, "rng_saved": True}
+
+
 def rng_state() -> list[dict]:
     """Megatron-LM's `rng_state`: one entry (data-parallel replicas are alike here)."""
     return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),

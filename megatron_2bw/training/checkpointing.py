@@ -29,7 +29,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
-from .checkpoint_contents import from_megatron_names, restore_rng, rng_state, to_megatron_names
+from .checkpoint_contents import (complete_megatron_state, from_megatron_names, restore_rng,
+                                  rng_state, to_megatron_names)
 from .sharded_checkpoint import (commit_sharded, is_sharded, load_sharded, read_common,
                                  save_sharded, verify_sharded)
 from .checkpoint_files import (TRACKER, CheckpointError, check_save_dir, clear_for_save,
@@ -235,7 +236,7 @@ def read_checkpoint(root: str, rel: Optional[str] = None,
     if is_sharded(root, iteration):
         return _read_sharded(root, iteration)
     rel = rel or rank_file()
-    state = load_state(root, iteration, rel, warn=_warn_once)
+    state = complete_megatron_state(load_state(root, iteration, rel, warn=_warn_once))
     return LoadedCheckpoint(iteration, state, os.path.join(iteration_dir(root, iteration), rel))
 
 
@@ -261,6 +262,10 @@ def _saved_args(state: dict) -> dict:
 def _shape_value(args: dict, key: str):
     """A flag's effective value (the defaults Megatron-LM derives when it is unset)."""
     value = args.get(key)
+    if key == "num_query_groups" and not args.get("group_query_attention"):
+        return None  # Megatron-LM writes 1 there without grouped-query attention
+    if value is None and key == "kv_channels" and args.get("num_attention_heads"):
+        return args["hidden_size"] // args["num_attention_heads"]  # Megatron-LM's default
     if value is None and key == "max_position_embeddings":
         return args.get("seq_length")
     if value is None and key == "ffn_hidden_size" and args.get("hidden_size"):

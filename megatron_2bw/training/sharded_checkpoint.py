@@ -41,6 +41,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 from ..models.compat import cpu_dist_checkpointing
+from .checkpoint_contents import megatron_engine_state
 from .checkpoint_files import (MANIFEST, CheckpointError, FileEntry, iteration_dir,
                                previous_hint, read_manifest, write_manifest, write_tracker)
 
@@ -180,10 +181,8 @@ def read_common(root: str, iteration: int) -> dict:
     except Exception as err:  # noqa: BLE001 (any failure to read is the user's file)
         raise CheckpointError(f"checkpoint unreadable ({path}: {str(err).splitlines()[0]}); "
                               f"{previous_hint(root, iteration)}") from err
-    if "pipedream_2bw" not in common:
-        raise CheckpointError(f"{path} is a torch_dist checkpoint without megatron-2bw's "
-                              "engine state (written by Megatron-LM?); load it with "
-                              "--finetune-style weights-only loading, not supported yet")
+    if "pipedream_2bw" not in common:  # written by Megatron-LM
+        common["pipedream_2bw"] = megatron_engine_state(common)
     return common
 
 
