@@ -88,8 +88,10 @@ def launched_words(form: str, text: str, tmp_path: Path, nodes: int) -> list[str
     script, record = tmp_path / f"{form}.sh", tmp_path / "argv"
     script.write_text(text)
     folder = stubs(tmp_path)
+    # python is the recorder here, so the sbatch form cannot ask it for a free port
+    port = {"MASTER_PORT": "14242"} if form == "sbatch" else {}
     env = slurm_env(folder, nodes, PYTHON=str(folder / "recorder"), RECORD=str(record),
-                    MASTER_ADDR="10.0.0.5")
+                    MASTER_ADDR="10.0.0.5", **port)
     subprocess.run(["bash", str(script)], env=env, check=True, timeout=30)
     words = record.read_bytes().decode().split("\0")[:-1]
     assert words[:2] == ["-m", "torch.distributed.run"]

@@ -232,6 +232,23 @@ def _latest(ckpt: str) -> int:
         return int(f.read())
 
 
+def _requeue(cluster: Cluster, job: str, tries: int = 3) -> None:
+    """`scontrol requeue`, until the job is pending or running again. A requeue right
+    after the job ended can be scheduled at once onto a slurmd that still lists the job
+    as just killed ("Job 1 already killed, do not launch batch job"): it then ends again
+    without running, and is requeued once more after a pause."""
+    for _ in range(tries):
+        time.sleep(2)
+        cluster.run("scontrol", "requeue", job)
+        deadline = time.monotonic() + 30  # a job still completing is requeued when done
+        while time.monotonic() < deadline:
+            if cluster.state(job) in ("PENDING", "RUNNING", "CONFIGURING"):
+                return
+            time.sleep(0.5)
+    raise AssertionError(f"job {job} did not start again after {tries} requeues: "
+                         f"{cluster.state(job)}")
+
+
 def _shorten_limit(cluster: Cluster, job: str) -> None:
     """Time limit: the minute after the next (SLURM counts whole minutes), so that with
     --signal=TERM@90 the SIGTERM is due at once and comes at slurmctld's next check."""
@@ -264,9 +281,7 @@ def test_time_limit_saves_and_requeue_resumes_exactly(cluster, reference, tmp_pa
     iterations = [r["iteration"] for r in complete_records(metrics)]
     assert k % CHECK == 0 and iterations == list(range(1, k + 1))
 
-    cluster.run("scontrol", "requeue", job)
-    # (a job still completing is requeued when it is done)
-    _wait(lambda: cluster.state(job) in ("PENDING", "RUNNING"), 60, lambda: cluster.state(job))
+    _requeue(cluster, job)
     # now, not in 2 minutes (SLURM's wait after a requeue); and ended by scancel below,
     # not by a second time limit
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10")
@@ -312,8 +327,10 @@ def test_srun_tasks_and_a_lost_node(cluster, reference, tmp_path) -> None:
         subprocess.run(["scancel", "--full", job], env=cluster.env(), timeout=60)
     assert state == "FAILED", _tail(out)
     assert took < TIMEOUT_S + HOST_WAIT_S + 10, (took, _tail(out))  # 10: a loaded machine
-    # n1's ranks ended themselves, naming what they lost (not killed by srun)
-    assert re.search(r"error: .*(stage 1|rank [23])", _tail(out)), _tail(out)
+    # n1's ranks ended themselves, naming what they lost: the stage when a transfer
+    # noticed, the group when a collective did (the tied-embedding sum, the stop check)
+    assert re.search(r"error: .*(lost the connection to stage 1|lost a member)",
+                     _tail(out)), _tail(out)
     assert not _job_processes(job, "n1") and not _job_processes(job, "n2")
     assert _losses(metrics)[:first] == reference.losses(first)
 

@@ -436,6 +436,9 @@ IGNORE_TERM = [
 ]
 
 
+FREE_PORT = '$("$PY" -c \'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])\')'
+
+
 def sbatch_script(job: Job) -> str:
     """A Slurm batch script: one task per node, each a torchrun agent for its GPUs."""
     usage = ["Submit: sbatch THIS_FILE. Near the time limit Slurm sends SIGTERM; the job saves "
@@ -444,14 +447,15 @@ def sbatch_script(job: Job) -> str:
               "--rdzv-backend", "c10d", "--rdzv-endpoint", Shell('"$MASTER_ADDR:$MASTER_PORT"'),
               "--rdzv-id", Shell('"$SLURM_JOB_ID"'), "--signals-to-handle",
               "SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout", str(SIGNAL_LEAD_S)]
-    n, port = job.nodes.count, job.master_port or "$((10000 + SLURM_JOB_ID % 20000))"
+    # a port free on the first node, where the batch script runs and the rendezvous is
+    n, port = job.nodes.count, job.master_port or FREE_PORT
     guard = [f'if [ "$SLURM_NNODES" -ne {n} ]; then',
              f'    echo "error: the plan is for {n} node(s), this job has $SLURM_NNODES: submit '
              'it without --nodes, or plan again" >&2',
              "    exit 2", "fi", ""]
     lines = (_header(job, usage) + _sbatch_directives(job)
              + ["set -euo pipefail", ""] + guard + MASTER_FROM_SLURM
-             + [f"MASTER_PORT=${{MASTER_PORT:-{port}}}", "PY=${PYTHON:-python}", ""])
+             + ["PY=${PYTHON:-python}", f"MASTER_PORT=${{MASTER_PORT:-{port}}}", ""])
     srun = ('srun --nodes "$SLURM_NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 '
             '"${IGNORE_TERM[@]}" ')
     return "\n".join(lines + _env_block(job) + _body(job, launch, srun, IGNORE_TERM))
