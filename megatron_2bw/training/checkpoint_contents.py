@@ -30,7 +30,7 @@ CHECKPOINT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attentio
                    "seq_length", "max_position_embeddings", "untie_embeddings_and_output_weights",
                    "swiglu", "group_query_attention", "num_query_groups", "kv_channels",
                    "add_bias_linear", "normalization", "norm_epsilon", "qk_layernorm",
-                   "apply_layernorm_1p", "position_embedding_type", "rotary_base",
+                   "layernorm_zero_centered_gamma", "position_embedding_type", "rotary_base",
                    "rotary_percent", "make_vocab_size_divisible_by", "vocab_size",
                    "tokenizer_type", "bert_no_binary_head")
 
@@ -43,7 +43,8 @@ def megatron_args(run) -> argparse.Namespace:
                    world_size=run.parallel.world_size,
                    add_position_embedding=m.position_embedding_type == "learned_absolute",
                    use_rotary_position_embeddings=m.position_embedding_type == "rope",
-                   bert_binary_head=m.bert_binary_head)
+                   bert_binary_head=m.bert_binary_head,
+                   apply_layernorm_1p=m.layernorm_zero_centered_gamma)
     return argparse.Namespace(**{**run.flags, **derived})
 
 

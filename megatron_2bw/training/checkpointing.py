@@ -47,14 +47,15 @@ SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "max_position_embeddings", "tensor_model_parallel_size",
                "pipeline_model_parallel_size", "untie_embeddings_and_output_weights",
                "swiglu", "group_query_attention", "num_query_groups", "kv_channels",
-               "add_bias_linear", "normalization", "qk_layernorm", "apply_layernorm_1p",
-               "position_embedding_type", "decoder_first_pipeline_num_layers",
+               "add_bias_linear", "normalization", "qk_layernorm",
+               "layernorm_zero_centered_gamma", "position_embedding_type", "decoder_first_pipeline_num_layers",
                "decoder_last_pipeline_num_layers")
 # of those, the layout: a torch_dist checkpoint reshards to another one
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 # flags whose dest is not their name
-FLAG_NAMES = {"add_bias_linear": "--disable-bias-linear"}
+FLAG_NAMES = {"add_bias_linear": "--disable-bias-linear",
+              "layernorm_zero_centered_gamma": "--apply-layernorm-1p"}
 # the LR-schedule state megatron-core's OptimizerParamScheduler checks on load, by flag
 SCHEDULE_FLAGS = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
                   ("lr_decay_style", "--lr-decay-style"),
@@ -262,6 +263,8 @@ def _saved_args(state: dict) -> dict:
 def _shape_value(args: dict, key: str):
     """A flag's effective value (the defaults Megatron-LM derives when it is unset)."""
     value = args.get(key)
+    if key == "layernorm_zero_centered_gamma" and value is None:
+        return args.get("apply_layernorm_1p")  # Megatron-LM's name of the same flag
     if key == "num_query_groups" and not args.get("group_query_attention"):
         return None  # Megatron-LM writes 1 there without grouped-query attention
     if value is None and key == "kv_channels" and args.get("num_attention_heads"):

@@ -1,0 +1,264 @@
+"""Which Hugging Face class a megatron-core model is, its config, and back to flags.
+
+Three families have a `transformers` class that computes exactly what megatron-core
+computes here (fp32 logits equal to 1e-4, tested in tests/test_hf_export.py):
+
+| ours | transformers |
+|---|---|
+| GPT, learned absolute positions, LayerNorm, GELU, biases | `GPT2LMHeadModel` (`activation_function="gelu"`: megatron-core's exact GELU, not GPT-2's tanh approximation) |
+| GPT, rope, RMSNorm, SwiGLU, optional GQA and biases | `LlamaForCausalLM` |
+| BERT (pre-LayerNorm) | `MegatronBertForPreTraining` (`...ForMaskedLM` with --bert-no-binary-head) |
+
+Anything else (query/key norms, --apply-layernorm-1p, partial or interleaved rotary,
+a mix such as rope with LayerNorm) has no class that computes the same function: one
+`UserError` names the flag, rather than an export whose logits silently differ.
+
+An exported config carries `megatron_2bw` (the run's sequence length and vocabulary
+padding) so that importing it back gives the flags it came from.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from ..models.config import ModelConfig
+from ..training.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+GPT2, LLAMA, BERT = "gpt2", "llama", "megatron-bert"
+CLASS_NAMES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+BERT_CLASSES = ("MegatronBertForPreTraining", "MegatronBertForMaskedLM")
+META = "megatron_2bw"  # our extra key in config.json
+DEFAULT_DROPOUT = 0.1  # Megatron-LM's --hidden-dropout / --attention-dropout default
+SUPPORTED = ("supported: GPT-2-like (learned positions, LayerNorm, GELU, biases), "
+             "Llama-like (--position-embedding-type rope --normalization RMSNorm --swiglu) "
+             "and BERT")
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Token ids the HF config names (None where the tokenizer has none)."""
+
+    bos: Optional[int] = None
+    eos: Optional[int] = None
+    pad: Optional[int] = None
+
+
+def _no_class(what: str, flag: str) -> UserError:
+    return UserError(f"Hugging Face transformers has no model class for {what}", flag,
+                     SUPPORTED)
+
+
+def _classic_flag(m: ModelConfig) -> Optional[str]:
+    """The first flag that takes a model away from GPT-2's / MegatronBert's layer (LayerNorm,
+    GELU, biases, one key/value head per query head); None when there is none."""
+    checks = ((m.normalization != "LayerNorm", "--normalization RMSNorm"),
+              (m.swiglu, "--swiglu"), (not m.add_bias_linear, "--disable-bias-linear"),
+              (m.query_groups != m.num_attention_heads, "--group-query-attention"),
+              (m.head_dim * m.num_attention_heads != m.hidden_size, "--kv-channels"))
+    return next((flag for bad, flag in checks if bad), None)
+
+
+def _refuse_gpt2(m: ModelConfig) -> None:
+    flag = _classic_flag(m)
+    if flag:
+        raise _no_class(f"learned absolute positions with {flag} (GPT-2 has LayerNorm, "
+                        "GELU, biases and one key/value head per query head)", flag)
+
+
+def _refuse_llama(m: ModelConfig) -> None:
+    checks = ((m.normalization != "RMSNorm", "--normalization LayerNorm",
+               "rope with LayerNorm (Llama has RMSNorm)"),
+              (not m.swiglu, "--swiglu", "rope without --swiglu (Llama's MLP is SwiGLU)"),
+              (m.rotary_percent != 1.0, "--rotary-percent",
+               f"--rotary-percent {m.rotary_percent} (Llama rotates every channel)"),
+              (m.rotary_interleaved, "--rotary-interleaved",
+               "interleaved rotary pairs (Llama rotates the two halves of a head)"),
+              (m.use_rope_scaling, "--use-rope-scaling", "--use-rope-scaling"),
+              (m.rotary_seq_len_interpolation_factor is not None,
+               "--rotary-seq-len-interpolation-factor", "rotary position interpolation"),
+              (m.hidden_size % m.num_attention_heads != 0, "--num-attention-heads",
+               "a hidden size that does not split over the heads"))
+    for bad, flag, what in checks:
+        if bad:
+            raise _no_class(what, flag)
+
+
+def _refuse_bert(m: ModelConfig) -> None:
+    flag = _classic_flag(m)
+    if flag:
+        raise _no_class(f"BERT with {flag} (MegatronBert has LayerNorm, GELU, biases "
+                        "and one key/value head per query head)", flag)
+
+
+def hf_family(m: ModelConfig) -> str:
+    """GPT2, LLAMA or BERT; a UserError naming the flag HF has no class for."""
+    if m.qk_layernorm:
+        raise _no_class("query/key normalization", "--qk-layernorm")
+    if m.layernorm_zero_centered_gamma:
+        raise _no_class("zero-centred norms", "--apply-layernorm-1p")
+    if m.model == "bert":
+        _refuse_bert(m)
+        return BERT
+    if m.position_embedding_type == "learned_absolute":
+        _refuse_gpt2(m)
+        return GPT2
+    if m.position_embedding_type == "rope":
+        _refuse_llama(m)
+        return LLAMA
+    raise _no_class("a GPT without position embeddings", "--position-embedding-type none")
+
+
+def class_name(m: ModelConfig) -> str:
+    """The `transformers` class the export writes (config.json's `architectures`)."""
+    family = hf_family(m)
+    if family == BERT:
+        return BERT_CLASSES[0] if m.bert_binary_head else BERT_CLASSES[1]
+    return CLASS_NAMES[family]
+
+
+def hf_config(m: ModelConfig, special: SpecialTokens, meta: dict):
+    """The `transformers` config of model `m` (vocabulary: the padded size, so the HF
+    logits equal ours on every id, the padding ids included)."""
+    import transformers
+
+    family = hf_family(m)
+    common = dict(vocab_size=m.vocab_size, tie_word_embeddings=m.tie_embeddings,
+                  initializer_range=m.init_method_std, architectures=[class_name(m)])
+    if family == GPT2:
+        config = transformers.GPT2Config(
+            n_positions=m.max_positions, n_embd=m.hidden_size, n_layer=m.num_layers,
+            n_head=m.num_attention_heads, n_inner=m.ffn_size, activation_function="gelu",
+            resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
+            attn_pdrop=m.attention_dropout, layer_norm_epsilon=m.layernorm_epsilon,
+            bos_token_id=special.bos, eos_token_id=special.eos, pad_token_id=special.pad,
+            **common)
+    elif family == LLAMA:
+        config = transformers.LlamaConfig(
+            hidden_size=m.hidden_size, intermediate_size=m.ffn_size,
+            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.query_groups, head_dim=m.head_dim, hidden_act="silu",
+            max_position_embeddings=m.max_positions, rms_norm_eps=m.layernorm_epsilon,
+            rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
+            attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
+            attention_dropout=m.attention_dropout, bos_token_id=special.bos,
+            eos_token_id=special.eos, pad_token_id=special.pad, **common)
+    else:
+        config = transformers.MegatronBertConfig(
+            hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_size,
+            hidden_act="gelu", hidden_dropout_prob=m.hidden_dropout,
+            attention_probs_dropout_prob=m.attention_dropout,
+            max_position_embeddings=m.max_positions, type_vocab_size=2,
+            layer_norm_eps=m.layernorm_epsilon,
+            pad_token_id=special.pad if special.pad is not None else 0, **common)
+    config.dtype = m.params_dtype  # the dtype the weights are written in
+    setattr(config, META, meta)
+    return config
+
+
+# ------------------------------------------------------------------------ import: flags
+
+
+@dataclass(frozen=True)
+class ImportedArchitecture:
+    """What an HF config becomes here: the model kind, its family and the model flags
+    (shape flags, norm epsilon, dropout) that pretrain_{model}.py must be given."""
+
+    model: str                 # "gpt" | "bert"
+    family: str                # GPT2 | LLAMA | BERT
+    flags: list[str]
+    vocab_size: int            # the HF model's rows (before our padding)
+    max_positions: int
+
+
+def _dropout_flags(hidden: float, attention: float) -> list[str]:
+    return ["--hidden-dropout", f"{hidden:g}", "--attention-dropout", f"{attention:g}"]
+
+
+def _gpt2_flags(c) -> list[str]:
+    if c.activation_function != "gelu":
+        logger.warning(f"activation_function {c.activation_function!r}: megatron-core "
+                       "computes the exact GELU here; a tanh-approximated GELU differs by up "
+                       "to about 1e-3 per activation, so logits will differ slightly")
+    for name, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                       ("add_cross_attention", False)):
+        if getattr(c, name, want) != want:
+            raise UserError(f"GPT-2 config has {name}={getattr(c, name)}, which megatron-core's "
+                            "attention does not compute", "config.json",
+                            "only standard GPT-2 attention imports")
+    flags = ["--num-layers", str(c.n_layer), "--hidden-size", str(c.n_embd),
+             "--num-attention-heads", str(c.n_head),
+             "--ffn-hidden-size", str(c.n_inner or 4 * c.n_embd),
+             "--max-position-embeddings", str(c.n_positions),
+             "--norm-epsilon", f"{c.layer_norm_epsilon:g}"]
+    return flags + _dropout_flags(c.resid_pdrop, c.attn_pdrop)
+
+
+def _llama_flags(c) -> list[str]:
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise UserError(f"Llama config with rope_type {rope.get('rope_type')!r}",
+                        "config.json rope_parameters",
+                        "only the default rotary frequencies import")
+    if c.hidden_act != "silu":
+        raise UserError(f"Llama config with hidden_act {c.hidden_act!r}", "config.json",
+                        "megatron-core's --swiglu is SiLU-gated")
+    if bool(c.attention_bias) != bool(c.mlp_bias):
+        raise UserError(f"attention_bias={c.attention_bias} but mlp_bias={c.mlp_bias}",
+                        "config.json", "megatron-core has one switch for both "
+                        "(--disable-bias-linear)")
+    heads, groups = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    flags = ["--num-layers", str(c.num_hidden_layers), "--hidden-size", str(c.hidden_size),
+             "--num-attention-heads", str(heads), "--ffn-hidden-size", str(c.intermediate_size),
+             "--max-position-embeddings", str(c.max_position_embeddings),
+             "--position-embedding-type", "rope", "--rotary-base",
+             str(int(rope.get("rope_theta", 10000))), "--normalization", "RMSNorm",
+             "--norm-epsilon", f"{c.rms_norm_eps:g}", "--swiglu"]
+    if groups != heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(groups)]
+    if head_dim != c.hidden_size // heads:
+        flags += ["--kv-channels", str(head_dim)]
+    if not c.attention_bias:
+        flags.append("--disable-bias-linear")
+    return flags + _dropout_flags(0.0, c.attention_dropout)
+
+
+def _bert_flags(c, binary_head: bool) -> list[str]:
+    if c.hidden_act != "gelu":
+        raise UserError(f"MegatronBert config with hidden_act {c.hidden_act!r}", "config.json",
+                        "megatron-core's BERT uses the exact GELU")
+    if binary_head and c.type_vocab_size != 2:
+        raise UserError(f"type_vocab_size {c.type_vocab_size}", "config.json",
+                        "megatron-core's BERT with a binary head has two token types")
+    flags = ["--num-layers", str(c.num_hidden_layers), "--hidden-size", str(c.hidden_size),
+             "--num-attention-heads", str(c.num_attention_heads),
+             "--ffn-hidden-size", str(c.intermediate_size),
+             "--max-position-embeddings", str(c.max_position_embeddings),
+             "--norm-epsilon", f"{c.layer_norm_eps:g}"]
+    if not binary_head:
+        flags.append("--bert-no-binary-head")
+    return flags + _dropout_flags(c.hidden_dropout_prob, c.attention_probs_dropout_prob)
+
+
+def imported_architecture(c) -> ImportedArchitecture:
+    """The model flags of HF config `c`; a UserError for a model type or class that has
+    no megatron-core counterpart here."""
+    arch = (getattr(c, "architectures", None) or [None])[0]
+    if c.model_type == GPT2 and arch in (None, "GPT2LMHeadModel"):
+        flags, model, positions = _gpt2_flags(c), "gpt", c.n_positions
+    elif c.model_type == LLAMA and arch in (None, "LlamaForCausalLM"):
+        flags, model, positions = _llama_flags(c), "gpt", c.max_position_embeddings
+    elif c.model_type == BERT and arch in BERT_CLASSES + (None,):
+        binary = arch != BERT_CLASSES[1]
+        flags, model, positions = _bert_flags(c, binary), "bert", c.max_position_embeddings
+    else:
+        raise UserError(f"cannot import model type {c.model_type!r} ({arch})", "config.json",
+                        "supported: GPT2LMHeadModel, LlamaForCausalLM, "
+                        "MegatronBertForPreTraining, MegatronBertForMaskedLM")
+    if not c.tie_word_embeddings:
+        flags.append("--untie-embeddings-and-output-weights")
+    return ImportedArchitecture(model, c.model_type, flags, c.vocab_size, positions)
