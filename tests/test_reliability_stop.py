@@ -253,7 +253,10 @@ def test_launcher_detection(monkeypatch, capsys, env, scontrol, outcome) -> None
                 "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
                 "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
                 "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK"):
-        monkeypatch.delenv(var, raising=False)
+        # set, then delete: monkeypatch then restores the variable as it was (absent too),
+        # so what adopt_srun_env writes into os.environ does not leak into later tests
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     monkeypatch.setattr(distributed, "_scontrol", _fake_scontrol if scontrol else lambda *a: "")

@@ -86,8 +86,11 @@ class Cluster:
         self.conf, self.data, self.bert_data = conf, data, bert_data
 
     def env(self, **extra: str) -> dict:
-        """The test's environment without any SLURM job's variables, plus the sizes."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        """The test's environment without any SLURM job's or launcher's variables (a job
+        would take an inherited MASTER_ADDR as its rendezvous), plus the sizes."""
+        launcher = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("SLURM_") and k not in launcher}
         env.update(SLURM_CONF=self.conf, PYTHON=sys.executable, OMP_NUM_THREADS="1",
                    PYTHONWARNINGS="ignore", PATH=env.get("PATH", "") + ":/usr/sbin")
         env.update(SIZES)

@@ -66,7 +66,7 @@ def complete_megatron_state(state: dict) -> dict:
     """A --ckpt-format torch file written by Megatron-LM has one weight version, no loss
     scales and its own optimizer layout: the engine's view of it (the optimizer is not
     read: --finetune or --no-load-optim, which restore asks for)."""
-    if "weight_versions" in state:
+    if "weight_versions" in state or "model" not in state:  # ours, or no weights at all
         return state
     iteration = state.get("iteration", 0)
     return {**state, "weight_versions": {iteration: state["model"]},
