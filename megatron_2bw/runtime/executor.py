@@ -159,7 +159,8 @@ class PipelineExecutor:
         `evaluate`'s microbatches, so validation can report each as Megatron-LM does;
         empty off the last stage."""
         metrics = [m for per_mb in self._micro_metrics.values() for m in per_mb]
-        return {name: self._average([m[name] for m in metrics], self.evaluation_tokens)
+        tokens = self.evaluation_tokens  # once, not per metric
+        return {name: self._average([m[name] for m in metrics], tokens)
                 for name in (metrics[0] if metrics else {})}
 
     def _reset(self, schedule: Schedule, data: Iterator[dict]) -> None:

@@ -90,16 +90,18 @@ def _rng_shard(state: Optional[dict]) -> ShardedObject:
 
 def _common(iteration: int, executor, updater, args: argparse.Namespace, schedule: str,
             optim: bool, rng: bool) -> dict:
-    store, opt = executor.weights, updater.state_dict()
+    # the scalars only: updater.state_dict() would copy every optimizer tensor for them
+    store = executor.weights
     return {"args": args, "checkpoint_version": 3.0,
-            "iteration": iteration, "opt_param_scheduler": opt["scheduler"],
+            "iteration": iteration, "opt_param_scheduler": updater.scheduler.state_dict(),
             "pipedream_2bw": {
                 "pipeline_schedule": schedule, "newest_version": store.newest,
                 "versions": sorted(store.valid),
                 "loss_scale_of": {v: store.loss_scale_of.get(v, 1.0) for v in store.valid},
-                "adam_step": opt["adam"]["step"], "scaler": opt["scaler"],
-                "lr_groups": opt["lr_groups"], "optimizer": updater.config.optimizer,
-                "compensation_kind": opt["compensation"]["kind"],
+                "adam_step": updater.adam.step, "scaler": updater.scaler.state_dict(),
+                "lr_groups": updater.param_groups.limits(),
+                "optimizer": updater.config.optimizer,
+                "compensation_kind": updater.compensation.kind,
                 "optimizer_saved": optim, "rng_saved": rng,
                 "optimizer_tensors": sorted(updater.per_parameter_state()) if optim else []}}
 
