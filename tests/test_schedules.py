@@ -198,3 +198,186 @@ def test_first_stage_norm_waits_for_the_tied_sum() -> None:
     fast = simulate(schedule, Costs(forward=1, backward=1))
     slow = simulate(schedule, Costs(forward=1, backward=1, tied=5))
     assert slow.makespan == fast.makespan + 5
+
+
+# ---- interleaved 1F1B (virtual pipeline stages): flush with v model chunks per stage ----
+
+from megatron_2bw.schedules import bubble_ratio, build_eval_schedule, peak_stashes  # noqa: E402
+from megatron_2bw.schedules.builders import interleaved_1f1b  # noqa: E402
+from megatron_2bw.schedules.passes import add_communication, add_grad_sync  # noqa: E402
+
+# Megatron-LM core_v0.16.1 forward_backward_pipelining_with_interleaving, read by hand:
+# forwards in groups of d microbatches, chunk 0 over the group then chunk 1; backwards in
+# the same order with the chunk mirrored; rank r warms up with 2(d-r-1) + (v-1)d forwards.
+# d=2, v=2, m=4: table (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1); warm-up 4 and 2.
+HAND_D2_V2_M4 = {
+    0: "F0 F1 F0c1 F1c1 F2 B0c1 F3 B1c1 F2c1 B0 F3c1 B1 B2c1 B3c1 B2 B3",
+    1: "F0 F1 F0c1 B0c1 F1c1 B1c1 F2 B0 F3 B1 F2c1 B2c1 F3c1 B3c1 B2 B3",
+}
+# d=3, v=2, m=3: one group; warm-up min(7, 6) = 6 (everything), 5 and 3.
+HAND_D3_V2_M3 = {
+    0: "F0 F1 F2 F0c1 F1c1 F2c1 B0c1 B1c1 B2c1 B0 B1 B2",
+    1: "F0 F1 F2 F0c1 F1c1 F2c1 B0c1 B1c1 B2c1 B0 B1 B2",
+    2: "F0 F1 F2 F0c1 B0c1 F1c1 B1c1 F2c1 B2c1 B0 B1 B2",
+}
+
+
+def _codes(schedule, stage):
+    return " ".join(a.code[:-2] for a in _compute(schedule, stage))  # drop "v0"
+
+
+@pytest.mark.parametrize("d,v,m,hand", [(2, 2, 4, HAND_D2_V2_M4), (3, 2, 3, HAND_D3_V2_M3)])
+def test_interleaved_order_is_megatrons(d, v, m, hand) -> None:
+    schedule = build_schedule("flush", d, m, num_chunks=v)
+    assert schedule.num_chunks == v
+    for stage in range(d):
+        assert _codes(schedule, stage) == hand[stage]
+
+
+INTERLEAVED_GRID = [(d, v, m, n) for d in (2, 3, 4) for v in (2, 3, 4)
+                    for m in (d, 2 * d, 3 * d) for n in (1, 2)]
+
+
+@pytest.mark.parametrize("d,v,m,n", INTERLEAVED_GRID)
+def test_interleaved_grid_validates(d: int, v: int, m: int, n: int) -> None:
+    schedule = build_schedule("flush", d, m, n, num_chunks=v, tied_embedding=True)
+    timeline = simulate(schedule)
+    for s in range(d):
+        compute = _compute(schedule, s)
+        assert len(compute) == 2 * m * n * v
+        assert all(a.version == a.microbatch // m for a in compute)
+        assert [a.version for a in schedule[s] if a.kind == OPTIMIZER_STEP] == list(
+            range(1, n + 1))
+        # Megatron's warm-up count + 1, read off the actions, declared, simulated
+        megatron = min(2 * (d - s - 1) + (v - 1) * d + 1, v * m)
+        assert peak_stashes(schedule[s]) == schedule.stash_limit[s] == megatron
+        assert timeline.peak_stashes[s] == megatron
+    # every virtual stage runs a microbatch after the one before it (and B the reverse)
+    when = {(a.kind, a.microbatch, a.virtual_stage(d)): (start, end)
+            for ev in timeline.events.values() for a, start, end in ev if a.is_compute}
+    for i in schedule.microbatches:
+        for k in range(d * v - 1):
+            assert when[(FORWARD, i, k + 1)][0] >= when[(FORWARD, i, k)][1]
+            assert when[(BACKWARD, i, k)][0] >= when[(BACKWARD, i, k + 1)][1]
+
+
+@pytest.mark.parametrize("d,m,n", [(1, 4, 2), (2, 3, 1), (4, 8, 3), (3, 2, 2)])
+def test_one_chunk_is_todays_flush(d: int, m: int, n: int) -> None:
+    plain = build_schedule("flush", d, m, n, tied_embedding=True)
+    one = build_schedule("flush", d, m, n, tied_embedding=True, num_chunks=1)
+    assert dict(one) == dict(plain) and one.stash_limit == plain.stash_limit
+    assert one.num_chunks == 1 and all(a.chunk == 0 for acts in one.values() for a in acts)
+    assert str(one[0][0]) == "0F0v0" and str(Action(1, RECV_FORWARD, 5)) == "1RF5"
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_interleaving_shrinks_the_bubble_by_v(d: int, k: int) -> None:
+    """The Megatron paper's bubble time fraction: (d-1)/m for 1F1B, (d-1)/(v m)."""
+    m = k * d
+    ratios = [bubble_ratio(build_schedule("flush", d, m, num_chunks=v)) for v in (1, 2, 4)]
+    assert ratios == pytest.approx([(d - 1) / (v * m) for v in (1, 2, 4)])
+    assert ratios[0] > ratios[1] > ratios[2]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(name="flush", num_stages=1, num_microbatches=4, num_chunks=2), "at least 2 pipeline"),
+    (dict(name="flush", num_stages=4, num_microbatches=6, num_chunks=2), "multiple of num_stages"),
+    (dict(name="flush", num_stages=4, num_microbatches=2, num_chunks=2), "multiple of num_stages"),
+    (dict(name="2bw", num_stages=2, num_microbatches=4, num_chunks=2), "flush schedule only"),
+    (dict(name="gpipe", num_stages=2, num_microbatches=4, num_chunks=2), "flush schedule only"),
+    (dict(name="flush", num_stages=2, num_microbatches=4, num_chunks=0), "num_chunks must be"),
+    (dict(name="flush", num_stages=4, num_microbatches=8, num_chunks=2,
+          microbatch_group_size=9), r"must lie in \[d=4, m=8\]"),
+    (dict(name="flush", num_stages=3, num_microbatches=7, num_chunks=2,
+          microbatch_group_size=5), "last microbatch group of 2"),
+    (dict(name="flush", num_stages=2, num_microbatches=6, num_chunks=2,
+          microbatch_group_size=3), "group size to be 2"),
+])
+def test_interleaving_refuses_bad_sizes(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_schedule(**kwargs)
+
+
+def test_interleaved_group_size_other_than_d() -> None:
+    schedule = build_schedule("flush", 3, 8, 2, num_chunks=2, microbatch_group_size=4)
+    assert schedule.stash_limit == (2 * 2 + 4 + 1, 2 + 4 + 1, 4 + 1)
+    assert _codes(schedule, 2).startswith("F0 F1 F2 F3 F0c1 B0c1 F1c1 B1c1")
+
+
+def test_validator_proves_the_link_order_with_two_stages() -> None:
+    """With 2 stages one link carries activations and wrap-around gradients; a microbatch
+    group of 3 sends them in another order than the other end receives them."""
+    def version(i: int) -> int:
+        return 0
+    plan = {s: interleaved_1f1b(s, 2, 2, list(range(6)), version, group=3) for s in range(2)}
+    plan = add_grad_sync(add_communication(plan, 2, 2), 6, 2, defer_step=False)
+    good = build_schedule("flush", 2, 6, num_chunks=2, check=False)
+    with pytest.raises(ScheduleError, match="does not match"):
+        validate(good.replace_plan(plan))
+
+
+def test_validator_catches_broken_interleaved_schedules() -> None:
+    good = build_schedule("flush", 4, 4, num_chunks=2, check=False)
+    validate(good)
+    # the wrap-around activation into stage 0's chunk 1 dropped at both ends
+    lost = _broken(good, 0, lambda acts: [a for a in acts if a != Action(0, "RF", 1, chunk=1)])
+    lost = _broken(lost, 3, lambda acts: [a for a in acts if a != Action(3, "SF", 1, chunk=0)])
+    with pytest.raises(ScheduleError, match=r"0F1c1v0 has no RF before it"):
+        validate(lost)
+
+    def b_first(actions):  # chunk 1's backward of microbatch 0 before its forward
+        b = actions.index(Action(1, BACKWARD, 0, 0, chunk=1))
+        f = actions.index(Action(1, FORWARD, 0, 0, chunk=1))
+        actions[f], actions[b] = actions[b], actions[f]
+        return actions
+    with pytest.raises(ScheduleError, match="before its forward"):
+        validate(_broken(good, 1, b_first))
+
+    def swap_wrap_sends(actions):  # stage 3 sends chunk 0's outputs 0 and 1 swapped
+        i, j = actions.index(Action(3, "SF", 0)), actions.index(Action(3, "SF", 1))
+        actions[i], actions[j] = actions[j], actions[i]
+        return actions
+    with pytest.raises(ScheduleError, match="from stage 3 to stage 0"):
+        validate(_broken(good, 3, swap_wrap_sends))
+
+    def wait_for_gradient_first(actions):  # stage 0 waits for chunk 1's gradient at once
+        rb = actions.index(Action(0, "RB", 0, chunk=1))
+        actions.insert(0, actions.pop(rb))
+        return actions
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(_broken(good, 0, wait_for_gradient_first))
+    missing = _broken(good, 2, lambda acts: [a for a in acts if a.chunk == 0])
+    with pytest.raises(ScheduleError, match="missing for microbatches"):
+        validate(missing)
+
+
+def test_chunked_actions_name_their_chunk_and_peer() -> None:
+    assert str(Action(1, FORWARD, 5, 0, chunk=1)) == "1F5c1v0"
+    assert Action(3, "SF", 0, chunk=0).peer(4) == (0, 1)       # last stage -> next chunk
+    assert Action(0, RECV_FORWARD, 0, chunk=1).peer(4) == (3, 0)
+    assert Action(0, "SB", 0, chunk=1).peer(4) == (3, 0)       # gradients wrap back
+    assert Action(3, "RB", 0, chunk=0).peer(4) == (0, 1)
+    assert Action(1, "SF", 0, chunk=1).peer(4) == (2, 1)
+    assert Action(1, "SF", 0, chunk=1).peer_stage() == 2
+
+
+def test_interleaved_eval_schedule_takes_any_m() -> None:
+    schedule = build_eval_schedule(3, 5, 2, num_chunks=2)
+    assert len(_compute(schedule, 0)) == 10 and schedule.stash_limit == (10, 10, 10)
+    with pytest.raises(ValueError, match="at least 2 pipeline"):
+        build_eval_schedule(1, 5, 0, num_chunks=2)
+
+
+def test_cli_draws_interleaved(tmp_path, capsys) -> None:
+    out = tmp_path / "i.png"
+    assert schedule_cli(["--schedule", "flush", "--stages", "4", "--microbatches", "8",
+                         "--minibatches", "1", "--virtual", "2", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "v=2 (interleaved)" in text and "F0c1v0" in text and "B7c1v0" in text
+    assert "bubble/compute 0.188" in text  # (4 - 1) / (2 * 8)
+    assert "peak stashed (microbatch, chunk) activations 11" in text  # 2*3 + 4 + 1
+    assert out.stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        schedule_cli(["--schedule", "flush", "--stages", "4", "--microbatches", "6",
+                      "--num-virtual-stages-per-pipeline-rank", "2"])

@@ -1,19 +1,21 @@
 """Pipeline schedules as data: build, lower, validate, simulate, draw.
 
-`build_schedule(name, num_stages, num_microbatches, num_minibatches)` is the one entry
-point; it returns a validated `Schedule` (a dict stage -> list[Action]) whose actions
-the executor runs and the simulator and planner read, with its declarations (weight
-versions, gradient buffers, stash limits, tied stages) that the executor allocates and
-the planner's memory model counts.
+`build_schedule(name, num_stages, num_microbatches, num_minibatches, num_chunks=1)` is
+the one entry point; it returns a validated `Schedule` (a dict stage -> list[Action])
+whose actions the executor runs and the simulator and planner read, with its
+declarations (weight versions, gradient buffers, stash limits, tied stages, model chunks)
+that the executor allocates and the planner's memory model counts.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from .actions import ALL_KINDS, Action, ActionKind, Schedule  # noqa: F401
-from .builders import build_2bw, build_flush, build_forward_only, build_gpipe
+from .builders import (build_2bw, build_flush, build_forward_only, build_gpipe,
+                       build_interleaved_flush, check_interleaving, interleaved_warmup)
 from .passes import add_communication, add_grad_sync, add_tied_grad_sync
 from .simulate import Costs, DeadlockError, Timeline, simulate  # noqa: F401
+from .simulate import bubble_ratio, peak_stashes  # noqa: F401
 from .validate import ScheduleError, validate  # noqa: F401
 
 Builder = Callable[[int, int, int, int], dict[int, list[Action]]]
@@ -33,8 +35,14 @@ def canonical_name(name: str) -> str:
 
 
 def _stash_limit(key: str, num_stages: int, num_microbatches: int,
-                 num_minibatches: int) -> tuple[int, ...]:
-    """Most microbatches each stage holds activations for (DeepSpeed's num_pipe_buffers)."""
+                 num_minibatches: int, num_chunks: int = 1,
+                 group: int | None = None) -> tuple[int, ...]:
+    """Most microbatches each stage holds activations for (DeepSpeed's num_pipe_buffers);
+    interleaved: (microbatch, chunk) pairs, Megatron's warm-up count + 1."""
+    if num_chunks > 1:
+        total = num_microbatches * num_chunks
+        return tuple(min(interleaved_warmup(s, num_stages, num_chunks, group) + 1, total)
+                     for s in range(num_stages))
     if key == "gpipe":
         return tuple(num_microbatches for _ in range(num_stages))
     total = num_microbatches * (num_minibatches if key == "2bw" else 1)
@@ -49,7 +57,8 @@ def _check_sizes(**sizes: tuple[int, int]) -> None:
 
 def build_schedule(name: str, num_stages: int, num_microbatches: int, num_minibatches: int = 1,
                    *, first_minibatch: int = 0, defer_step: bool | None = None,
-                   tied_embedding: bool = False, check: bool = True) -> Schedule:
+                   tied_embedding: bool = False, num_chunks: int = 1,
+                   microbatch_group_size: int | None = None, check: bool = True) -> Schedule:
     """Build, lower and validate a schedule; the one place its run-time needs are decided.
 
     Args:
@@ -66,19 +75,37 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
             schedule drains anyway, so it never defers.
         tied_embedding: the model ties its word embedding to its output layer, so the
             first and last stage sum that gradient (action T) when they differ.
+        num_chunks: model chunks per stage v (Megatron's virtual pipeline stages per
+            rank, --num-virtual-stages-per-pipeline-rank). Above 1, flush runs Megatron's
+            interleaved 1F1B: chunk c of stage s is virtual stage c * d + s; m must be a
+            multiple of d (`builders.check_interleaving`). 1 is plain flush.
+        microbatch_group_size: Megatron's microbatch_group_size_per_vp_stage, the
+            microbatches a stage runs through one chunk before the next (default d;
+            ignored without chunks).
         check: validate the result (off only for tests of the validator itself).
     """
     key = canonical_name(name)
     _check_sizes(num_stages=(num_stages, 1), num_microbatches=(num_microbatches, 1),
-                 num_minibatches=(num_minibatches, 1), first_minibatch=(first_minibatch, 0))
+                 num_minibatches=(num_minibatches, 1), first_minibatch=(first_minibatch, 0),
+                 num_chunks=(num_chunks, 1))
+    if microbatch_group_size is not None:
+        _check_sizes(microbatch_group_size=(microbatch_group_size, 1))
+    if num_chunks > 1 and key != "flush":
+        raise ValueError(f"interleaving (num_chunks={num_chunks}) is implemented for the flush "
+                         f"schedule only, not {key!r}")
+    group = check_interleaving(num_stages, num_microbatches, num_chunks, microbatch_group_size)
     if key == "2bw" and num_microbatches < num_stages:
         raise ValueError(f"2bw needs num_microbatches (m={num_microbatches}) to be at least "
                          f"num_stages (d={num_stages}): m must be at least d")
     wanted = num_stages > 1 if defer_step is None else defer_step
     defer = key == "2bw" and wanted
     tied = (0, num_stages - 1) if tied_embedding and num_stages > 1 else ()
-    plan = _BUILDERS[key](num_stages, num_microbatches, num_minibatches, first_minibatch)
-    plan = add_communication(plan, num_stages)
+    if num_chunks > 1:
+        plan = build_interleaved_flush(num_stages, num_microbatches, num_minibatches,
+                                       first_minibatch, num_chunks, group)
+    else:
+        plan = _BUILDERS[key](num_stages, num_microbatches, num_minibatches, first_minibatch)
+    plan = add_communication(plan, num_stages, num_chunks)
     plan = add_grad_sync(plan, num_microbatches, num_stages, defer_step=defer)
     plan = add_tied_grad_sync(plan, tied)
     schedule = Schedule(plan, name=key, num_stages=num_stages,
@@ -87,20 +114,25 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
                         weight_versions=2 if key == "2bw" else 1,
                         grad_buffers=2 if defer else 1,
                         stash_limit=_stash_limit(key, num_stages, num_microbatches,
-                                                 num_minibatches),
-                        tied_stages=tied)
+                                                 num_minibatches, num_chunks, group),
+                        tied_stages=tied, num_chunks=num_chunks)
     if check:
         validate(schedule)
     return schedule
 
 
-def build_eval_schedule(num_stages: int, num_microbatches: int, version: int) -> Schedule:
-    """Forward passes only (validation), all on weight `version`; validated like the rest."""
-    plan = add_communication(build_forward_only(num_stages, num_microbatches, version),
-                             num_stages)
+def build_eval_schedule(num_stages: int, num_microbatches: int, version: int,
+                        num_chunks: int = 1) -> Schedule:
+    """Forward passes only (validation), all on weight `version`; validated like the rest.
+    With chunks any m works (nothing waits for a backward pass); p >= 2 is still needed."""
+    check_interleaving(num_stages, num_microbatches, num_chunks, forward_only=True)
+    plan = add_communication(build_forward_only(num_stages, num_microbatches, version,
+                                                num_chunks), num_stages, num_chunks)
     schedule = Schedule(plan, name="forward", num_stages=num_stages,
                         num_microbatches=num_microbatches, num_minibatches=1, first_minibatch=0,
                         weight_versions=1, grad_buffers=0,
-                        stash_limit=tuple(num_microbatches for _ in range(num_stages)))
+                        stash_limit=tuple(num_microbatches * num_chunks
+                                          for _ in range(num_stages)),
+                        num_chunks=num_chunks)
     validate(schedule)
     return schedule

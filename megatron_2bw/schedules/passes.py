@@ -9,33 +9,32 @@ schedule gets the same communication discipline and the validator checks one thi
 from __future__ import annotations
 
 from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
-                      SEND_BACKWARD, SEND_FORWARD, START_GRAD_ALLREDUCE, START_GRAD_NORM,
-                      START_TIED_ALLREDUCE, Action)
+                      SEND_BACKWARD, START_GRAD_ALLREDUCE, START_GRAD_NORM,
+                      START_TIED_ALLREDUCE, Action, receive_for, send_for)
 
 Plan = dict[int, list[Action]]
 
 
-def add_communication(plan: Plan, num_stages: int) -> Plan:
+def add_communication(plan: Plan, num_stages: int, num_chunks: int = 1) -> Plan:
     """Wrap each compute action with the receive it needs and the send it owes.
 
     Sends are asynchronous in the executor and receives block, so a receive placed just
     before its consumer is deadlock-free whenever the compute order is (the validator
-    proves it per schedule). Batched isend/irecv is avoided: it hangs on gloo.
+    proves it per schedule). Batched isend/irecv is avoided: it hangs on gloo. With
+    chunks the wiring includes the wrap-around between the last stage and stage 0
+    (`actions.receive_for`); the communication actions carry the local chunk.
     """
-    last = num_stages - 1
     out: Plan = {}
     for stage, actions in plan.items():
         lowered: list[Action] = []
         for a in actions:
-            if a.kind == FORWARD and stage > 0:
-                lowered.append(Action(stage, RECV_FORWARD, a.microbatch))
-            if a.kind == BACKWARD and stage < last:
-                lowered.append(Action(stage, RECV_BACKWARD, a.microbatch))
+            recv = receive_for(a, num_stages, num_chunks)
+            if recv is not None:
+                lowered.append(Action(stage, recv, a.microbatch, chunk=a.chunk))
             lowered.append(a)
-            if a.kind == FORWARD and stage < last:
-                lowered.append(Action(stage, SEND_FORWARD, a.microbatch))
-            if a.kind == BACKWARD and stage > 0:
-                lowered.append(Action(stage, SEND_BACKWARD, a.microbatch))
+            send = send_for(a, num_stages, num_chunks)
+            if send is not None:
+                lowered.append(Action(stage, send, a.microbatch, chunk=a.chunk))
         out[stage] = lowered
     return out
 
@@ -74,7 +73,8 @@ def _with_receive(actions: list[Action], idx: int, recv_kind: str) -> int:
 def add_grad_sync(plan: Plan, num_microbatches: int, num_stages: int, defer_step: bool) -> Plan:
     """Insert R(k), G(k) and S(k) (which makes version k + 1) for every minibatch k.
 
-    R(k) follows minibatch k's last backward. Without deferral G(k) and S(k) follow at
+    R(k) follows minibatch k's last backward (of any chunk: R, G and S cover all of a
+    stage's chunks). Without deferral G(k) and S(k) follow at
     once (a flush for flush/gpipe). With deferral (2BW) S(k) waits until version k + 1 is
     first needed, so the data-parallel all-reduce overlaps minibatch k + 1, and G(k) sits
     before the backward of microbatch (k + 2)m - d: late enough to overlap the

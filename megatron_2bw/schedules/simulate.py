@@ -2,6 +2,8 @@
 
 The same pass also proves the schedule cannot deadlock under the executor's
 communication model, so the validator calls it:
+- with v model chunks per stage, F and B of one chunk cost the stage's F and B over v
+  (Megatron's assumption: a stage's layers split evenly into its chunks);
 - sends are asynchronous: a SEND never waits;
 - a RECV waits for the matching SEND (per channel, first-in first-out);
 - R(k) starts the data-parallel all-reduce in the background; it finishes `allreduce`
@@ -28,7 +30,8 @@ PerStage = Union[float, Sequence[float]]
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-action costs in any time unit. A sequence gives one value per stage."""
+    """Per-action costs in any time unit. A sequence gives one value per stage; forward
+    and backward are a whole stage's (all its chunks'), so one chunk costs them over v."""
 
     forward: PerStage = 1.0
     backward: PerStage = 2.0
@@ -60,6 +63,16 @@ class Timeline:
         stages = len(self.busy)
         return 1.0 - sum(self.busy.values()) / (stages * self.makespan)
 
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle stage-time over busy stage-time: the Megatron paper's "bubble time
+        fraction" t_pb / t_id (Narayanan et al., SC'21, sections 2.2.1-2.2.2), which is
+        (d - 1) / m for 1F1B and (d - 1) / (v m) for interleaved 1F1B with v chunks."""
+        busy = sum(self.busy.values())
+        if busy <= 0:
+            return 0.0
+        return (len(self.busy) * self.makespan - busy) / busy
+
 
 class DeadlockError(RuntimeError):
     """No stage can make progress: carries the stuck positions for the grid."""
@@ -69,7 +82,7 @@ class DeadlockError(RuntimeError):
         self.stuck = stuck
 
 
-_CHANNEL_OF_RECV = {RECV_FORWARD: (SEND_FORWARD, -1), RECV_BACKWARD: (SEND_BACKWARD, +1)}
+_SEND_OF_RECV = {RECV_FORWARD: SEND_FORWARD, RECV_BACKWARD: SEND_BACKWARD}
 
 
 class _Sim:
@@ -79,7 +92,8 @@ class _Sim:
         self.sched, self.costs = schedule, costs
         self.pc = {s: 0 for s in schedule}
         self.clock = {s: 0.0 for s in schedule}
-        self.arrivals: dict[tuple[str, int, int], float] = {}  # (send kind, from stage, mb)
+        # (send kind, from stage, from chunk, microbatch) -> arrival time
+        self.arrivals: dict[tuple[str, int, int, int], float] = {}
         self.reduce_done: dict[tuple[int, int], float] = {}
         self.sums_started: dict[tuple[int, int], float] = {}
         self.tied_started: dict[tuple[int, int], float] = {}
@@ -92,9 +106,10 @@ class _Sim:
     def ready_time(self, a: Action) -> float | None:
         """When `a` may start, or None if it cannot start yet."""
         s = a.stage
-        if a.kind in _CHANNEL_OF_RECV:
-            send_kind, delta = _CHANNEL_OF_RECV[a.kind]
-            arrival = self.arrivals.get((send_kind, s + delta, a.microbatch))
+        if a.kind in _SEND_OF_RECV:
+            peer_stage, peer_chunk = a.peer(self.sched.num_stages)
+            arrival = self.arrivals.get((_SEND_OF_RECV[a.kind], peer_stage, peer_chunk,
+                                         a.microbatch))
             return None if arrival is None else max(self.clock[s], arrival)
         if a.kind == START_TIED_ALLREDUCE:
             return max(self.clock[s], self.reduce_done.get((s, a.minibatch), 0.0))
@@ -123,12 +138,12 @@ class _Sim:
         return actions[self.pc[stage]] if self.pc[stage] < len(actions) else None
 
     def execute(self, a: Action, start: float) -> None:
-        s, c = a.stage, self.costs
-        duration = {FORWARD: c.of("forward", s), BACKWARD: c.of("backward", s),
+        s, c, v = a.stage, self.costs, self.sched.num_chunks
+        duration = {FORWARD: c.of("forward", s) / v, BACKWARD: c.of("backward", s) / v,
                     OPTIMIZER_STEP: c.of("step", s)}.get(a.kind, 0.0)
         end = start + duration
         if a.kind in (SEND_FORWARD, SEND_BACKWARD):
-            self.arrivals[(a.kind, s, a.microbatch)] = end + c.p2p
+            self.arrivals[(a.kind, s, a.chunk, a.microbatch)] = end + c.p2p
         elif a.kind == START_GRAD_ALLREDUCE:
             begin = max(end, self.comm_free[s])
             self.comm_free[s] = self.reduce_done[(s, a.minibatch)] = begin + c.of("allreduce", s)
@@ -197,3 +212,20 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     makespan = max((ev[-1][2] for ev in sim.events.values() if ev), default=0.0)
     versions = {s: peak_live_versions(schedule[s]) for s in schedule}
     return Timeline(sim.events, makespan, sim.busy, sim.peak_stash, versions)
+
+
+def bubble_ratio(schedule: Schedule, costs: Costs | None = None) -> float:
+    """The simulated bubble as the Megatron paper counts it (`Timeline.bubble_ratio`:
+    idle over compute time), to compare schedules with its formulas."""
+    return simulate(schedule, costs).bubble_ratio
+
+
+def peak_stashes(actions: Sequence[Action]) -> int:
+    """Most (microbatch, chunk) activation sets a stage holds at once (F stashes, B frees),
+    read off its action order alone: what the executor sizes its buffers by."""
+    live = peak = 0
+    for a in actions:
+        if a.kind in (FORWARD, BACKWARD):
+            live += 1 if a.kind == FORWARD else -1
+            peak = max(peak, live)
+    return peak

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
                       SEND_BACKWARD, SEND_FORWARD, START_GRAD_ALLREDUCE, START_GRAD_NORM,
-                      START_TIED_ALLREDUCE, Action, Schedule)
+                      START_TIED_ALLREDUCE, Action, Schedule, receive_for, send_for)
 from .render import format_order
 from .simulate import DeadlockError, peak_live_versions, simulate
 
@@ -20,50 +20,103 @@ def _fail(schedule: Schedule, message: str, marks: dict[int, int]) -> None:
     raise ScheduleError(message + "\n" + format_order(schedule, marks=marks))
 
 
+def _unit(microbatch: int, chunk: int) -> str:
+    return f"{microbatch}c{chunk}" if chunk else f"{microbatch}"
+
+
 def _check_compute(schedule: Schedule) -> None:
-    """Each microbatch: exactly one F then one B per stage, on the same weight version."""
-    expected = set(schedule.microbatches)
+    """Each (microbatch, chunk): exactly one F then one B per stage, on the same weight
+    version."""
+    expected = {(i, c) for i in schedule.microbatches for c in range(schedule.num_chunks)}
     kinds = (FORWARD,) if schedule.name == "forward" else (FORWARD, BACKWARD)
     for stage, actions in schedule.items():
-        seen: dict[str, dict[int, tuple[int, Action]]] = {FORWARD: {}, BACKWARD: {}}
+        seen: dict[str, dict[tuple[int, int], Action]] = {FORWARD: {}, BACKWARD: {}}
         for idx, a in enumerate(actions):
             if a.kind not in seen:
                 continue
-            if a.microbatch in seen[a.kind]:
+            key = (a.microbatch, a.chunk)
+            if key in seen[a.kind]:
                 _fail(schedule, f"stage {stage}: {a} runs twice", {stage: idx})
             if a.kind == BACKWARD:
-                fwd = seen[FORWARD].get(a.microbatch)
+                fwd = seen[FORWARD].get(key)
                 if fwd is None:
                     _fail(schedule, f"stage {stage}: {a} before its forward", {stage: idx})
-                if fwd[1].version != a.version:
+                if fwd.version != a.version:
                     _fail(schedule, f"stage {stage}: {a} uses another version than "
-                                    f"{fwd[1]}", {stage: idx})
-            seen[a.kind][a.microbatch] = (idx, a)
+                                    f"{fwd}", {stage: idx})
+            seen[a.kind][key] = a
         for kind in kinds:
-            got = seen[kind]
-            if set(got) != expected:
-                missing = sorted(expected - set(got))[:5]
-                _fail(schedule, f"stage {stage}: {kind} missing for microbatches {missing}", {})
+            got = set(seen[kind])
+            if got != expected:
+                missing = [_unit(*key) for key in sorted(expected - got)[:5]]
+                extra = [_unit(*key) for key in sorted(got - expected)[:5]]
+                _fail(schedule, f"stage {stage}: {kind} missing for microbatches {missing}"
+                      + (f", unexpected for {extra}" if extra else ""), {})
 
 
-_PAIRS = ((SEND_FORWARD, +1, RECV_FORWARD), (SEND_BACKWARD, -1, RECV_BACKWARD))
+def _check_links(schedule: Schedule) -> None:
+    """Each compute action has its input received before it and its output sent after
+    it, on the same stage (the wiring of `actions.receive_for` / `send_for`): together
+    with the channel check and the simulation this proves that every virtual stage runs
+    a microbatch only after the virtual stage before it has."""
+    d, v = schedule.num_stages, schedule.num_chunks
+    for stage, actions in schedule.items():
+        where = {(a.kind, a.microbatch, a.chunk): idx for idx, a in enumerate(actions)}
+        for idx, a in enumerate(actions):
+            if not a.is_compute:
+                continue
+            recv, send = receive_for(a, d, v), send_for(a, d, v)
+            if recv is not None and where.get((recv, a.microbatch, a.chunk), idx) >= idx:
+                _fail(schedule, f"stage {stage}: {a} has no {recv} before it", {stage: idx})
+            if send is not None and where.get((send, a.microbatch, a.chunk), idx) <= idx:
+                _fail(schedule, f"stage {stage}: {a} has no {send} after it", {stage: idx})
+
+
+_SEND_OF_RECV = {RECV_FORWARD: SEND_FORWARD, RECV_BACKWARD: SEND_BACKWARD}
+Message = tuple[str, int, int, int]  # (send kind, microbatch, receiving chunk, action index)
+
+
+def _messages(schedule: Schedule) -> tuple[dict[tuple[int, int], list[Message]], ...]:
+    """Per (source stage, destination stage): the messages sent and those received, each
+    in program order."""
+    sent: dict[tuple[int, int], list[Message]] = {}
+    received: dict[tuple[int, int], list[Message]] = {}
+    for stage, actions in schedule.items():
+        for idx, a in enumerate(actions):
+            other = a.peer(schedule.num_stages)
+            if other is None:
+                continue
+            peer_stage, peer_chunk = other
+            if a.kind in _SEND_OF_RECV:
+                received.setdefault((peer_stage, stage), []).append(
+                    (_SEND_OF_RECV[a.kind], a.microbatch, a.chunk, idx))
+            else:
+                sent.setdefault((stage, peer_stage), []).append(
+                    (a.kind, a.microbatch, peer_chunk, idx))
+    return sent, received
 
 
 def _check_channels(schedule: Schedule) -> None:
-    """Sends and receives match one to one and in the same order on every channel.
+    """Sends and receives match one to one and in the same order between every two stages.
 
-    Point-to-point messages are matched first-in first-out per (source, destination),
-    so equal order is what makes each receive get the tensor it expects.
+    The executor's point-to-point transfers carry no tag, so messages from one stage to
+    another are matched first-in first-out whatever they carry: with two stages and
+    chunks, activations and wrap-around gradients share a direction, and equal order is
+    what makes each receive get the tensor it expects.
     """
-    for send_kind, delta, recv_kind in _PAIRS:
-        for stage, actions in schedule.items():
-            peer = stage + delta
-            sends = [a.microbatch for a in actions if a.kind == send_kind]
-            recvs = ([a.microbatch for a in schedule[peer] if a.kind == recv_kind]
-                     if peer in schedule else [])
-            if sends != recvs:
-                _fail(schedule, f"{send_kind} from stage {stage} {sends[:8]} does not match "
-                                f"{recv_kind} on stage {peer} {recvs[:8]}", {})
+    sent, received = _messages(schedule)
+    for src, dst in sorted(set(sent) | set(received)):
+        sends, recvs = sent.get((src, dst), []), received.get((src, dst), [])
+        if [m[:3] for m in sends] == [m[:3] for m in recvs]:
+            continue
+        n = next(n for n, (a, b) in enumerate(zip(sends + [None], recvs + [None]))
+                 if a is None or b is None or a[:3] != b[:3])
+        send = schedule[src][sends[n][3]] if n < len(sends) else None
+        recv = schedule[dst][recvs[n][3]] if n < len(recvs) and dst in schedule else None
+        marks = {stage: m[n][3] for stage, m in ((src, sends), (dst, recvs)) if n < len(m)}
+        _fail(schedule, f"message {n} from stage {src} to stage {dst}: {send or 'no send'} does "
+                        f"not match {recv or 'no receive'} (messages between two stages are "
+                        f"matched in order)", marks)
 
 
 def _check_versions(schedule: Schedule) -> None:
@@ -130,6 +183,7 @@ def validate(schedule: Schedule) -> None:
     tied stages)."""
     _check_compute(schedule)
     _check_channels(schedule)
+    _check_links(schedule)
     _check_versions(schedule)
     _check_grad_buffers(schedule)
     _check_tied(schedule)
