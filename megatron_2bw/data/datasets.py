@@ -360,9 +360,20 @@ def _bert_sample(sample: Dict[str, object]) -> Sample:
             "padding_mask": tensor("padding_mask"), "is_random": tensor("is_random")}
 
 
+def _task_sample(sample: Dict[str, object]) -> Sample:
+    """A finetuning sample (megatron_2bw.finetune): the encoder inputs, its label, and
+    loss_mask 0 for the padding samples that fill an evaluation's last batch."""
+    tensor = lambda key: torch.as_tensor(sample[key], dtype=torch.int64)  # noqa: E731
+    return {"tokens": tensor("text"), "types": tensor("types"),
+            "padding_mask": tensor("padding_mask"), "label": tensor("label"),
+            "loss_mask": torch.as_tensor(sample.get("loss_mask", 1.0), dtype=torch.float32)}
+
+
 def training_sample(sample: Dict[str, object]) -> Sample:
     """One dataset sample in batch form without the batch dimension (GPT samples have
     "tokens", BERT ones "text"); is_random is a 0-d tensor."""
+    if "label" in sample:
+        return _task_sample(sample)
     return _gpt_sample(sample) if "tokens" in sample else _bert_sample(sample)
 
 

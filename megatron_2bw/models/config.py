@@ -21,6 +21,8 @@ import torch
 from ..vocab import pad_vocab_size  # noqa: F401  (re-exported)
 
 MODEL_KINDS = ("gpt", "bert")
+# downstream heads on BERT's pooled [CLS] state (tools/finetune.py)
+TASK_HEADS = ("classification", "multiple_choice")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -162,10 +164,23 @@ class ModelConfig:
     """GPT only (Megatron-LM's --calculate-per-token-loss): the last stage returns the sum
     of its masked token losses, not their mean, so that the step can divide by the token
     count of the whole global batch (`PipelineStage.num_tokens` counts them)."""
+    task: Optional[str] = None
+    """BERT finetuning (tools/finetune.py): None pretrains (masked LM + sentence order);
+    "classification" puts a `num_classes`-way head on the pooled first token of a sentence
+    pair (MNLI); "multiple_choice" scores `num_choices` encoded (context, choice) pairs of
+    a sample with a one-logit head and takes the softmax over them (RACE). The loss is the
+    examples' cross entropy (summed with per_token_loss, the finetuning default, so that
+    padded evaluation batches count exactly), the metric their accuracy."""
+    num_classes: int = 2
+    """task "classification": the classes."""
+    num_choices: int = 1
+    """task "multiple_choice": the choices per sample; each is its own encoder row, so
+    the boundary between stages carries micro_batch_size x num_choices rows."""
 
     def __post_init__(self) -> None:
         problems = (self._size_problems() + self._choice_problems() + self._rope_problems()
-                    + self._recompute_problems() + self._bert_problems())
+                    + self._recompute_problems() + self._bert_problems()
+                    + self._task_problems())
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
@@ -258,12 +273,29 @@ class ModelConfig:
                             f"{self.position_embedding_type}")
         if self.qk_layernorm:
             problems.append("BERT's layer spec has no query/key norm (qk_layernorm)")
-        if self.per_token_loss:
+        if self.per_token_loss and self.task is None:
             problems.append("BERT's loss is averaged per microbatch (per_token_loss)")
         if self.layernorm_zero_centered_gamma:
             problems.append("BERT's LM-head norm cannot be zero-centred "
                             "(layernorm_zero_centered_gamma)")
         return problems
+
+    def _task_problems(self) -> list[str]:
+        if self.task is None:
+            return []
+        if self.task not in TASK_HEADS:
+            return [f"task={self.task!r} is not one of {TASK_HEADS}"]
+        problems = [] if self.model == "bert" else [f"task={self.task} needs BERT"]
+        if self.task == "classification" and self.num_classes < 2:
+            problems.append(f"num_classes={self.num_classes} must be at least 2")
+        if self.task == "multiple_choice" and self.num_choices < 2:
+            problems.append(f"num_choices={self.num_choices} must be at least 2")
+        return problems
+
+    @property
+    def rows_per_sample(self) -> int:
+        """Encoder rows per sample: the choices of a multiple-choice sample, else 1."""
+        return self.num_choices if self.task == "multiple_choice" else 1
 
     @property
     def ffn_size(self) -> int:

@@ -23,6 +23,9 @@ BERT (as Megatron-LM's BERT dataset gives them):
     text (or tokens) [b, s] int64, types [b, s] int64, labels [b, s] int64 (-1 where
     not predicted), loss_mask [b, s] float, padding_mask [b, s] (1 = real token),
     is_random [b] int64 (sentence-order label, read when bert_binary_head).
+BERT with a task head (`ModelConfig.task`, tools/finetune.py):
+    tokens, types, padding_mask [b, s] (multiple choice: [b, choices, s]), label [b]
+    int64, loss_mask [b] float (0 for the padding samples of an evaluation batch).
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_2bw.models.compat import cpu_shims_applied
 from megatron_2bw.models.config import ModelConfig
+from megatron_2bw.models.heads import (FRESH_PREFIXES, attach_task_head, encoder_only,
+                                       task_logits, task_loss_and_correct)
 from megatron_2bw.models.init import deterministic_init_, named_global_parameters
 from megatron_2bw.models.norms import TorchNorm
 
@@ -81,8 +86,19 @@ class PipelineStage(nn.Module):
         return self.config.params_dtype
 
     def boundary_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
-        """Shape [seq, micro_batch, hidden] of the activation sent to the next stage."""
-        return (self.config.seq_length, micro_batch_size, self.config.hidden_size)
+        """Shape [seq, rows, hidden] of the activation sent to the next stage: a row per
+        sample, or per choice of a multiple-choice sample."""
+        rows = micro_batch_size * self.config.rows_per_sample
+        return (self.config.seq_length, rows, self.config.hidden_size)
+
+    def fresh_keys(self, present: set[str]) -> list[str]:
+        """The model's tensors (megatron-core names) a --finetune may start from their
+        initialization because the checkpoint (`present`) lacks them: a task's new head,
+        and what BERT pretrained without its binary head has no weights for."""
+        if self.config.task is None:
+            return []
+        return [k for k in self.model.state_dict()
+                if k.startswith(FRESH_PREFIXES) and k not in present]
 
     def forward(self, input_tensor: Optional[Tensor], batch: Mapping[str, Tensor]) -> Tensor:
         """Hidden states [s, b, h] on non-last stages, the microbatch's scalar loss on the last."""
@@ -97,6 +113,8 @@ class PipelineStage(nn.Module):
         self.model.set_input_tensor(input_tensor)
         if self.config.model == "gpt":
             return self._gpt_forward(batch)
+        if self.config.task is not None:
+            return self._task_forward(batch)
         return self._bert_forward(batch)
 
     def _gpt_forward(self, batch: Mapping[str, Tensor]) -> Tensor:
@@ -145,6 +163,24 @@ class PipelineStage(nn.Module):
         )
         self.last_metrics["sop_loss"] = sop_loss.detach()
         return lm_loss + sop_loss
+
+    def _task_forward(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """Finetuning: encoder rows of [b (x choices), s]; on the last stage the pooled
+        first token's logits, the samples' cross entropy (summed with per_token_loss,
+        which finetuning uses, else averaged) and their accuracy as the metric."""
+        tokens = batch["tokens"]
+        rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 (choices become rows)
+        inputs = dict(input_ids=rows(tokens), attention_mask=rows(batch["padding_mask"]),
+                      tokentype_ids=rows(batch["types"]))
+        if not self.is_last:
+            return self.model(**inputs)
+        with encoder_only(self.model):
+            hidden = self.model(**inputs)
+        logits = task_logits(self.model, hidden, self.config, tokens.shape[0])
+        loss, correct = task_loss_and_correct(logits, batch["label"])
+        reduce = masked_sum if self.config.per_token_loss else masked_mean
+        self.last_metrics = {"accuracy": reduce(correct, batch["loss_mask"]).detach()}
+        return reduce(loss, batch["loss_mask"])
 
     def shared_embedding_weight(self) -> Optional[nn.Parameter]:
         """The tied word-embedding / output weight on the first and last stage, else None.
@@ -203,6 +239,8 @@ def build_stage(
     )
     # Torch-native pieces (position / token-type embeddings, LayerNorms, BERT heads) are
     # built in fp32 whatever params_dtype says; Megatron-LM's Float16Module casts them.
+    if config.task is not None and stage == num_stages - 1:
+        attach_task_head(model, config)
     model.to(dtype=config.params_dtype)
     deterministic_init_(model, config.seed, config.init_method_std, config.num_layers)
     model.to(target)
@@ -377,9 +415,10 @@ def _build_model(
             rope_scaling_factor=config.rope_scaling_factor,
             seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
         )
+    pooled = config.bert_binary_head or config.task is not None  # a task reads the pooler
     return BertModel(
         config=mcore_config,
-        num_tokentypes=2 if config.bert_binary_head else 0,
+        num_tokentypes=2 if pooled else 0,
         transformer_layer_spec=bert_layer_local_spec,
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_positions,
@@ -387,5 +426,5 @@ def _build_model(
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=config.tie_embeddings,
-        add_binary_head=config.bert_binary_head,
+        add_binary_head=pooled,
     )

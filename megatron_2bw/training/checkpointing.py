@@ -29,8 +29,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
-from .checkpoint_contents import (complete_megatron_state, from_megatron_names, restore_rng,
-                                  rng_state, to_megatron_names)
+from .checkpoint_contents import (MODULE_PREFIX, complete_megatron_state, from_megatron_names,
+                                  restore_rng, rng_state, to_megatron_names)
 from .sharded_checkpoint import (commit_sharded, is_sharded, load_sharded, read_common,
                                  save_sharded, verify_sharded)
 from .checkpoint_files import (TRACKER, CheckpointError, check_save_dir, clear_for_save,
@@ -220,7 +220,8 @@ class LoadedCheckpoint:
             self.state = load_sharded(root, self.iteration, self.state, executor, updater,
                                       optimizer=not (train.finetune or train.no_load_optim),
                                       shadow=not train.finetune,
-                                      rng=not (train.finetune or train.no_load_rng))
+                                      rng=not (train.finetune or train.no_load_rng),
+                                      finetune=train.finetune)
 
 
 def read_checkpoint(root: str, rel: Optional[str] = None,
@@ -389,7 +390,22 @@ def continuation_line(saved: Optional[str], schedule: str, newest: int,
     return f"{head} continuing from weight version {newest}"
 
 
-def _load_module(module, weights: dict, path: str) -> None:
+def _with_fresh(module, weights: dict) -> dict:
+    """--finetune with a task head: the checkpoint's weights plus the module's own
+    initialization of what a pretrained checkpoint cannot hold (`fresh_keys`)."""
+    named = from_megatron_names(weights)
+    fresh = module.fresh_keys({k[len(MODULE_PREFIX):] for k in named})
+    if not fresh:
+        return named
+    own = module.model.state_dict()
+    _warn_once(f"--finetune: {', '.join(fresh)} not in the checkpoint: they start from "
+               "their initialization")
+    return {**named, **{MODULE_PREFIX + k: own[k] for k in fresh}}
+
+
+def _load_module(module, weights: dict, path: str, fresh: bool = False) -> None:
+    if fresh:
+        weights = _with_fresh(module, weights)
     try:
         module.load_state_dict(from_megatron_names(weights))
     except RuntimeError as err:
@@ -410,7 +426,8 @@ def restore(loaded: LoadedCheckpoint, executor, updater, run) -> None:
     newest = state["newest_version"]
     newest_params = store.params[store.buffer_of(store.newest)]
     if t.finetune:
-        _restore_weights(loaded, store, {newest: state["weight_versions"][newest]}, False)
+        _restore_weights(loaded, store, {newest: state["weight_versions"][newest]}, False,
+                         fresh=True)
         updater.restore_masters(None, newest_params)
         logger.info(f"--finetune: the weights of {loaded.path} (iteration {loaded.iteration}, "
                     f"weight version {newest}); the iteration count, optimizer, learning-rate "
@@ -445,13 +462,15 @@ def _loads_optimizer(loaded: LoadedCheckpoint, no_load_optim: bool) -> bool:
     return True
 
 
-def _restore_weights(loaded: LoadedCheckpoint, store, versions: dict, scales: bool) -> None:
+def _restore_weights(loaded: LoadedCheckpoint, store, versions: dict, scales: bool,
+                     fresh: bool = False) -> None:
     """Each weight buffer from its saved version (a flush checkpoint has no shadow: the
-    newest stands in), and the loss scales those versions were made with."""
+    newest stands in), and the loss scales those versions were made with. `fresh`
+    (--finetune): a task head the checkpoint lacks keeps its initialization."""
     newest = loaded.state["newest_version"]
     for v in sorted(store.valid):
         _load_module(store.modules[store.buffer_of(v)], versions.get(v, versions[newest]),
-                     loaded.path)
+                     loaded.path, fresh)
         if scales:
             saved = loaded.state["loss_scale_of"]
             store.loss_scale_of[v] = saved.get(v, saved[newest])

@@ -255,27 +255,35 @@ class Trainer:
     def evaluate(self, iteration: int) -> None:
         """Validation loss on the newest weights: --eval-iters global batches, as Megatron."""
         t = self.run.train
-        m = self.run.num_microbatches
         first = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
-        data = self._microbatches(self.sources.valid, first)
-        schedule = build_eval_schedule(self.run.parallel.pipeline_parallel, m * t.eval_iters,
-                                       self.executor.weights.newest)
-        self.housekeeping.around_eval()
-        loss = self.executor.evaluate(schedule, itertools.islice(data, m * t.eval_iters))
-        self.housekeeping.around_eval()
-        if loss is None:
+        rec = self.measure(self.sources.valid, first, t.eval_iters, iteration)
+        if rec is None:
             return
-        parts = self.executor.evaluation_metrics()  # BERT: lm_loss, sop_loss
-        loss, *values = self._dp_mean([loss, *parts.values()],
-                                      self.executor.evaluation_tokens)
-        rec = {"split": "valid", "iteration": iteration, "val_loss": loss,
-               "val_ppl": math.exp(min(loss, 20.0)),
-               **{f"val_{name}": value for name, value in zip(parts, values)},
-               "consumed_samples": self.run.batch_sizes.consumed(iteration)}
         self.history.setdefault("valid", {})[iteration] = rec
         # Megatron-LM's label for its validation after the training loop
         final = iteration % t.eval_interval != 0
         self.sink.validation(rec, f"iteration {iteration} on validation set" if final else None)
+
+    def measure(self, dataset, first: int, iters: int, iteration: int) -> Optional[dict]:
+        """The loss (and its parts or metrics) of `iters` global batches of `dataset` from
+        sample `first`, forward only on the newest weights, averaged over data-parallel
+        replicas; None off the last stage."""
+        m = self.run.num_microbatches
+        data = self._microbatches(dataset, first)
+        schedule = build_eval_schedule(self.run.parallel.pipeline_parallel, m * iters,
+                                       self.executor.weights.newest)
+        self.housekeeping.around_eval()
+        loss = self.executor.evaluate(schedule, itertools.islice(data, m * iters))
+        self.housekeeping.around_eval()
+        if loss is None:
+            return None
+        parts = self.executor.evaluation_metrics()  # BERT: lm_loss, sop_loss
+        loss, *values = self._dp_mean([loss, *parts.values()],
+                                      self.executor.evaluation_tokens)
+        return {"split": "valid", "iteration": iteration, "val_loss": loss,
+                "val_ppl": math.exp(min(loss, 20.0)),
+                **{f"val_{name}": value for name, value in zip(parts, values)},
+                "consumed_samples": self.run.batch_sizes.consumed(iteration)}
 
     def _microbatches(self, dataset, first_sample: int):
         """This data-parallel rank's microbatches from `first_sample` on, in Megatron's order."""

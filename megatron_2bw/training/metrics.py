@@ -196,6 +196,8 @@ class MetricsSink:
         text = f" validation loss at {label or 'iteration ' + str(rec['iteration'])} | "
         text += "".join(f"{key} value: {value:.6E} | {key} PPL: {perplexity(value):.6E} | "
                         for key, value in losses.items())
+        if rec.get("val_accuracy") is not None:  # a finetuning task's metric
+            text += f"accuracy: {100 * rec['val_accuracy']:.2f} % | "
         bar = "-" * (len(text) + 1)
         for line in (bar, text, bar):
             logger.info(line)

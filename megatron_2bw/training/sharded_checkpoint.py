@@ -212,14 +212,26 @@ def _requested_kinds(common: dict, updater, path: str) -> set[str]:
     return needed & saved
 
 
+def _without(shards: dict, names: list[str]) -> dict:
+    return {k: v for k, v in shards.items() if k not in names}
+
+
+def _fresh_keys(executor, path: str) -> list[str]:
+    """--finetune with a task head: the model's tensors the checkpoint does not hold."""
+    module = executor.weights.modules[0]
+    if not module.fresh_keys(set()):
+        return []
+    return module.fresh_keys(set(dist_checkpointing.load_tensors_metadata(path)))
+
+
 def _template(common: dict, executor, updater, kinds: Optional[set[str]], shadow: bool,
-              rng: bool) -> dict:
+              rng: bool, fresh: list[str]) -> dict:
     """What this rank asks for, in its own layout (loads reshard to it); `kinds` None:
-    no optimizer state."""
+    no optimizer state; `fresh`: model tensors not to ask for (a finetuning head)."""
     store = executor.weights
     names = [info.name for info in updater.infos]
     model = _model_shards(store.modules[0])
-    template = {"model": model}
+    template = {"model": _without(model, fresh)}
     if kinds is not None:
         template["optimizer"] = _optimizer_shards(updater, names, model, kinds)
     if shadow and len(common["pipedream_2bw"]["versions"]) > 1 and store.num_buffers > 1:
@@ -256,15 +268,19 @@ def _optimizer_state(common: dict, updater, loaded: dict) -> dict:
 
 
 def load_sharded(root: str, iteration: int, common: dict, executor, updater,
-                 optimizer: bool = True, shadow: bool = True, rng: bool = True) -> dict:
+                 optimizer: bool = True, shadow: bool = True, rng: bool = True,
+                 finetune: bool = False) -> dict:
     """The checkpoint resharded to this rank's layout, as the nested state
     `checkpointing.restore` applies (a collective: every rank calls it). `optimizer`,
-    `shadow`, `rng` False: --no-load-optim, --finetune, --no-load-rng leave them out."""
+    `shadow`, `rng` False: --no-load-optim, --finetune, --no-load-rng leave them out;
+    `finetune`: a task head the checkpoint lacks is not asked for (restore keeps its
+    initialization)."""
     path = iteration_dir(root, iteration)
     optimizer = optimizer and common["pipedream_2bw"].get("optimizer_saved", True)
     kinds = _requested_kinds(common, updater, path) if optimizer else None
     rng = rng and common["pipedream_2bw"].get("rng_saved", True)
-    template = _template(common, executor, updater, kinds, shadow, rng)
+    fresh = _fresh_keys(executor, path) if finetune else []
+    template = _template(common, executor, updater, kinds, shadow, rng, fresh)
     try:
         with cpu_dist_checkpointing():
             loaded = dist_checkpointing.load(template, path)
