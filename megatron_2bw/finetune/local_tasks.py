@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Iterator
+from typing import Iterator, Optional
 
 from ..data.sentences import SimpleSplitter
 
@@ -83,8 +83,10 @@ def _write(path: str, items: Iterator[dict]) -> int:
 
 
 def write_local_tasks(corpus: str, output: str, train: int, dev: int, seed: int = 1234,
-                      dev_fraction: float = 0.2) -> dict[str, str]:
-    """Both tasks' training and validation files under `output`; returns their paths."""
+                      dev_fraction: float = 0.2, choice_train: Optional[int] = None
+                      ) -> dict[str, str]:
+    """Both tasks' training and validation files under `output` (`choice_train`: the
+    multiple-choice task's training items, default `train`); returns their paths."""
     docs = documents(corpus)
     cut = int(len(docs) * (1 - dev_fraction))
     if cut < 2 or len(docs) - cut < 2:
@@ -92,7 +94,8 @@ def write_local_tasks(corpus: str, output: str, train: int, dev: int, seed: int 
     os.makedirs(output, exist_ok=True)
     paths = {}
     for name, make in (("pairs", pair_items), ("choice", choice_items)):
-        for split, part, count in (("train", docs[:cut], train), ("dev", docs[cut:], dev)):
+        items = choice_train if name == "choice" and choice_train is not None else train
+        for split, part, count in (("train", docs[:cut], items), ("dev", docs[cut:], dev)):
             path = os.path.join(output, f"{name}_{split}.jsonl")
             _write(path, make(part, count, random.Random(f"{seed}:{name}:{split}")))
             paths[f"{name}_{split}"] = path
