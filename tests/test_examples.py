@@ -38,8 +38,8 @@ def _run(script: str, tmp_path, extra: str, **sizes: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("schedule", ["flush", "2bw"])
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
+# one schedule per script (the engine's schedules are proven elsewhere; this is the flags)
+@pytest.mark.parametrize("name,schedule", [("bert", "2bw"), ("gpt3", "flush")])
 def test_example_script_runs(tmp_path, name: str, schedule: str) -> None:
     extra = "--pipeline-schedule 2bw" if schedule == "2bw" else ""
     out = _run(SCRIPTS[name], tmp_path, extra)
@@ -55,7 +55,7 @@ def test_example_script_runs(tmp_path, name: str, schedule: str) -> None:
         assert "setting batch size to 4 at iteration 1" in out
 
 
-@pytest.mark.parametrize("schedule", ["flush", "2bw"])
+@pytest.mark.parametrize("schedule", ["2bw"])
 def test_llama_example_runs(tmp_path, schedule: str) -> None:
     """Megatron-LM's Llama-3 8B flag set (RoPE, GQA, SwiGLU, --bf16 --grad-reduce-in-bf16,
     --decoupled-lr, --calculate-per-token-loss, sample-based schedule, --ckpt-format
