@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -181,7 +182,19 @@ def _datasets(args, data: TaskData, epochs: int, gbs: int, encode: Encoder):
     return DataSources(train, valid), sets
 
 
+def _help() -> int:
+    parser = task_parser()
+    parser.description = ("Finetune a pretrained BERT on a downstream task. Takes these "
+                          "flags and every flag of pretrain_bert.py (pretrain_bert.py --help); "
+                          "the model's flags come from the checkpoint.")
+    parser.print_help()
+    return 0
+
+
 def _finetune(argv: Optional[Sequence[str]]) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        return _help()
     task, rest = task_parser().parse_known_args(argv)
     args = pretrain_args(task, rest)
     data = read_task(task)  # a bad file is one line before any process group starts
