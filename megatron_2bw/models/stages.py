@@ -13,6 +13,14 @@ Megatron-LM's uneven split, `ModelConfig.layers_per_stage`) and wraps it in a
 the last stage returns the scalar loss of the microbatch and records detached metrics
 in `stage_module.last_metrics`.
 
+With Megatron-LM's virtual pipeline stages (`num_chunks` v > 1) a pipeline rank holds
+v model chunks: chunk c of rank s is virtual stage c * num_stages + s, with
+num_layers / (num_stages * v) layers, built as megatron-core builds it (its `vp_stage`,
+so layers keep their global numbers and initial weights). `build_stage(..., num_chunks=v)`
+returns them as one `PipelineChunks` module; each chunk is a `PipelineStage` whose
+first / last mean the whole model's first and last virtual stage (embedding on rank 0's
+chunk 0, output layer and loss on the last rank's chunk v - 1).
+
 Batch keys (every stage receives the whole dict; only first / last read most of it):
 
 GPT (as Megatron-LM's GPT dataset gives them):
@@ -62,23 +70,26 @@ logger = logging.getLogger(__name__)
 class PipelineStage(nn.Module):
     """One pipeline stage of a GPT or BERT model: `stage_module(input_tensor, batch)`."""
 
-    def __init__(self, config: ModelConfig, stage: int, num_stages: int, model: LanguageModule):
+    def __init__(self, config: ModelConfig, stage: int, num_stages: int, model: LanguageModule,
+                 chunk: int = 0, num_chunks: int = 1):
         super().__init__()
         self.config = config
         self.stage = stage
         self.num_stages = num_stages
+        self.chunk = chunk            # model chunk of the rank (virtual pipeline stages)
+        self.num_chunks = num_chunks
         self.model = model
         self.last_metrics: dict[str, Tensor] = {}
 
     @property
     def is_first(self) -> bool:
         """Whether this stage owns the embedding and reads tokens from the batch."""
-        return self.stage == 0
+        return self.stage == 0 and self.chunk == 0
 
     @property
     def is_last(self) -> bool:
         """Whether this stage owns the output layer and returns the loss."""
-        return self.stage == self.num_stages - 1
+        return self.stage == self.num_stages - 1 and self.chunk == self.num_chunks - 1
 
     @property
     def boundary_dtype(self) -> torch.dtype:
@@ -104,7 +115,8 @@ class PipelineStage(nn.Module):
         """Hidden states [s, b, h] on non-last stages, the microbatch's scalar loss on the last."""
         if self.is_first != (input_tensor is None):
             raise ValueError(
-                f"stage {self.stage}: input_tensor must be None exactly on the first stage"
+                f"stage {self.stage} chunk {self.chunk}: input_tensor must be None exactly "
+                "on the first stage"
             )
         if input_tensor is not None and self.training and not input_tensor.requires_grad:
             # Reentrant recomputation only propagates gradients into the layers when its
@@ -198,6 +210,95 @@ class PipelineStage(nn.Module):
         """{global name: parameter}; names are comparable across PP / TP splits."""
         return dict(named_global_parameters(self.model))
 
+    def sharded_state_dict(self, prefix: str = "") -> dict:
+        """megatron-core's sharded state dict of the model (its keys: `.model`'s names)."""
+        return self.model.sharded_state_dict(prefix=prefix)
+
+
+class PipelineChunks(nn.Module):
+    """A pipeline rank's v model chunks (Megatron-LM's virtual pipeline stages), held
+    as one module so weight versions, the flat gradient buffer and the optimizer span
+    every chunk's parameters in a fixed order (chunk 0 first).
+
+    The executor runs chunk c as `module.chunks[c](input_tensor, batch)`. The chunks
+    live in `.model` (an `nn.ModuleList`), as a `PipelineStage` keeps megatron-core's
+    model in `.model`: state-dict keys are `model.<c>.model.<megatron-core name>`, so
+    the checkpoint code's one `model.` prefix still separates this module from what it
+    holds, and torch_dist checkpoints name every tensor globally, as at PP = 1.
+    """
+
+    def __init__(self, chunks: list[PipelineStage]):
+        super().__init__()
+        if len({(c.stage, c.num_stages) for c in chunks}) != 1:
+            raise ValueError("the chunks of a PipelineChunks must belong to one stage")
+        self.model = nn.ModuleList(chunks)
+
+    @property
+    def chunks(self) -> nn.ModuleList:
+        return self.model
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.chunks[0].config
+
+    @property
+    def stage(self) -> int:
+        return self.chunks[0].stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.chunks[0].num_stages
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the embedding (in its chunk 0)."""
+        return self.chunks[0].is_first
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the output layer (in its last chunk)."""
+        return self.chunks[-1].is_last
+
+    @property
+    def boundary_dtype(self) -> torch.dtype:
+        return self.chunks[0].boundary_dtype
+
+    def boundary_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
+        return self.chunks[0].boundary_shape(micro_batch_size)
+
+    num_tokens = staticmethod(PipelineStage.num_tokens)
+
+    def shared_embedding_weight(self) -> Optional[nn.Parameter]:
+        """The tied word-embedding weight of rank 0's chunk 0 or the last rank's last
+        chunk (see `PipelineStage.shared_embedding_weight`), else None."""
+        found = [w for w in (c.shared_embedding_weight() for c in self.chunks) if w is not None]
+        return found[0] if found else None
+
+    def fresh_keys(self, present: set[str]) -> list[str]:
+        """`PipelineStage.fresh_keys` over the chunks, under this module's names
+        (`present`: this module's names, or a torch_dist checkpoint's global keys)."""
+        keys = []
+        for c, chunk in enumerate(self.chunks):
+            own = f"{c}.model."
+            keys += [own + k for k in chunk.fresh_keys(
+                {k[len(own):] if k.startswith(own) else k for k in present})]
+        return keys
+
+    def named_global_parameters(self) -> dict[str, nn.Parameter]:
+        """{global name: parameter} of every chunk (each name appears once)."""
+        return {name: p for chunk in self.chunks
+                for name, p in chunk.named_global_parameters().items()}
+
+    def sharded_state_dict(self, prefix: str = "") -> dict:
+        """The chunks' megatron-core sharded state dicts in one: the dict keys are this
+        module's (`<c>.model.<name>`, after `prefix`), the tensors keep megatron-core's
+        global keys and layer offsets, which are the same as at PP = 1."""
+        merged = {}
+        for c, chunk in enumerate(self.chunks):
+            for key, value in chunk.sharded_state_dict(prefix).items():
+                merged[f"{prefix}{c}.model.{key[len(prefix):]}"] = value
+        return merged
+
 
 def global_parameter_names(stage_module: PipelineStage) -> dict[str, nn.Parameter]:
     """{global name: parameter} of a stage (see `megatron_2bw.models.init`)."""
@@ -215,37 +316,50 @@ def masked_mean(token_loss: Tensor, loss_mask: Tensor) -> Tensor:
 
 
 def build_stage(
-    config: ModelConfig, stage: int, num_stages: int, device: Optional[torch.device] = None
-) -> PipelineStage:
-    """Build pipeline stage `stage` of `num_stages`, deterministically initialized.
+    config: ModelConfig, stage: int, num_stages: int, device: Optional[torch.device] = None,
+    num_chunks: int = 1,
+) -> Union[PipelineStage, PipelineChunks]:
+    """Build pipeline stage `stage` of `num_stages`, deterministically initialized; with
+    `num_chunks` v > 1 its v model chunks (virtual pipeline stages) as `PipelineChunks`.
 
     Needs torch.distributed and `parallel_state.initialize_model_parallel(tp, pp)` with
     pp == num_stages and this process on pipeline rank `stage` (megatron-core reads the
     pipeline rank from parallel_state for layer numbering and BERT's first-stage logic).
     On CPU the entry point must have called `apply_cpu_shims()` first (once per process).
     """
-    _check_split(config, stage, num_stages)
+    _check_split(config, stage, num_stages, num_chunks)
     tp = _check_parallel_state(config, stage, num_stages)
     target = _target_device(device)
     if target.type == "cpu" and not cpu_shims_applied():
         raise RuntimeError("building a megatron-core stage on CPU needs the CPU shims: call "
                            "megatron_2bw.models.apply_cpu_shims() at the entry point first")
     _ensure_rng_tracker(config.seed)
-    model = _build_model(
-        config,
-        transformer_config(config, tp, num_stages),
-        pre_process=stage == 0,
-        post_process=stage == num_stages - 1,
-    )
+    mcore_config = transformer_config(config, tp, num_stages, num_chunks)
+    chunks = [_build_chunk(config, mcore_config, stage, num_stages, c, num_chunks, target)
+              for c in range(num_chunks)]
+    logger.debug("built %s stage %d/%d (tp=%d, %d chunks) on %s", config.model, stage,
+                 num_stages, tp, num_chunks, target)
+    return chunks[0] if num_chunks == 1 else PipelineChunks(chunks)
+
+
+def _build_chunk(config: ModelConfig, mcore_config: TransformerConfig, stage: int,
+                 num_stages: int, chunk: int, num_chunks: int,
+                 target: torch.device) -> PipelineStage:
+    """Model chunk `chunk` of pipeline rank `stage` (the whole stage when num_chunks is 1),
+    pre-processing only on virtual stage 0, post-processing only on the last, as
+    Megatron-LM's `get_model` builds one chunk per vp_stage."""
+    first = stage == 0 and chunk == 0
+    last = stage == num_stages - 1 and chunk == num_chunks - 1
+    model = _build_model(config, mcore_config, pre_process=first, post_process=last,
+                         vp_stage=chunk if num_chunks > 1 else None)
     # Torch-native pieces (position / token-type embeddings, LayerNorms, BERT heads) are
     # built in fp32 whatever params_dtype says; Megatron-LM's Float16Module casts them.
-    if config.task is not None and stage == num_stages - 1:
+    if config.task is not None and last:
         attach_task_head(model, config)
     model.to(dtype=config.params_dtype)
     deterministic_init_(model, config.seed, config.init_method_std, config.num_layers)
     model.to(target)
-    logger.debug("built %s stage %d/%d (tp=%d) on %s", config.model, stage, num_stages, tp, target)
-    return PipelineStage(config, stage, num_stages, model)
+    return PipelineStage(config, stage, num_stages, model, chunk, num_chunks)
 
 
 def _target_device(device: Optional[torch.device]) -> torch.device:
@@ -257,7 +371,7 @@ def _target_device(device: Optional[torch.device]) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_split(config: ModelConfig, stage: int, num_stages: int) -> None:
+def _check_split(config: ModelConfig, stage: int, num_stages: int, num_chunks: int = 1) -> None:
     """Reject a split megatron-core cannot build, naming the values."""
     if num_stages <= 0 or not 0 <= stage < num_stages:
         raise ValueError(f"stage={stage} is not in range(num_stages={num_stages})")
@@ -266,11 +380,28 @@ def _check_split(config: ModelConfig, stage: int, num_stages: int) -> None:
     except ValueError as err:
         raise ValueError(f"{err}; layers are split evenly across pipeline stages unless "
                          "num_layers_in_first/last_pipeline_stage say otherwise") from None
+    if num_chunks > 1:
+        _check_chunks(config, counts, num_chunks)
+        counts = tuple(n // num_chunks for n in counts)
     if config.recompute_method == "uniform" and any(
             n % config.recompute_num_layers for n in counts):
         raise ValueError(f"recompute_num_layers={config.recompute_num_layers} does not divide "
                          f"the layers of every stage {counts}; uniform recomputation "
                          "checkpoints whole chunks of that many layers")
+
+
+def _check_chunks(config: ModelConfig, counts: tuple[int, ...], num_chunks: int) -> None:
+    """Virtual pipeline stages: an even split whose stages divide into num_chunks chunks."""
+    if len(counts) < 2:
+        raise ValueError(f"num_chunks={num_chunks} model chunks per stage need more than one "
+                         "pipeline stage (Megatron-LM's interleaved schedule)")
+    if (config.num_layers_in_first_pipeline_stage is not None
+            or config.num_layers_in_last_pipeline_stage is not None):
+        raise ValueError("model chunks (virtual pipeline stages) with an uneven first / last "
+                         "stage are not implemented")
+    if counts[0] % num_chunks:
+        raise ValueError(f"the {counts[0]} layers of a stage do not split into "
+                         f"num_chunks={num_chunks} model chunks")
 
 
 def _check_parallel_state(config: ModelConfig, stage: int, num_stages: int) -> int:
@@ -314,12 +445,14 @@ def _ensure_rng_tracker(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(config: ModelConfig, tp: int, num_stages: int) -> TransformerConfig:
+def transformer_config(config: ModelConfig, tp: int, num_stages: int,
+                       num_chunks: int = 1) -> TransformerConfig:
     """The megatron-core TransformerConfig for this model and split (local, unfused kernels).
 
     Megatron-LM's `core_transformer_config_from_args` mapping: --swiglu is a gated linear
-    unit with SiLU, --group-query-attention's groups, the uneven first / last stage, and
-    the three recompute fields as given (megatron-core implements all of them).
+    unit with SiLU, --group-query-attention's groups, the uneven first / last stage, the
+    virtual pipeline size (None without chunks, as Megatron-LM sets it) and the three
+    recompute fields as given (megatron-core implements all of them).
     """
     return TransformerConfig(
         num_layers=config.num_layers,
@@ -342,6 +475,7 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int) -> Transfo
         apply_rope_fusion=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=num_stages,
+        virtual_pipeline_model_parallel_size=num_chunks if num_chunks > 1 else None,
         num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage,
         pipeline_dtype=config.params_dtype,
@@ -366,7 +500,8 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int) -> Transfo
     )
 
 
-def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig
+def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
+                   vp_stage: Optional[int] = None
                    ) -> Union[ModuleSpec, TransformerBlockSubmodules]:
     """megatron-core's local GPT layer spec, with `TorchNorm` where it must differ.
 
@@ -390,18 +525,20 @@ def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig
         return dataclasses.replace(spec, submodules=layer)
     layer = dataclasses.replace(layer, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     spec = dataclasses.replace(spec, submodules=layer)
-    layers = get_num_layers_to_build(mcore_config)
+    layers = get_num_layers_to_build(mcore_config, vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchNorm)
 
 
 def _build_model(
-    config: ModelConfig, mcore_config: TransformerConfig, pre_process: bool, post_process: bool
+    config: ModelConfig, mcore_config: TransformerConfig, pre_process: bool, post_process: bool,
+    vp_stage: Optional[int] = None,
 ) -> LanguageModule:
-    """Construct the megatron-core GPTModel / BertModel piece with local layer specs."""
+    """Construct the megatron-core GPTModel / BertModel piece with local layer specs
+    (`vp_stage`: the model chunk, with virtual pipeline stages)."""
     if config.model == "gpt":
         return GPTModel(
             config=mcore_config,
-            transformer_layer_spec=gpt_layer_spec(config, mcore_config),
+            transformer_layer_spec=gpt_layer_spec(config, mcore_config, vp_stage),
             vocab_size=config.vocab_size,
             max_sequence_length=config.max_positions,
             pre_process=pre_process,
@@ -414,6 +551,7 @@ def _build_model(
             rope_scaling=config.use_rope_scaling,
             rope_scaling_factor=config.rope_scaling_factor,
             seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
+            vp_stage=vp_stage,
         )
     pooled = config.bert_binary_head or config.task is not None  # a task reads the pooler
     return BertModel(
@@ -427,4 +565,5 @@ def _build_model(
         parallel_output=True,
         share_embeddings_and_output_weights=config.tie_embeddings,
         add_binary_head=pooled,
+        vp_stage=vp_stage,
     )

@@ -7,6 +7,14 @@ in a dispatch table and calls a short handler. A new schedule is a new builder i
 A stage is an `nn.Module` called as `module(input_tensor, batch)`: `input_tensor` is
 None on the first stage, the previous stage's output otherwise; the last stage
 returns the microbatch's scalar loss, the others their boundary activation.
+
+With model chunks (Megatron-LM's virtual pipeline stages, `num_chunks` v > 1) the
+stage's module holds them as `module.chunks`, each called as above; F and B run chunk
+`action.chunk`, and every per-microbatch buffer (stash, inboxes, outboxes) is keyed by
+(microbatch, chunk). Only virtual stage 0 (stage 0's chunk 0) starts from the batch and
+only the last (the last stage's chunk v - 1) returns the loss. Each microbatch's batch is
+read once, at its chunk-0 forward, and kept for the stage's other chunks. Weight
+versions, the gradient buffer, the reductions and the optimizer step span all chunks.
 """
 from __future__ import annotations
 
@@ -57,15 +65,17 @@ class RunResult:
 
 
 StepCallback = Callable[[int, RunResult], None]
+Key = tuple[int, int]  # (microbatch, model chunk)
 TokenCount = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 
 class PipelineExecutor:
     """Executes schedules for one pipeline stage; weights persist across `run` calls.
 
-    Build it from a schedule's declarations (`weight_versions`, `grad_buffers`, and a
-    `TiedGradSync` when the stage is in `tied_stages`); every schedule it runs must
-    declare the same.
+    Build it from a schedule's declarations (`weight_versions`, `grad_buffers`,
+    `num_chunks`, and a `TiedGradSync` when the stage is in `tied_stages`); every
+    schedule it runs must declare the same. A run holds at most the schedule's
+    `stash_limit` stashed (microbatch, chunk) activations, checked as it goes.
 
     `count_tokens` switches to a per-token loss (Megatron-LM's --calculate-per-token-loss):
     the last stage's module then returns a microbatch's loss *sum*, which is not divided
@@ -79,8 +89,12 @@ class PipelineExecutor:
                  make_copy: Optional[Callable[[], nn.Module]] = None,
                  tied: Optional[TiedGradSync] = None,
                  grads: GradReduceConfig = GradReduceConfig(),
-                 count_tokens: Optional[TokenCount] = None):
+                 count_tokens: Optional[TokenCount] = None, num_chunks: int = 1):
+        if num_chunks > 1 and len(getattr(module, "chunks", ())) != num_chunks:
+            raise ValueError(f"num_chunks={num_chunks} needs a module with that many "
+                             "`chunks`")
         self.links = links
+        self.num_chunks = num_chunks
         self.weights = WeightStore(module, weight_versions, grad_buffers, first_version,
                                    make_copy, grad_dtype=grads.dtype)
         self.weights.loss_scale_of[first_version] = updater.loss_scale
@@ -113,17 +127,20 @@ class PipelineExecutor:
 
     def _check_declarations(self, schedule: Schedule) -> None:
         held = (self.weights.num_buffers, self.weights.num_grad_buffers,
-                self.tied is not None)
+                self.tied is not None, self.num_chunks)
         needed = (schedule.weight_versions, schedule.grad_buffers,
-                  self.links.stage in schedule.tied_stages)
+                  self.links.stage in schedule.tied_stages, schedule.num_chunks)
         if held != needed:
             raise ValueError(f"schedule {schedule.name} declares (weight versions, gradient "
-                             f"buffers, tied sum) = {needed}; this executor was built for "
-                             f"{held}")
+                             f"buffers, tied sum, model chunks) = {needed}; this executor "
+                             f"was built for {held}")
 
     def evaluate(self, schedule: Schedule, data: Iterator[dict]) -> Optional[float]:
         """Run a forward-only schedule without autograd, in eval mode (dropout off, so the
         training RNG stream is untouched); the mean loss on the last stage."""
+        if schedule.num_chunks != self.num_chunks:
+            raise ValueError(f"evaluation schedule has {schedule.num_chunks} model chunks per "
+                             f"stage; this executor holds {self.num_chunks}")
         self._reset(schedule, data)
         self._train = False
         for module in self.weights.modules:  # no dropout: a clean loss, no RNG draws
@@ -166,11 +183,14 @@ class PipelineExecutor:
     def _reset(self, schedule: Schedule, data: Iterator[dict]) -> None:
         """Fresh per-run state (weights and optimizer state persist across runs)."""
         self._m, self._data = schedule.num_microbatches, data
-        self._stash: dict[int, tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
-        self._act_inbox: dict[int, torch.Tensor] = {}    # microbatch -> input activation
-        self._act_outbox: dict[int, torch.Tensor] = {}   # microbatch -> output activation
-        self._grad_inbox: dict[int, torch.Tensor] = {}   # microbatch -> grad of our output
-        self._grad_outbox: dict[int, torch.Tensor] = {}  # microbatch -> grad of our input
+        self._stash_limit = schedule.stash_limit[self.links.stage]
+        # per (microbatch, chunk): what backward needs, and the boundary tensors in flight
+        self._stash: dict[Key, tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
+        self._act_inbox: dict[Key, torch.Tensor] = {}    # input activation
+        self._act_outbox: dict[Key, torch.Tensor] = {}   # output activation
+        self._grad_inbox: dict[Key, torch.Tensor] = {}   # grad of the chunk's output
+        self._grad_outbox: dict[Key, torch.Tensor] = {}  # grad of the chunk's input
+        self._batches: dict[int, dict] = {}  # microbatch -> batch, until its last chunk
         self._micro_losses: dict[int, list[torch.Tensor]] = {}
         self._micro_metrics: dict[int, list[dict]] = {}
         self._tokens: dict[int, torch.Tensor] = {}  # minibatch -> tokens (per-token loss)
@@ -179,29 +199,60 @@ class PipelineExecutor:
         self._result = RunResult()
 
     # --- compute --------------------------------------------------------------------
+    def _module(self, a: Action) -> nn.Module:
+        """The module F and B of `a` run: its weight version's chunk `a.chunk`."""
+        module = self.weights.module_for(a.version)
+        return module.chunks[a.chunk] if self.num_chunks > 1 else module
+
+    def _is_last(self, a: Action) -> bool:
+        """Whether `a` runs the model's last virtual stage (the loss)."""
+        return self.links.is_last and a.chunk == self.num_chunks - 1
+
+    def _batch(self, a: Action) -> dict:
+        """Microbatch `a.microbatch`'s batch: read at its chunk-0 forward (every stage
+        runs those in microbatch order), kept until the forward of its last chunk."""
+        batch = self._batches.pop(a.microbatch, None)
+        if batch is None:
+            if a.chunk != 0:
+                raise RuntimeError(f"{a}: a chunk's forward before the microbatch's chunk 0")
+            batch = next(self._data)
+            self._count(a.microbatch // self._m, batch)
+        if a.chunk < self.num_chunks - 1:
+            self._batches[a.microbatch] = batch
+        return batch
+
     def _forward(self, a: Action) -> None:
-        inp = self._act_inbox.pop(a.microbatch, None)
-        batch = next(self._data)
-        self._count(a.microbatch // self._m, batch)
+        key = (a.microbatch, a.chunk)
+        inp = self._act_inbox.pop(key, None)
+        batch, module, last = self._batch(a), self._module(a), self._is_last(a)
         if not self._train:
-            out = self.weights.module_for(a.version)(inp, batch)
-            if self.links.is_last:
-                self._record_loss(a, out)
+            out = module(inp, batch)
+            if last:
+                self._record_loss(a, module, out)
             else:
-                self._act_outbox[a.microbatch] = out
+                self._act_outbox[key] = out
             return
         if inp is not None:
             inp.requires_grad_()
         self.weights.acquire(a.version)
-        out = self.weights.module_for(a.version)(inp, batch)
-        if self.links.is_last:
-            self._record_loss(a, out)
+        out = module(inp, batch)
+        if last:
+            self._record_loss(a, module, out)
             divisor = 1 if self._count_tokens is not None else self._m  # per-token: a sum
             out = out * (self.weights.loss_scale_of[a.version] / divisor)
         else:
-            self._act_outbox[a.microbatch] = out
-        self._stash[a.microbatch] = (inp, out, a.version)
-        self._result.peak_stashes = max(self._result.peak_stashes, len(self._stash))
+            self._act_outbox[key] = out
+        self._stash[key] = (inp, out, a.version)
+        self._note_stash(a)
+
+    def _note_stash(self, a: Action) -> None:
+        """Track the peak stash; more than the schedule declared is a bug in one of them."""
+        held = len(self._stash)
+        if held > self._stash_limit:
+            raise RuntimeError(f"{a}: stage {self.links.stage} holds {held} stashed "
+                               f"activations, above its schedule's stash_limit "
+                               f"{self._stash_limit}")
+        self._result.peak_stashes = max(self._result.peak_stashes, held)
 
     def _count(self, k: int, batch: Mapping[str, torch.Tensor]) -> None:
         """Add the microbatch's tokens to minibatch k's count (per-token loss only)."""
@@ -209,36 +260,39 @@ class PipelineExecutor:
             n = self._count_tokens(batch)
             self._tokens[k] = self._tokens[k] + n if k in self._tokens else n
 
-    def _record_loss(self, a: Action, loss: torch.Tensor) -> None:
+    def _record_loss(self, a: Action, module: nn.Module, loss: torch.Tensor) -> None:
         k = a.microbatch // self._m
         self._micro_losses.setdefault(k, []).append(loss.detach())
-        module = self.weights.module_for(a.version)
         extra = getattr(module, "last_metrics", None)
         if extra:
             self._micro_metrics.setdefault(k, []).append(dict(extra))
 
     def _backward(self, a: Action) -> None:
-        inp, out, version = self._stash.pop(a.microbatch)
-        grad = None if self.links.is_last else self._grad_inbox.pop(a.microbatch)
+        key = (a.microbatch, a.chunk)
+        inp, out, version = self._stash.pop(key)
+        grad = None if self._is_last(a) else self._grad_inbox.pop(key)
         self.weights.bind_grads(version, a.microbatch // self._m)
         self._grad_version[a.microbatch // self._m] = version
         torch.autograd.backward(out, grad_tensors=grad)
         self.weights.release(version)
         if inp is not None:
-            self._grad_outbox[a.microbatch] = inp.grad
+            self._grad_outbox[key] = inp.grad
 
-    # --- point-to-point -------------------------------------------------------------
+    # --- point-to-point: the peer is the action's other end (`Action.peer`) -----------
+    def _peer(self, a: Action) -> int:
+        return a.peer(self.links.num_stages)[0]
+
     def _recv_forward(self, a: Action) -> None:
-        self._act_inbox[a.microbatch] = self.p2p.recv_activation()
+        self._act_inbox[(a.microbatch, a.chunk)] = self.p2p.recv(self._peer(a), "an activation")
 
     def _send_forward(self, a: Action) -> None:
-        self.p2p.send_activation(self._act_outbox.pop(a.microbatch))
+        self.p2p.send(self._act_outbox.pop((a.microbatch, a.chunk)), self._peer(a))
 
     def _recv_backward(self, a: Action) -> None:
-        self._grad_inbox[a.microbatch] = self.p2p.recv_gradient()
+        self._grad_inbox[(a.microbatch, a.chunk)] = self.p2p.recv(self._peer(a), "a gradient")
 
     def _send_backward(self, a: Action) -> None:
-        self.p2p.send_gradient(self._grad_outbox.pop(a.microbatch))
+        self.p2p.send(self._grad_outbox.pop((a.microbatch, a.chunk)), self._peer(a))
 
     # --- gradient reduction and the new weight version ------------------------------
     def _start_grad_allreduce(self, a: Action) -> None:

@@ -1,5 +1,12 @@
 """Point-to-point transfers between neighbouring pipeline stages.
 
+With virtual pipeline stages (model chunks) the pipeline is a ring: the last stage's
+chunk c sends its activation to stage 0's chunk c + 1, so stage 0's `prev_rank` is the
+last stage and the last stage's `next_rank` is stage 0 (`StageLinks.wrap`). The
+executor names the peer stage of every transfer (`Action.peer`); `send` / `recv` map it
+to its rank. Transfers are untagged: each link carries them in the order the schedule
+lists them, which the validator checks send by receive.
+
 Sends are asynchronous (`isend`) and kept alive until they complete; receives block.
 With the schedule's send/receive order checked by the validator this cannot deadlock,
 and it avoids batched isend/irecv, which hangs on gloo (pytorch issue 132644). The
@@ -30,6 +37,7 @@ class StageLinks:
     boundary_shape: tuple[int, ...]
     boundary_dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    wrap: bool = False  # a ring (model chunks): stage 0 and the last stage are neighbours
 
     @property
     def is_first(self) -> bool:
@@ -38,6 +46,24 @@ class StageLinks:
     @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
+
+    def rank_of(self, stage: int) -> int:
+        """The global rank of neighbouring stage `stage` (ValueError for any other)."""
+        ring = self.num_stages if self.wrap else None
+        before, after = self.stage - 1, self.stage + 1
+        if ring:
+            before, after = before % ring, after % ring
+        if stage == before and self.prev_rank is not None:
+            return self.prev_rank
+        if stage == after and self.next_rank is not None:
+            return self.next_rank
+        raise ValueError(f"stage {self.stage} has no link to stage {stage}")
+
+    def stage_of(self, rank: int) -> int:
+        """The neighbouring stage at global rank `rank` (the previous one if both are)."""
+        step = -1 if rank == self.prev_rank else +1
+        stage = self.stage + step
+        return stage % self.num_stages if self.wrap else stage
 
 
 class PeerTimeout(RuntimeError):
@@ -94,7 +120,7 @@ class P2P:
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
         self.bytes_sent = 0
 
-    def _recv(self, src: Optional[int]) -> torch.Tensor:
+    def _recv(self, src: Optional[int], kind: Optional[str] = None) -> torch.Tensor:
         if src is None:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to receive from")
         buf = torch.empty(self.links.boundary_shape, dtype=self.links.boundary_dtype,
@@ -102,15 +128,23 @@ class P2P:
         try:
             dist.recv(buf, src=src)
         except RuntimeError as err:
-            kind = "an activation" if src == self.links.prev_rank else "a gradient"
+            kind = kind or ("an activation" if src == self.links.prev_rank else "a gradient")
             raise peer_failure(err, self._peer(src), f"stage {self.links.stage}'s receive "
                                                      f"of {kind}") from err
         return buf
 
     def _peer(self, rank: int) -> str:
         """"stage s (rank r)" of a neighbour."""
-        stage = self.links.stage - 1 if rank == self.links.prev_rank else self.links.stage + 1
-        return f"stage {stage} (rank {rank})"
+        return f"stage {self.links.stage_of(rank)} (rank {rank})"
+
+    def recv(self, stage: int, kind: str) -> torch.Tensor:
+        """Receive a boundary tensor (`kind`: "an activation" / "a gradient", for errors)
+        from neighbouring stage `stage`; blocks."""
+        return self._recv(self.links.rank_of(stage), kind)
+
+    def send(self, tensor: torch.Tensor, stage: int) -> None:
+        """Send a boundary tensor to neighbouring stage `stage` (asynchronously)."""
+        self._send(tensor, self.links.rank_of(stage))
 
     def _send(self, tensor: torch.Tensor, dst: Optional[int]) -> None:
         if dst is None:

@@ -13,14 +13,17 @@ from .p2p import StageLinks
 
 
 def stage_links(boundary_shape: tuple[int, ...], boundary_dtype: torch.dtype,
-                device: torch.device) -> StageLinks:
-    """This process's stage and its pipeline neighbours (global ranks)."""
+                device: torch.device, wrap: bool = False) -> StageLinks:
+    """This process's stage and its pipeline neighbours (global ranks); `wrap` (model
+    chunks): the ends are neighbours too, megatron-core's ring of pipeline ranks."""
     stage = ps.get_pipeline_model_parallel_rank()
     num_stages = ps.get_pipeline_model_parallel_world_size()
-    prev_rank = ps.get_pipeline_model_parallel_prev_rank() if stage > 0 else None
-    next_rank = ps.get_pipeline_model_parallel_next_rank() if stage < num_stages - 1 else None
+    ring = wrap and num_stages > 1
+    prev_rank = (ps.get_pipeline_model_parallel_prev_rank() if stage > 0 or ring else None)
+    next_rank = (ps.get_pipeline_model_parallel_next_rank()
+                 if stage < num_stages - 1 or ring else None)
     return StageLinks(stage, num_stages, prev_rank, next_rank, tuple(boundary_shape),
-                      boundary_dtype, device)
+                      boundary_dtype, device, wrap=ring)
 
 
 def data_parallel_group():

@@ -255,6 +255,13 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-no-flushes", action="store_true",
                    help="the PipeDream-2BW authors' spelling of --pipeline-schedule 2bw")
     g.add_argument("--gpipe", action="store_true", help="= --pipeline-schedule gpipe")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="layers per model chunk: each pipeline rank holds layers per stage / N "
+                        "chunks (virtual pipeline stages), which the flush schedule "
+                        "interleaves as Megatron-LM's interleaved 1F1B")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int,
+                   help="model chunks (virtual pipeline stages) per pipeline rank; the other "
+                        "way to give the same")
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:
@@ -345,9 +352,13 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
     check_ranges(args)
     check_megatron_flags(args, world_size)
     view = validate_flags(args, model, world_size)
+    # Megatron-LM's derived value (None without interleaving), saved in checkpoints' args
+    args.virtual_pipeline_model_parallel_size = (view.virtual_stages if view.virtual_stages > 1
+                                                 else None)
     parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, view.schedule,
-                              grad_reduce_in_bf16=args.grad_reduce_in_bf16)
+                              grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+                              virtual_stages=view.virtual_stages)
     gbs, precision = view.gbs, view.precision
     dtype = _precision(precision)
     padded = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, parallel.tensor_parallel)

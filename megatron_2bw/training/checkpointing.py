@@ -307,6 +307,13 @@ def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:
             logger.info(f"the checkpoint is at iteration {start} = --train-iters: nothing "
                         "left to train")
         check_shapes(_saved_args(loaded.state), run.flags, loaded.path, loaded.sharded)
+        if not loaded.sharded and run.parallel.virtual_stages > 1:
+            raise CheckpointError(
+                f"a --ckpt-format torch checkpoint holds whole pipeline stages, not the "
+                f"{run.parallel.virtual_stages} model chunks per rank of this run's virtual "
+                f"pipeline stages ({loaded.path}); convert it to torch_dist "
+                "(tools/checkpoint/convert.py --ckpt-format torch_dist), which loads at any "
+                "layout")
     if t.save:
         check_save_dir(t.save, start, t.overwrite_checkpoints)
     return start

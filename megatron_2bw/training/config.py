@@ -24,6 +24,10 @@ class ParallelConfig:
     pipeline_parallel: int = 1
     schedule: str = "flush"
     grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16 (with --bf16): bf16 main grads
+    # model chunks per pipeline rank (Megatron-LM's virtual_pipeline_model_parallel_size,
+    # from --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank);
+    # above 1 the flush schedule interleaves them (Megatron-LM's interleaved 1F1B)
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         grid = self.tensor_parallel * self.pipeline_parallel
@@ -32,6 +36,9 @@ class ParallelConfig:
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
                 f"({self.tensor_parallel}) x --pipeline-model-parallel-size "
                 f"({self.pipeline_parallel}) = {grid}")
+        if self.virtual_stages > 1 and self.pipeline_parallel < 2:
+            raise ValueError(f"{self.virtual_stages} virtual pipeline stages per rank need "
+                             "--pipeline-model-parallel-size above 1")
 
     @property
     def data_parallel(self) -> int:

@@ -29,7 +29,9 @@ OWN = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "load", "sa
        "exit_interval", "overwrite_checkpoints", "use_checkpoint_args", "finetune",
        "no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng", "train_samples",
        "train_iters", "save_interval", "override_opt_param_scheduler",
-       "use_checkpoint_opt_param_scheduler", "wandb_project", "profile", "manual_gc"}
+       "use_checkpoint_opt_param_scheduler", "wandb_project", "profile", "manual_gc",
+       # virtual stages are a layout too: a converted checkpoint has none unless asked
+       "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"}
 
 
 def build_parser() -> argparse.ArgumentParser:

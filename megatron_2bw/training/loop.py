@@ -114,16 +114,24 @@ class Trainer:
             restore(loaded, self.executor, self.updater, run)
             logger.info(f"resumed from {t.load} at iteration {self.iteration}")
         is_logger = env.rank == env.world_size - 1
-        self.sink = MetricsSink(is_logger, t, schedule=run.parallel.schedule,
+        label = (par.schedule if par.virtual_stages == 1 else
+                 f"{par.schedule} interleaved, {par.virtual_stages} chunks per rank")
+        self.sink = MetricsSink(is_logger, t, schedule=label,
                                 world_size=env.world_size, start_iteration=self.iteration,
                                 flags=run.flags)
         self.history: dict[int, dict] = {}
         self.housekeeping = Housekeeping(t.housekeeping, env.rank, env.device)
 
+    def _build_stage(self):
+        """This rank's model part: one stage, or its model chunks (virtual stages)."""
+        par = self.run.parallel
+        return build_stage(self.run.model, self.stage, par.pipeline_parallel,
+                           num_chunks=par.virtual_stages).to(self.env.device)
+
     def _build(self, schedule: Schedule) -> tuple[PipelineExecutor, MegatronUpdater]:
         """The stage, its updater and an executor allocated from `schedule`'s declarations."""
-        run, par = self.run, self.run.parallel
-        module = build_stage(run.model, self.stage, par.pipeline_parallel).to(self.env.device)
+        run = self.run
+        module = self._build_stage()
         infos = _param_infos(module, ps.get_tensor_model_parallel_rank(), run)
         params = [p for p in module.parameters() if p.requires_grad]
         tp = TensorParallel(ps.get_tensor_model_parallel_rank(),
@@ -132,15 +140,15 @@ class Trainer:
         updater = MegatronUpdater(params, infos, run.optimizer,
                                   StepGroups(model_parallel=ps.get_model_parallel_group()), tp)
         links = stage_links(module.boundary_shape(run.train.micro_batch_size),
-                            module.boundary_dtype, self.env.device)
+                            module.boundary_dtype, self.env.device,
+                            wrap=schedule.num_chunks > 1)
         executor = PipelineExecutor(
             module, links, updater, weight_versions=schedule.weight_versions,
             grad_buffers=schedule.grad_buffers, dp_group=data_parallel_group(),
             first_version=self.iteration, tied=_tied_sync(schedule, self.stage, infos, run),
             grads=_grad_reduce(run),
             count_tokens=module.num_tokens if run.model.per_token_loss else None,
-            make_copy=lambda: build_stage(run.model, self.stage, par.pipeline_parallel
-                                          ).to(self.env.device))
+            make_copy=self._build_stage, num_chunks=schedule.num_chunks)
         return executor, updater
 
     def _schedule(self, count: int) -> Schedule:
@@ -149,7 +157,8 @@ class Trainer:
         m = self.run.batch_sizes.size(self.iteration) // self.run.samples_per_microbatch
         return build_schedule(par.schedule, par.pipeline_parallel, m,
                               count, first_minibatch=self.iteration,
-                              tied_embedding=self.run.model.tie_embeddings)
+                              tied_embedding=self.run.model.tie_embeddings,
+                              num_chunks=par.virtual_stages)
 
     def _segment_end(self, stop: Optional[GracefulStop] = None) -> int:
         """Where the next segment ends: the first save, exit, validation or stop check."""
@@ -270,8 +279,9 @@ class Trainer:
         replicas; None off the last stage."""
         m = self.run.num_microbatches
         data = self._microbatches(dataset, first)
-        schedule = build_eval_schedule(self.run.parallel.pipeline_parallel, m * iters,
-                                       self.executor.weights.newest)
+        par = self.run.parallel
+        schedule = build_eval_schedule(par.pipeline_parallel, m * iters,
+                                       self.executor.weights.newest, par.virtual_stages)
         self.housekeeping.around_eval()
         loss = self.executor.evaluate(schedule, itertools.islice(data, m * iters))
         self.housekeeping.around_eval()

@@ -105,10 +105,6 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
      "goes with --fp8-format, which is not supported"),
     (_switch("--fp8-param-gather"), lambda a, w: a.fp8_param_gather,
      "goes with --fp8-format, which is not supported"),
-    (_value("--num-layers-per-virtual-pipeline-stage", int),
-     lambda a, w: a.num_layers_per_virtual_pipeline_stage is not None,
-     "interleaved 1F1B (virtual pipeline stages) is not implemented yet; the schedules "
-     "are --pipeline-schedule flush, gpipe and 2bw"),
 )
 
 # Megatron-LM's removed spellings and what it tells the user instead

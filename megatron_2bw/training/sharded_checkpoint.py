@@ -47,6 +47,7 @@ from .checkpoint_files import (MANIFEST, CheckpointError, FileEntry, iteration_d
 
 logger = logging.getLogger(__name__)
 MODEL_PREFIX = "model."  # PipelineStage holds megatron-core's model as `.model`
+#                          (PipelineChunks its chunks, under `.model` too)
 SHADOW = "pipedream_2bw.shadow_model."
 COMMON_FILE = "common.pt"
 
@@ -62,7 +63,9 @@ def is_sharded(root: str, iteration: int) -> bool:
 
 
 def _model_shards(module, prefix: str = "") -> dict:
-    return module.model.sharded_state_dict(prefix=prefix)
+    """megatron-core's sharded state dict of a stage, or of a rank's model chunks (keys:
+    the module's state-dict names after `model.`; tensors: the global names of PP = 1)."""
+    return module.sharded_state_dict(prefix)
 
 
 def _optimizer_shards(updater, names: list[str], model: dict,

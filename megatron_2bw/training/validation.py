@@ -126,6 +126,7 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--context-parallel-size", COUNT, ""),
     ("--fp8-amax-history-len", COUNT, ""),
     ("--num-layers-per-virtual-pipeline-stage", COUNT, ""),
+    ("--num-virtual-stages-per-pipeline-rank", COUNT, ""),
 )
 
 
@@ -254,6 +255,45 @@ class Flags:
         return next(iter(self.schedules), "flush")
 
     @property
+    def vp_flag(self) -> str:
+        """The virtual-pipeline flag the command line gave (for messages)."""
+        if self.args.num_virtual_stages_per_pipeline_rank is not None:
+            return "--num-virtual-stages-per-pipeline-rank"
+        return "--num-layers-per-virtual-pipeline-stage"
+
+    @property
+    def vp_value(self) -> Optional[int]:
+        a = self.args
+        if a.num_virtual_stages_per_pipeline_rank is not None:
+            return a.num_virtual_stages_per_pipeline_rank
+        return a.num_layers_per_virtual_pipeline_stage
+
+    @property
+    def stage_layers(self) -> int:
+        """Transformer layers per pipeline stage of the even split."""
+        return self.args.num_layers // self.args.pipeline_model_parallel_size
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline rank, derived as Megatron-LM's validate_args does
+        (1 without the flags; 0 where the layers do not split into them)."""
+        a = self.args
+        if a.num_virtual_stages_per_pipeline_rank is not None:
+            v = a.num_virtual_stages_per_pipeline_rank
+            return v if self.stage_layers % v == 0 else 0
+        per_chunk = a.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return 1
+        return self.stage_layers // per_chunk if self.stage_layers % per_chunk == 0 else 0
+
+    @property
+    def interleaved_microbatches_ok(self) -> bool:
+        """Megatron-LM's interleaved schedule (default microbatch group size PP): every
+        step's microbatch count is a multiple of the pipeline-parallel size."""
+        pp = self.args.pipeline_model_parallel_size
+        return all((b // self.per_step) % pp == 0 for b in self.batch_sizes.sizes())
+
+    @property
     def decoupled_min_lr(self) -> float:
         """The word embedding and output layer's final rate (Megatron-LM's group min_lr)."""
         a = self.args
@@ -294,6 +334,67 @@ class Rule:
     ok: Callable[[Flags], bool]
     what: str
     fix: str
+
+
+_VP = "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank"
+
+
+def _vp_off(f: Flags) -> bool:
+    return (f.args.num_layers_per_virtual_pipeline_stage is None
+            and f.args.num_virtual_stages_per_pipeline_rank is None)
+
+
+def _uneven(f: Flags) -> bool:
+    return (f.args.decoder_first_pipeline_num_layers is not None
+            or f.args.decoder_last_pipeline_num_layers is not None)
+
+
+# Megatron-LM's virtual pipeline stages (validate_args at core_v0.16.1; its interleaved
+# schedule's microbatch rule), and what interleaving here is implemented for; checked
+# after RULES (tests/test_interleaved.py breaks each). Megatron-LM
+# asks for PP > 2 only without --overlap-p2p-comm (its default is on: PP > 1); here
+# transfers are not batched, and the validator proves each link's order at PP = 2 too.
+VIRTUAL_STAGE_RULES: tuple[Rule, ...] = (
+    Rule(_VP, lambda f: (f.args.num_layers_per_virtual_pipeline_stage is None
+                         or f.args.num_virtual_stages_per_pipeline_rank is None),
+         "both virtual-pipeline flags given", "give one of them (Megatron-LM's rule)"),
+    Rule("{f.vp_flag}, " + "--decoder-first-pipeline-num-layers, "
+         "--decoder-last-pipeline-num-layers", lambda f: _vp_off(f) or not _uneven(f),
+         "model chunks (virtual pipeline stages) with an uneven first / last stage are not "
+         "implemented", "drop the uneven split or the virtual-pipeline flag"),
+    Rule("{f.vp_flag}", lambda f: _vp_off(f) or _uneven(f) or f.virtual_stages > 0,
+         "the {f.stage_layers} layers per pipeline stage do not split as {f.vp_flag} "
+         "{f.vp_value} says", "use a divisor of {f.stage_layers} (Megatron-LM's rule)"),
+    Rule("{f.vp_flag}", lambda f: f.virtual_stages <= 1 or f.args.pipeline_model_parallel_size > 1,
+         "{f.vp_flag} is not supported",
+         "at --pipeline-model-parallel-size 1 there is nothing to interleave {f.virtual_stages} "
+         "model chunks over; give 2 or more pipeline stages, as Megatron-LM requires "
+         "(docs/megatron-flags.md)"),
+    Rule("{f.vp_flag}, --pipeline-schedule",
+         lambda f: f.virtual_stages <= 1 or f.schedule == "flush",
+         "virtual pipeline stages run the interleaved flush schedule only, not {f.schedule}",
+         "use --pipeline-schedule flush, or drop {f.vp_flag}"),
+    Rule("{f.vp_flag}, --global-batch-size",
+         lambda f: f.virtual_stages <= 1 or f.interleaved_microbatches_ok,
+         "interleaved 1F1B needs every step's microbatch count (global batch / (micro "
+         "batch x data parallel): {f.microbatches} at the full batch) to be a multiple of "
+         "--pipeline-model-parallel-size {a.pipeline_model_parallel_size}, as Megatron-LM's "
+         "interleaved schedule", "use a --global-batch-size (and ramp sizes) that are "
+         "multiples of {a.pipeline_model_parallel_size} x {f.per_step}"),
+    Rule("{f.vp_flag}, --ckpt-format",
+         lambda f: f.virtual_stages <= 1 or f.args.ckpt_format != "torch" or not f.args.save,
+         "--ckpt-format torch is Megatron-LM's file per pipeline rank, whose model chunks "
+         "(model0, model1, ...) are not written here",
+         "use --ckpt-format torch_dist (the default): it names the chunks' tensors as at "
+         "PP = 1 and loads at any layout"),
+    Rule("--recompute-num-layers, {f.vp_flag}",
+         lambda f: (f.virtual_stages <= 1 or f.args.recompute_method != "uniform"
+                    or (f.stage_layers // f.virtual_stages) % f.args.recompute_num_layers == 0),
+         "--recompute-num-layers {a.recompute_num_layers} does not divide the "
+         "{f.stage_layers} / {f.virtual_stages} layers of a model chunk; uniform "
+         "recomputation checkpoints whole groups of that many layers",
+         "use a divisor of a chunk's layer count, or --recompute-method block"),
+)
 
 
 RULES: tuple[Rule, ...] = (
@@ -447,10 +548,11 @@ RULES: tuple[Rule, ...] = (
 
 def check_rules(flags: Flags) -> None:
     """The first cross-flag rule the flags break, as a UserError (ranges checked first)."""
-    for rule in RULES:
+    for rule in RULES + VIRTUAL_STAGE_RULES:
         if not rule.ok(flags):
             fmt = dict(a=flags.args, f=flags)
-            raise UserError(rule.what.format(**fmt), rule.where, rule.fix.format(**fmt))
+            raise UserError(rule.what.format(**fmt), rule.where.format(**fmt),
+                            rule.fix.format(**fmt))
 
 
 def validate_flags(args: argparse.Namespace, model: str, world_size: int) -> Flags:
