@@ -1,7 +1,8 @@
-"""Planner: cost-model pieces, placement, memory per schedule, search, CLI.
+"""Planner: cost-model pieces, placement, latency, memory per schedule, interleaving,
+search, CLI.
 
-Pure Python and fast, except `test_profiler_*` (marked slow: builds a tiny megatron-core
-layer on CPU).
+Pure Python and fast, except `test_profiler_*` and `test_profile_network_*` (marked slow:
+they build a tiny megatron-core layer on CPU, or time gloo collectives in 2 processes).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from megatron_2bw.planner.cli import main as cli_main
 from megatron_2bw.planner.compute import (PartTiming, Profile, ProfiledCompute, ProfileEntry,
                                           load_profile)
 from megatron_2bw.planner.cost_model import pipeline_lower_bound_s, pipeline_timing
-from megatron_2bw.planner.explain import best_per_group, stages_sentence
+from megatron_2bw.planner.explain import best_per_group, format_table, stages_sentence
+from megatron_2bw.planner.hardware import FABRICS, calibrated, fit_link
 from megatron_2bw.planner.report import launch_command, to_json
 from megatron_2bw.planner.search import large_vocabulary, uneven_splits
 from megatron_2bw.planner.spec import (FULL, NO_RECOMPUTE, SELECTIVE, Recompute, as_recompute,
@@ -497,10 +499,16 @@ def test_search_enumerates_exactly_the_valid_configurations():
                 for name in ("gpipe", "flush", "2bw"):
                     if (name == "gpipe" and d == 1) or (name == "2bw" and m < d):
                         continue
-                    for rc in (NO_RECOMPUTE, SELECTIVE, FULL):
-                        want.add(ParallelConfig(name, t, d, w, b, m, rc))
+                    # interleaved flush: v a power of two dividing the 8 / d layers of a
+                    # stage, d >= 2, m a multiple of d (Megatron-LM's rules)
+                    chunks = [1] + ([v for v in (2, 4) if (8 // d) % v == 0]
+                                    if name == "flush" and d >= 2 and m % d == 0 else [])
+                    for v in chunks:
+                        for rc in (NO_RECOMPUTE, SELECTIVE, FULL):
+                            want.add(ParallelConfig(name, t, d, w, b, m, rc, virtual_stages=v))
     assert not large_vocabulary(SMALL)  # V h < layer / 2: no uneven splits tried
     assert got == want
+    assert any(c.virtual_stages == 4 for c in got)
     for c in got:
         assert c.num_gpus == n and c.global_batch_size == batch
         assert SMALL.num_attention_heads % c.tensor_parallel == 0
@@ -553,7 +561,8 @@ def test_2bw_wins_across_slow_servers_and_explains_why():
     assert "PipeDream-Flush" in text and "GPipe" in text and "no pipeline" in text
     assert "all-reduce" in text and "Recomputation: " in text
     assert cpu < 30
-    old_space = SearchSpace(64, 512, recompute=(False, True), uneven_stages=False)
+    old_space = SearchSpace(64, 512, recompute=(False, True), uneven_stages=False,
+                            virtual_stages=(1,))
     assert sum(1 for _ in enumerate_configs(cm, old_space)) == 812
     assert result.num_enumerated > 3 * 812 and any(e.config.uneven for e in result.ranked)
 
@@ -703,3 +712,274 @@ def test_profiler_measures_a_tiny_megatron_layer(tmp_path):
             model.layer_activation_bytes(b, 1), rel=0.25)
     assert prof.params["layer"] == model.layer_params()
     assert math.isfinite(prof.entries[1].output.forward_s)
+
+
+# ---------------------------------------------------------------- latency (alpha-beta)
+
+
+def test_fit_link_recovers_alpha_and_beta_from_synthetic_timings():
+    """t = alpha + bytes x beta at 2 or more sizes is recovered exactly (both weightings);
+    noise below a pure-bandwidth link clamps alpha to 0; one size, or timings that do
+    not grow, are refused."""
+    sizes = [512, 8192, 131072, 2_097_152, 16_777_216]
+    for alpha, beta in ((330e-6, 1e-9), (10e-6, 1 / 230e9), (0.0, 2e-9)):
+        for relative in (True, False):
+            fit = fit_link([(x, alpha + beta * x) for x in sizes], relative=relative)
+            assert fit.latency_s == pytest.approx(alpha, abs=1e-12)
+            assert fit.seconds_per_byte == pytest.approx(beta, rel=1e-9)
+            assert fit.max_rel_residual < 1e-9 and fit.points == 5
+    two = fit_link([(1000, 1e-3 + 1000e-9), (9000, 1e-3 + 9000e-9)])
+    assert (two.latency_s, two.time_s(5000)) == (pytest.approx(1e-3), pytest.approx(1.005e-3))
+    clamped = fit_link([(1e6, 0.99e-3), (2e6, 2.0e-3), (4e6, 4.0e-3)])
+    assert clamped.latency_s == 0.0 and clamped.seconds_per_byte == pytest.approx(1e-9, rel=0.01)
+    with pytest.raises(ValueError, match="2 or more distinct"):
+        fit_link([(1000, 1e-3), (1000, 2e-3)])
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_link([(1000, 2e-3), (9000, 1e-3)])
+
+
+def test_calibrated_hardware_takes_latency_and_bus_bandwidth_from_the_fits(tmp_path):
+    """An all-reduce over n ranks moves 2 (n - 1) / n of the buffer per rank, so its fitted
+    beta gives the bus bandwidth 2 (n - 1) / n / beta; the transfer fit gives the p2p
+    latency; each level (inside a server, across servers) apart. The result loads back."""
+    ar = fit_link([(x, 12e-6 + 2 * 7 / 8 * x / 200e9) for x in (4096, 1 << 20, 1 << 25)])
+    p2p = fit_link([(x, 6e-6 + x / 150e9) for x in (4096, 1 << 20, 1 << 25)])
+    hw = calibrated(P3, allreduce=ar, group_size=8, p2p=p2p)
+    assert hw.intra_node_latency_us == pytest.approx(12.0)
+    assert hw.intra_node_bandwidth_gb_s == pytest.approx(200.0)
+    assert hw.intra_node_p2p_latency_us == pytest.approx(6.0)
+    assert (hw.inter_node_latency_us, hw.inter_node_bandwidth_gbit_s) == (
+        P3.inter_node_latency_us, P3.inter_node_bandwidth_gbit_s)
+    net = calibrated(hw, allreduce=fit_link([(x, 40e-6 + x / 3e9) for x in (1e4, 1e7)]),
+                     group_size=2, inter_node=True)
+    assert net.inter_node_latency_us == pytest.approx(40.0)
+    assert net.inter_node_bandwidth_gbit_s == pytest.approx(24.0)  # 3 GB/s bus
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(net.to_dict()))
+    assert load_hardware(str(path)) == net
+    assert FABRICS["nvlink"].collective_us < FABRICS["infiniband"].collective_us
+    assert P3.inter_node_latency_us == FABRICS["tcp"].collective_us
+
+
+def test_ring_allreduce_pays_its_latency_once_per_collective():
+    assert ring_allreduce_s(1e9, 2, 1e9, latency_s=1e-3) == pytest.approx(1.001)
+    assert ring_allreduce_s(0.0, 8, 1e9, latency_s=1e-3) == 0.0
+    assert ring_allreduce_s(1e9, 1, 1e9, latency_s=1e-3) == 0.0
+
+
+def test_tp_time_grows_with_the_number_of_collectives_not_just_bytes():
+    """Megatron's TP does 2 + 2 all-reduces per layer (+2 per fully recomputed layer), one
+    for the vocab-parallel embedding, one for the output layer, 3 small ones for the
+    vocab-parallel loss. At equal bytes per iteration (b = 2, m = 4 against b = 1, m = 8)
+    the bandwidth term is equal; the latency term counts collectives, so halving the
+    microbatch doubles it, and without a pipeline it adds exactly to the iteration."""
+    def tp_model(latency_us: float) -> CostModel:
+        return cost_model(SMALL, replace(P3, intra_node_latency_us=latency_us))
+    big, small = (ParallelConfig("flush", 8, 1, 2, 2, 4, NO_RECOMPUTE),
+                  ParallelConfig("flush", 8, 1, 2, 1, 8, NO_RECOMPUTE))
+    free, slow = tp_model(0.0), tp_model(100.0)
+    n = SMALL.num_layers
+    for cfg in (big, small):
+        stage = slow.evaluate(cfg).stages[0]
+        assert stage.tensor_parallel_collectives == 4 * n + 1 + 1 + 3
+        added = (slow.evaluate(cfg).iteration_time_s - free.evaluate(cfg).iteration_time_s)
+        assert added == pytest.approx(cfg.num_microbatches * (4 * n + 5) * 100e-6, rel=1e-9)
+    tp_free = [free.evaluate(c).breakdown()["tensor_parallel_s"] for c in (big, small)]
+    tp_slow = [slow.evaluate(c).breakdown()["tensor_parallel_s"] for c in (big, small)]
+    assert tp_free[0] == pytest.approx(tp_free[1], rel=1e-12)  # the same bytes
+    assert tp_slow[1] - tp_slow[0] == pytest.approx(4 * (4 * n + 5) * 100e-6, rel=1e-9)
+    recomputed = slow.evaluate(replace(small, recompute=FULL)).stages[0]
+    assert recomputed.tensor_parallel_collectives == 6 * n + 5
+    assert free.evaluate(replace(big, tensor_parallel=1, data_parallel_width=16)
+                         ).stages[0].tensor_parallel_collectives == 0
+
+
+def test_p2p_and_data_parallel_all_reduce_pay_their_latency():
+    """A transfer inside a server pays the intra-node p2p latency, one across servers the
+    inter-node one; the data-parallel all-reduce pays its collective latency once."""
+    cfg = ParallelConfig("flush", 1, 2, 4, 1, 8, NO_RECOMPUTE)  # 8 GPUs: one server
+    base, slow = cost_model(SMALL), cost_model(SMALL, replace(
+        P3, intra_node_p2p_latency_us=500.0, intra_node_latency_us=700.0))
+    assert slow.p2p_s(cfg) - base.p2p_s(cfg) == pytest.approx((500 - 5) * 1e-6)
+    params = base.evaluate(cfg).stages[0].params
+    assert (slow.allreduce_s(cfg, 0, params) - base.allreduce_s(cfg, 0, params)
+            == pytest.approx(2 * (700 - 10) * 1e-6))  # gradients + tied embedding
+    across = ParallelConfig("flush", 1, 2, 8, 1, 4, NO_RECOMPUTE)  # stages on 2 servers
+    lay = Layout(1, 8, 2, 8)
+    assert lay.boundary_crosses(0)
+    assert base.p2p_s(across) == pytest.approx(
+        FABRICS["tcp"].p2p_us * 1e-6
+        + SMALL.boundary_bytes(1) / p2p_bandwidth(lay, 0, P3))
+
+
+# ---------------------------------------------------------------- interleaved flush
+
+
+def test_interleaved_bubble_is_megatrons_closed_form_in_the_simulator():
+    """Flush with v chunks: (m + (d - 1) / v) (F + B) with free communication, i.e. the
+    bubble (d - 1) / (v m) of Narayanan et al. SC21, Section 2.2.2."""
+    costs = Costs(forward=1.0, backward=2.0)
+    for d, m, v in ((2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 16, 3)):
+        t = pipeline_timing("flush", d, m, costs, v)
+        assert t.iteration_s == pytest.approx((m + (d - 1) / v) * 3.0)
+        assert pipeline_timing("flush", d, m, costs).iteration_s == pytest.approx((m + d - 1) * 3.0)
+        # v times as many boundary transfers (wrap-around from the last stage included)
+        sched = build_schedule("flush", d, m, 1, num_chunks=v)
+        sends = sum(1 for a in sched[0] if a.kind == "SF")
+        assert sends == v * m
+
+
+def test_interleaved_declarations_equal_the_full_schedules():
+    """`_declared` builds interleaved Flush with min(m, 3d) microbatches; its stash limit
+    and the peak of any per-chunk weighting equal those of the full schedule."""
+    from megatron_2bw.planner.cost_model import _chunk_peaks, _declared
+    for d, v in ((2, 2), (3, 2), (4, 2), (4, 4)):
+        for m in (d, 2 * d, 3 * d, 5 * d):
+            full = build_schedule("flush", d, m, 1, tied_embedding=True, num_chunks=v)
+            got = _declared("flush", d, m, v)
+            assert got.stash_limit == tuple(full.stash_limit)
+            for s in range(d):
+                for w in ((1, 0, 0), (1, 4, 0), (1, 0, 4), (2, 1, 3)):
+                    def peak(points):
+                        return max(sum(x * y for x, y in zip(w, p)) for p in points)
+                    assert peak(got.chunk_peaks[s]) == peak(_chunk_peaks(full[s], v))
+
+
+def test_interleaved_plan_time_transfers_and_memory():
+    """An interleaved plan beats plain Flush where the bubble dominates and loses that
+    gain when transfers are slow (v times as many); a middle stage stashes its warm-up + 1
+    (microbatch, chunk) units of n / v layers each."""
+    hw = replace(P3, memory_per_device_gb=1000.0)
+    plain, chunked = (ParallelConfig("flush", 1, 4, 1, 1, 8, NO_RECOMPUTE),
+                      ParallelConfig("flush", 1, 4, 1, 1, 8, NO_RECOMPUTE, virtual_stages=2))
+    fast, slow = cost_model(SMALL, hw), cost_model(SMALL, replace(
+        hw, intra_node_p2p_latency_us=500.0))
+    assert fast.evaluate(chunked).iteration_time_s < fast.evaluate(plain).iteration_time_s
+    assert slow.evaluate(chunked).iteration_time_s > slow.evaluate(plain).iteration_time_s
+    est = fast.evaluate(chunked)
+    assert [s.stash for s in est.stages] == [2 * (4 - s - 1) + 4 + 1 for s in range(4)]
+    per_chunk = SMALL.layer_activation_bytes(1, 1)  # 2 layers per stage, 1 per chunk
+    assert est.stages[1].activation_bytes == pytest.approx(9 * per_chunk)
+    assert est.stages[1].activation_bytes > fast.evaluate(plain).stages[1].activation_bytes
+    with pytest.raises(ValueError, match="equal model chunks"):
+        fast.evaluate(replace(chunked, virtual_stages=4))
+
+
+def test_interleaved_search_follows_megatrons_rules_and_explains_v():
+    hw = replace(P3, memory_per_device_gb=1000.0)
+    cm = cost_model(SMALL, hw)
+    space = SearchSpace(4, 8, schedules=("flush",), tensor_parallel_sizes=(1,))
+    chunked = [c for c in enumerate_configs(cm, space) if c.interleaved]
+    assert chunked and all(c.schedule == "flush" and c.pipeline_depth >= 2 and not c.uneven
+                           and c.num_microbatches % c.pipeline_depth == 0
+                           and (8 // c.pipeline_depth) % c.virtual_stages == 0
+                           for c in chunked)
+    assert not any(c.interleaved for c in enumerate_configs(
+        cm, replace(space, virtual_stages=(1,))))
+    result = search(cm, space)
+    best = result.best.config
+    assert best.interleaved and best.label().endswith(f"v{best.virtual_stages}")
+    text = explain(cm, result)
+    assert f"Interleaving: {best.virtual_stages} model chunks" in text
+    command = launch_command(SMALL, best, 8)
+    layers = 8 // best.pipeline_depth // best.virtual_stages
+    assert f"--num-layers-per-virtual-pipeline-stage {layers}" in command
+    data = to_json(cm, result)
+    assert data["best"]["virtual_stages"] == best.virtual_stages
+    assert data["best"]["layers_per_virtual_stage"] == layers
+    assert "  v " in format_table(result).splitlines()[0]
+
+
+def test_interleaved_flags_parse_with_the_trainers_parser():
+    cfg = ParallelConfig("flush", 1, 2, 1, 2, 4, NO_RECOMPUTE, virtual_stages=2)
+    args = trainer_args(launch_command(SMALL, cfg, 8), cfg.num_gpus)
+    assert args.num_layers_per_virtual_pipeline_stage == 2
+
+
+def test_interleaved_pruning_bound_never_exceeds_the_simulated_time():
+    rng = random.Random(11)
+    for _ in range(60):
+        d, v = rng.choice([2, 3, 4]), rng.choice([2, 3, 4])
+        m = d * rng.choice([1, 2, 3])
+        fwd = [rng.uniform(0.2, 1.5) for _ in range(d)]
+        bwd = tuple(2 * f * rng.uniform(0.6, 1.5) for f in fwd)
+        costs = Costs(forward=tuple(fwd), backward=bwd, p2p=rng.choice([0.0, rng.uniform(0, 3)]),
+                      allreduce=tuple(rng.choice([0.0, rng.uniform(0, 30)]) for _ in range(d)),
+                      step=tuple(rng.uniform(0, 1) for _ in range(d)))
+        sim = pipeline_timing("flush", d, m, costs, v).iteration_s
+        assert pipeline_lower_bound_s("flush", m, costs, v) <= sim * (1 + 1e-9)
+
+
+# ---------------------------------------------------------------- plans that do not fit
+
+
+def test_memory_terms_add_up_and_name_what_rules_a_plan_out():
+    cm = cost_model(GPT_2_2B)
+    gpipe = cm.evaluate(ParallelConfig("gpipe", 1, 8, 1, 1, 256, NO_RECOMPUTE),
+                        simulate_time=False)
+    terms = cm.memory_terms(gpipe)
+    assert sum(terms.values()) == pytest.approx(gpipe.memory_bytes)
+    assert not gpipe.fits and max((k for k in terms if k != "reserved"),
+                                  key=terms.get) == "stashed_activations"
+    two = cm.evaluate(ParallelConfig("2bw", 1, 8, 1, 1, 256, FULL), simulate_time=False)
+    t2 = cm.memory_terms(two)
+    assert t2["weight_versions"] == t2["weights"] > 0 and sum(t2.values()) == pytest.approx(
+        two.memory_bytes)
+    flush = cm.memory_terms(cm.evaluate(ParallelConfig("flush", 1, 8, 1, 1, 256, FULL),
+                                        simulate_time=False))
+    assert flush["weight_versions"] == 0.0
+
+
+def test_json_lists_every_configuration_that_does_not_fit(tmp_path, capsys):
+    """GPT-2.2B on one p3.16xlarge server: GPipe never fits; the JSON lists each plan that
+    does not fit with fits false, no time, the memory needed against the 16 GB available
+    and the dominant term; the ranking of the fitting plans is unchanged."""
+    out = tmp_path / "plan.json"
+    flags = ["--num-layers", "32", "--hidden-size", "2304", "--num-attention-heads", "32",
+             "--seq-length", "512", "--global-batch-size", "512", "--num-gpus", "8",
+             "--micro-batch-sizes", "1,2", "--recompute", "none,full", "--virtual-stages", "1",
+             "--json", str(out)]
+    assert cli_main(flags) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    bad = data["not_fitting"]
+    assert bad and data["search"]["not_fitting"] == len(bad)
+    assert data["search"]["enumerated"] == data["search"]["fitting"] + len(bad)
+    assert all(c["fits"] is False and c["predicted_iteration_time_s"] is None for c in bad)
+    for c in bad:
+        mem = c["memory"]
+        assert mem["needed_gb"] > mem["available_gb"] == 16.0
+        assert sum(mem["by_term_gb"].values()) == pytest.approx(mem["needed_gb"], abs=0.01)
+        assert mem["dominant"] in mem["by_term_gb"] and mem["dominant"] != "reserved"
+    needed = [c["memory"]["needed_gb"] for c in bad]
+    assert needed == sorted(needed)
+    gpipe = [c for c in bad if c["schedule"] == "gpipe"]
+    assert gpipe and not any(c["schedule"] == "gpipe" for c in data["candidates"])
+    assert {c["memory"]["dominant"] for c in gpipe} == {"stashed_activations"}
+    assert all(c["fits"] and c["memory"]["needed_gb"] <= 16.0 for c in data["candidates"])
+    speeds = [c["predicted_samples_per_s"] for c in data["candidates"]]
+    assert speeds == sorted(speeds, reverse=True)
+    assert "No plan fits with GPipe (the smallest, gpipe" in data["best"]["explanation"]
+    assert "stashed activations" in data["best"]["explanation"]
+    assert "configurations do not fit; --json lists each" in printed
+
+
+@pytest.mark.slow
+def test_profile_network_fits_gloo_and_writes_a_hardware_file(tmp_path):
+    """`profile-network` under torchrun (2 CPU processes, gloo): a hardware file whose
+    intra-node latency and bandwidth come from the fits, the base's other fields and
+    launch object kept."""
+    base = tmp_path / "cpu.json"
+    base.write_text(json.dumps({"devices_per_node": 2, "memory_per_device_gb": 8,
+                                "achieved_tflops": 0.03, "intra_node_bandwidth_gb_s": 1,
+                                "inter_node_bandwidth_gbit_s": 8, "launch": {"gpus": False}}))
+    out = tmp_path / "fitted.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "megatron_2bw.planner", "profile-network", "--hardware", str(base),
+           "--sizes", "4096,65536,1048576", "--repeats", "3", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hw = load_hardware(str(out))
+    assert hw.intra_node_latency_us > 0 and hw.intra_node_p2p_latency_us >= 0
+    assert hw.intra_node_bandwidth_gb_s != 1 and hw.memory_per_device_gb == 8
+    assert json.loads(out.read_text())["launch"]["gpus"] is False

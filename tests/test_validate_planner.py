@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_2bw.planner.compute import PROFILE_FORMAT
@@ -98,7 +100,8 @@ def test_markdown_table_marks_pick_and_fastest():
 
 
 def test_record_attempt_keeps_the_least_loaded_run(tmp_path):
-    setup = v.Setup(warmup=1)
+    # other load = (busy - 8 s of the job's CPU) / (5 s x CPUs): quiet below busy = 9
+    setup = v.Setup(warmup=1, max_other_load=1.0 / (5 * (os.cpu_count() or 1)))
     row = _row("p", 1.0, None)
 
     def attempt(times, busy):
@@ -118,6 +121,35 @@ def test_record_attempt_keeps_the_least_loaded_run(tmp_path):
     assert row.measured_time_s == 1.0 and len(row.attempts) == 3
     v.record_attempt(row, str(tmp_path / "missing.jsonl"), [{"status": "timeout"}] * 2, setup)
     assert row.status == "ok" and row.attempts[-1]["status"] == "timeout"
+
+
+def _attempts(row, tmp_path, setup, medians_and_busy):
+    for t, busy in medians_and_busy:
+        i = len(row.attempts)  # run i adds (i + 1) MB
+        f = tmp_path / f"{row.label}{i}.jsonl"
+        f.write_text("".join(json.dumps({"iteration": k + 1, "iteration_time_s": x}) + "\n"
+                             for k, x in enumerate([5.0, t, t, t, 0.1])))
+        res = [{"status": "ok", "added_bytes": 1e6 * (i + 1), "cpu_s": 4.0,
+                "machine_busy_s": busy, "job_wall_s": 5.0}, {"status": "ok", "cpu_s": 4.0,
+                                                              "added_bytes": 0.0}]
+        v.record_attempt(row, str(f), res, setup)
+
+
+def test_measured_time_is_the_median_of_the_quiet_repeats(tmp_path):
+    """Each plan runs `repeats` times; its time is the median of the quiet runs' medians
+    and a plan with fewer quiet runs than that is run again."""
+    setup = v.Setup(warmup=1, repeats=3, max_other_load=1.0 / (5 * (os.cpu_count() or 1)))
+    row = _row("p", 1.0, None)
+    _attempts(row, tmp_path, setup, [(1.0, 8.0), (3.0, 8.0)])
+    assert row.measured_time_s == 2.0 and row.runs == 2 and v.needs_another_run(row, setup)
+    _attempts(row, tmp_path, setup, [(9.0, 12.0)])      # loaded: recorded, not used
+    assert row.measured_time_s == 2.0 and v.needs_another_run(row, setup)
+    _attempts(row, tmp_path, setup, [(1.5, 8.0)])
+    assert row.measured_time_s == 1.5 and row.runs == 3 and not v.needs_another_run(row, setup)
+    assert row.measured_memory_bytes == 2e6 and len(row.attempts) == 4
+    loaded = _row("q", 1.0, None)
+    _attempts(loaded, tmp_path, setup, [(4.0, 12.0), (2.0, 11.0)])  # none quiet: least loaded
+    assert loaded.measured_time_s == 2.0 and loaded.runs == 1
 
 
 def _parse(flags: list[str]):
@@ -172,10 +204,15 @@ def test_fp32_cost_model_enumerates_the_two_process_plans(tmp_path):
     layouts = {(e.config.tensor_parallel, e.config.pipeline_depth, e.config.data_parallel_width)
                for e in estimates}
     assert layouts == {(1, 1, 2), (1, 2, 1), (2, 1, 1)}
-    # the documented 64-plan space: recomputation none / full, even stages
-    assert len(estimates) == 64
+    # the documented 64-plan space (recomputation none / full, even stages) and the 8
+    # interleaved flush plans (tp1 pp2 dp1, v = 2, m even: b = 1, 2, 4, 8)
+    assert len(estimates) == 72
     assert {e.config.recompute.name for e in estimates} == {"none", "full"}
     assert not any(e.config.uneven for e in estimates)
+    chunked = [e.config for e in estimates if e.config.interleaved]
+    assert len(chunked) == 8 and {(c.schedule, c.pipeline_depth, c.virtual_stages)
+                                  for c in chunked} == {("flush", 2, 2)}
+    assert len(v.predict(cm, replace(setup, virtual_stages=(1,)).space())[0]) == 64
     assert pick in [e.config for e in estimates]
     # fp32 weights: a flush plan holds 4 (weight) + 4 (gradient) + 8 (Adam) bytes per
     # parameter; 2BW with data parallelism one more weight and gradient buffer
@@ -193,9 +230,22 @@ def test_hardware_from_calibration_is_a_valid_hardware_file(tmp_path):
     hw = v.hardware_from_calibration(calib, str(profile), setup)
     assert hw.devices_per_node == 2 and hw.layer_overhead_ms == 0.0
     assert hw.memory_bandwidth_gb_s == pytest.approx(28 / 7e-9 / 1e9, rel=1e-3)
+    assert hw.intra_node_latency_us == 0.0  # no timings (an older report): no latency
     path = tmp_path / "hw.json"
     path.write_text(json.dumps(hw.to_dict()))
     assert load_hardware(str(path)) == hw
+    # with timings: the all-reduce fit gives latency and bus bandwidth, the ping-pong the
+    # transfer latency (gloo-like: 330 us + bytes / 1 GB/s; 100 us + bytes / 2 GB/s)
+    sizes = [512, 8192, 131072, 2097152, 16777216]
+    calib.update(allreduce_s={str(x): 330e-6 + x / 1e9 for x in sizes},
+                 p2p_s={str(x): 100e-6 + x / 2e9 for x in sizes})
+    allreduce, p2p = v.link_fits(calib)
+    assert allreduce.latency_s == pytest.approx(330e-6) and p2p.latency_s == pytest.approx(1e-4)
+    hw = v.hardware_from_calibration(calib, str(profile), setup)
+    assert hw.intra_node_latency_us == pytest.approx(330.0)
+    assert hw.intra_node_p2p_latency_us == pytest.approx(100.0)
+    assert hw.intra_node_bandwidth_gb_s == pytest.approx(1.0)
+    assert hw.inter_node_latency_us == hw.intra_node_latency_us
 
 
 def test_scatter_plot_writes_png(tmp_path):
@@ -213,7 +263,8 @@ def test_dry_run_end_to_end(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "tools", "validate_planner.py"),
            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
            "--seq-length", "16", "--vocab-size", "128", "--global-batch-size", "4",
-           "--iterations", "3", "--warmup", "1", "--retries", "0", "--dry-run",
+           "--iterations", "3", "--warmup", "1", "--repeats", "1", "--retries", "0",
+           "--dry-run",
            "--workdir", str(tmp_path / "work"), "--json", str(report)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -222,6 +273,7 @@ def test_dry_run_end_to_end(tmp_path):
     ran = [r for r in data["rows"] if r["status"] != "not run"]
     assert [r["label"] for r in ran] == [data["planner_pick"]]
     assert ran[0]["status"] == "ok" and len(ran[0]["iteration_times_s"]) == 3
+    assert ran[0]["runs"] == 1 and data["calibration"]["allreduce_fit"]["latency_us"] >= 0
     assert ran[0]["measured_memory_bytes"] > 0 and ran[0]["measured_time_s"] > 0
     assert load_hardware(str(tmp_path / "work" / "hardware.json")).devices_per_node == 2
     assert "| plan |" in proc.stdout

@@ -2,8 +2,8 @@
 
 For GPT-2.2B and GPT-3.8B (32 layers, hidden 2304 / 3072, 32 heads, sequence 512) on 1
 and 8 p3.16xlarge servers, prints the planner's choice and the predicted speed-up of the
-best 2BW plan over the best Flush, GPipe and no-pipeline plans, and over Megatron tensor
-parallelism spread across servers; then the 2BW / Flush ratio at several batch sizes and
+best 2BW plan over the best Flush, interleaved Flush (Megatron-LM's interleaved 1F1B),
+GPipe and no-pipeline plans, and over Megatron tensor parallelism spread across servers; then the 2BW / Flush ratio at several batch sizes and
 the memory of the schedules for GPT-2.2B on 8 GPUs at batch 256 (the paper's memory
 figure). The numbers in docs/planner.md come from this script:
 
@@ -22,7 +22,7 @@ from megatron_2bw.planner import (PRESETS, CostModel, FlopsCompute, ModelSpec,  
                                   ParallelConfig, SearchSpace, search)
 from megatron_2bw.planner.cost_model import Estimate  # noqa: E402
 from megatron_2bw.planner.explain import best_per_group  # noqa: E402
-from megatron_2bw.planner.search import divisors  # noqa: E402
+from megatron_2bw.planner.search import INTERLEAVED, divisors  # noqa: E402
 
 HW = PRESETS["p3.16xlarge"]
 MODELS = {"GPT-2.2B": ModelSpec("gpt", 32, 2304, 32, 512, 50257),
@@ -62,18 +62,22 @@ def speedups(name: str, gpus: int, batch: int) -> dict:
     return {"model": name, "gpus": gpus, "batch": batch, "best": result.best,
             "2bw": _faster(groups.get(("2bw", False)), groups.get(("2bw", True))), "flush": groups.get(("flush", False)),
             "2bw_pipelined": groups.get(("2bw", False)),
-            "vanilla": _faster(groups.get(("flush", False)), groups.get(("flush", True))),
+            "vanilla": _faster(groups.get(("flush", False)), groups.get(("flush", True)),
+                               groups.get((INTERLEAVED, False))),
             "gpipe": groups.get(("gpipe", False)), "no_pipeline": groups.get(("flush", True)),
+            "interleaved": groups.get((INTERLEAVED, False)),
+            "tp1_interleaved": paper.get((INTERLEAVED, False)),
             "megatron_tp16": megatron_across_servers(cm, gpus, batch, 16),
             "megatron_tp32": megatron_across_servers(cm, gpus, batch, 32),
             "tp1_2bw": paper.get(("2bw", False)), "tp1_flush": paper.get(("flush", False)),
             "tp1_gpipe": paper.get(("gpipe", False)), "seconds": result.seconds}
 
 
-def _faster(a: Estimate | None, b: Estimate | None) -> Estimate | None:
-    """The best 2BW plan of any depth (d = 1 is data parallelism with 2BW's delayed,
-    overlapped all-reduce)."""
-    found = [e for e in (a, b) if e is not None]
+def _faster(*plans: Estimate | None) -> Estimate | None:
+    """The fastest of `plans`: the best 2BW plan of any depth (d = 1 is data parallelism
+    with 2BW's delayed, overlapped all-reduce), or of vanilla semantics (Flush, interleaved
+    or not, any depth)."""
+    found = [e for e in plans if e is not None]
     return max(found, key=lambda e: e.samples_per_s) if found else None
 
 
@@ -105,30 +109,36 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout
     rows = [speedups(name, gpus, 512) for name in MODELS for gpus in (8, 64)]
     out.write("Full search space (TP x PP x DP, TP inside a server):\n\n"
-              "| model | GPUs | planner's choice | 2BW vs Flush | 2BW vs GPipe | "
-              "2BW vs no pipeline (TP in server) | 2BW vs Megatron TP = 16 / 32 across servers | "
-              "search s |\n|---|---|---|---|---|---|---|---|\n")
+              "| model | GPUs | planner's choice | 2BW vs Flush | 2BW vs interleaved Flush | "
+              "2BW vs GPipe | 2BW vs no pipeline (TP in server) | 2BW vs Megatron TP = 16 / 32 "
+              "across servers | search s |\n|---|---|---|---|---|---|---|---|---|\n")
     for r in rows:
         out.write(f"| {r['model']} | {r['gpus']} | {label(r['best'])} | "
-                  f"{ratio(r['2bw'], r['flush'])} | {ratio(r['2bw'], r['gpipe'])} | "
+                  f"{ratio(r['2bw'], r['flush'])} | {ratio(r['2bw'], r['interleaved'])} | "
+                  f"{ratio(r['2bw'], r['gpipe'])} | "
                   f"{ratio(r['2bw'], r['no_pipeline'])} | {ratio(r['2bw'], r['megatron_tp16'])} / "
                   f"{ratio(r['2bw'], r['megatron_tp32'])} | "
                   f"{r['seconds']:.1f} |\n")
     out.write("\nThe paper's search space (TP = 1: pipeline x data parallel only):\n\n"
-              "| model | GPUs | best 2BW | 2BW vs Flush | 2BW vs GPipe |\n|---|---|---|---|---|\n")
+              "| model | GPUs | best 2BW | 2BW vs Flush | 2BW vs interleaved Flush | "
+              "2BW vs GPipe |\n|---|---|---|---|---|---|\n")
     for r in rows:
         out.write(f"| {r['model']} | {r['gpus']} | {label(r['tp1_2bw'])} | "
-                  f"{ratio(r['tp1_2bw'], r['tp1_flush'])} | {ratio(r['tp1_2bw'], r['tp1_gpipe'])} |\n")
+                  f"{ratio(r['tp1_2bw'], r['tp1_flush'])} | "
+                  f"{ratio(r['tp1_2bw'], r['tp1_interleaved'])} | "
+                  f"{ratio(r['tp1_2bw'], r['tp1_gpipe'])} |\n")
     out.write("\nRunners-up:\n")
     for r in rows:
         out.write(f"- {r['model']} on {r['gpus']}: 2BW {label(r['2bw'])}; Flush "
-                  f"{label(r['flush'])}; GPipe {label(r['gpipe'])}; no pipeline "
+                  f"{label(r['flush'])}; interleaved Flush {label(r['interleaved'])}; GPipe "
+                  f"{label(r['gpipe'])}; no pipeline "
                   f"{label(r['no_pipeline'])}; Megatron TP across servers "
                   f"{label(r['megatron_tp16'])}, {label(r['megatron_tp32'])}; TP = 1: Flush {label(r['tp1_flush'])}, "
                   f"GPipe {label(r['tp1_gpipe'])}\n")
     batches = [speedups(name, 64, batch) for name in MODELS for batch in (64, 2048)]
     out.write("\n2BW over Flush by batch size (64 GPUs): pipelined 2BW vs PipeDream-Flush (d > 1); "
-              "best 2BW of any depth vs the best plan with vanilla semantics (Flush, any depth):\n")
+              "best 2BW of any depth vs the best plan with vanilla semantics (Flush, interleaved "
+              "or not, any depth):\n")
     for r in [x for x in rows if x["gpus"] == 64] + batches:
         out.write(f"- {r['model']} batch {r['batch']}: {ratio(r['2bw_pipelined'], r['flush'])} "
                   f"({label(r['2bw_pipelined'])} vs {label(r['flush'])}); "

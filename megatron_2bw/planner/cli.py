@@ -1,12 +1,15 @@
 """`python -m megatron_2bw.planner`: choose TP, PP, DP, microbatch, recomputation, schedule
-and (with a large vocabulary) uneven first/last stages.
+(Flush also interleaved, v model chunks per device) and (with a large vocabulary) uneven
+first/last stages.
 
 Takes Megatron-LM's model flags, the batch, the device count and the cluster; prints a
 ranked table and a paragraph on why the best plan won; `--json FILE` writes
 {"best": ..., "candidates": [...]} with the command line of each plan. `--emit
 {command,torchrun,sbatch}` with the data, --train-iters and --lr writes a runnable launch
 of the best plan instead (docs/launch.md); trainer flags the planner does not take go
-after `--`. `python -m megatron_2bw.planner profile ...` measures the layers first.
+after `--`. `python -m megatron_2bw.planner profile ...` measures the layers first, and
+`torchrun ... -m megatron_2bw.planner profile-network ...` the collectives' latency and
+bandwidth (a hardware JSON).
 """
 from __future__ import annotations
 
@@ -111,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated recomputation options to try: none, selective, "
                         "full (= full-uniform-1), full-uniform-N, full-block-N "
                         "(default none,selective,full)")
+    s.add_argument("--virtual-stages", type=_int_list,
+                   help="model chunks per device to try for flush (Megatron-LM's interleaved "
+                        "1F1B), e.g. 1 for none; default 1 and every power of two Megatron's "
+                        "rules allow (pp >= 2, layers per stage divisible, m a multiple of pp)")
     s.add_argument("--no-uneven-stages", action="store_true",
                    help="equal stages only (default: with a large vocabulary also try the "
                         "first/last stage with 1 or 2 layers fewer)")
@@ -199,7 +206,8 @@ def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
     space = SearchSpace(args.num_gpus, args.global_batch_size, schedules=args.schedules,
                         micro_batch_sizes=args.micro_batch_sizes,
                         tensor_parallel_sizes=args.tensor_parallel_sizes,
-                        recompute=args.recompute, uneven_stages=not args.no_uneven_stages)
+                        recompute=args.recompute, uneven_stages=not args.no_uneven_stages,
+                        virtual_stages=args.virtual_stages)
     return cm, search(cm, space, keep=max(args.top, 20), exhaustive=args.exhaustive), args
 
 
@@ -251,6 +259,9 @@ def _print_report(cm: CostModel, result: SearchResult, args: argparse.Namespace,
               f"{result.num_fitting} fit, {len(result.ranked)} simulated "
               f"({result.seconds:.1f} s)\n\n")
     out.write(format_table(result, args.top) + "\n\n" + report["best"]["explanation"] + "\n\n")
+    if result.not_fitting:
+        out.write(f"{len(result.not_fitting)} configurations do not fit; --json lists each "
+                  "with the memory that rules it out.\n\n")
     out.write("The plan's flags (add data, --train-iters and --lr, or let --emit write the "
               "whole launch):\n  " + report["best"]["command"] + "\n")
 

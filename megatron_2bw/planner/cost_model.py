@@ -10,10 +10,16 @@ their sources:
   (4bs^2h FLOPs per layer);
 - tensor-parallel traffic: Megatron's layer does 2 all-reduces of the [s, b, h]
   activation in forward and 2 in backward (Shoeybi et al. 2019, "Megatron-LM", Section 3,
-  the f and g operators); full recomputation repeats the forward's 2 in backward;
-- point-to-point and data-parallel all-reduce: bytes over bandwidth, with which groups
-  cross servers decided by megatron-core's rank order (`placement.py`), ring all-reduce
-  2 (n - 1) / n * bytes / bandwidth;
+  the f and g operators); full recomputation repeats the forward's 2 in backward; the
+  vocab-parallel embedding adds 1 in forward, the output layer 1 in backward, and the
+  vocab-parallel cross entropy 3 small ones in forward (max, sum of exponentials, target
+  logit: [s, b] fp32 each, megatron-core `_VocabParallelCrossEntropy`);
+- every collective and transfer: the alpha-beta model (`hardware.py`), a fixed latency
+  per collective or transfer plus bytes over bandwidth, so that many small all-reduces
+  (tensor parallelism at a small microbatch) cost what their count says, not only their
+  bytes; which groups cross servers (latency and bandwidth of the network) follows
+  megatron-core's rank order (`placement.py`); ring all-reduce
+  alpha + 2 (n - 1) / n * bytes / bandwidth;
 - pipeline bubbles, exposed all-reduce, optimizer-step synchronisation and stash counts:
   from the schedules package itself, i.e. the same action lists the executor runs, through
   its simulator, and the schedules' declarations (`weight_versions`, `grad_buffers`,
@@ -25,7 +31,14 @@ their sources:
   case without the embedding and output layer;
 - stages: each has its own layer count (`ParallelConfig.stage_layers`, megatron-core's
   split with `--decoder-first/last-pipeline-num-layers`); the simulator makes the
-  slowest stage the bottleneck, and the largest stage decides memory.
+  slowest stage the bottleneck, and the largest stage decides memory;
+- interleaving (v model chunks per stage, Megatron-LM's interleaved 1F1B, flush only):
+  the same simulator on the interleaved action lists (bubble (d - 1) / (v m), v times as
+  many boundary transfers, each paying the transfer latency, plus the wrap-around link
+  from the last stage to the first); a stage's time is its chunks' sum; memory is the
+  peak of (microbatch, chunk) stashes, one unit = one chunk's activations, with the
+  embedding's activations only in chunk 0 of stage 0 and the output layer's only in the
+  last chunk of the last stage (`_chunk_peaks`).
 """
 from __future__ import annotations
 
@@ -33,10 +46,15 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from megatron_2bw.schedules import Costs, Schedule, build_schedule, simulate
+from megatron_2bw.schedules.actions import BACKWARD, FORWARD
 
 from .compute import LayerModel
 from .hardware import GB, Hardware
 from .placement import Layout, collective_bandwidth, p2p_bandwidth, ring_allreduce_s
+
+LOSS_ALLREDUCES = 3
+"""Forward all-reduces of megatron-core's vocab-parallel cross entropy (tp > 1): the
+max logit, the target logit and the sum of exponentials, [s, b] fp32 each."""
 from .spec import ModelSpec, ParallelConfig, Precision, Recompute, padded_vocab_size
 
 # 2BW never flushes: its iteration time is the steady state between two minibatches,
@@ -60,6 +78,8 @@ class StageCost:
     """Of forward_s + backward_s: the forward run again inside backward."""
     tensor_parallel_s: float
     """Of forward_s + backward_s: tensor-parallel all-reduces."""
+    tensor_parallel_collectives: int
+    """Tensor-parallel all-reduces per microbatch (0 at tp = 1), each paying the latency."""
     allreduce_s: float
     """Data-parallel gradient all-reduce (and tied-embedding sync) once per minibatch."""
     step_s: float
@@ -143,7 +163,7 @@ class CostModel:
         fits = memory <= self.hardware.memory_bytes
         if simulate_time:
             timing = pipeline_timing(cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches,
-                                     costs_for(stages, p2p_s))
+                                     costs_for(stages, p2p_s), cfg.virtual_stages)
         else:
             timing = PipelineTiming(float("inf"), tuple(0.0 for _ in stages), ())
         return Estimate(cfg, timing.iteration_s, memory, fits, stages, p2p_s, timing)
@@ -153,7 +173,7 @@ class CostModel:
         simulating configurations that cannot make the table (`pipeline_lower_bound_s`)."""
         stages, p2p_s = self.stage_costs(cfg)
         return pipeline_lower_bound_s(cfg.schedule, cfg.num_microbatches,
-                                      costs_for(stages, p2p_s))
+                                      costs_for(stages, p2p_s), cfg.virtual_stages)
 
     def exposed_allreduce_s(self, est: Estimate) -> float:
         """How much of the iteration the data-parallel all-reduce costs: the simulated
@@ -161,68 +181,115 @@ class CostModel:
         free = costs_for(tuple(_without_allreduce(s) for s in est.stages), est.p2p_s)
         cfg = est.config
         return est.iteration_time_s - pipeline_timing(
-            cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches, free).iteration_s
+            cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches, free,
+            cfg.virtual_stages).iteration_s
+
+    def memory_terms(self, est: Estimate) -> dict[str, float]:
+        """Bytes per device of the stage with the most memory, by term; they add up to
+        `est.memory_bytes`: one weight copy, the extra weight versions the schedule keeps
+        (2BW's second), gradient buffers, optimizer state (master weights, moments, delay
+        compensation), stashed activations (and what backward rebuilds), reserved."""
+        cfg, prec = est.config, self.precision
+        stage = max(est.stages, key=lambda s: s.memory_bytes)
+        declared = _declared(cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches,
+                             cfg.virtual_stages)
+        n = stage.params
+        compensation = prec.compensation_bytes if cfg.schedule == "2bw" else 0
+        return {"weights": float(n * prec.param_bytes),
+                "weight_versions": float(n * prec.param_bytes * (declared.weight_versions - 1)),
+                "gradients": float(n * prec.grad_bytes * declared.grad_buffers),
+                "optimizer_state": float(n * (prec.optimizer_bytes + compensation)),
+                "stashed_activations": stage.activation_bytes,
+                "reserved": self.hardware.reserved_memory_gb * GB}
 
     # ---- per-stage pieces ----
     def stage_costs(self, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
         return _stage_costs(self, cfg)
 
-    def network(self, cfg: ParallelConfig) -> "Bandwidths":
-        return bandwidths(self.hardware, cfg.tensor_parallel, cfg.data_parallel_width,
-                          cfg.pipeline_depth)
+    def network(self, cfg: ParallelConfig) -> "Network":
+        return network(self.hardware, cfg.tensor_parallel, cfg.data_parallel_width,
+                       cfg.pipeline_depth, cfg.virtual_stages > 1)
 
     def tensor_parallel_allreduce_s(self, cfg: ParallelConfig) -> float:
-        """One all-reduce of the [s, b, h] activation over the tensor-parallel group."""
+        """One all-reduce of the [s, b, h] activation over the tensor-parallel group:
+        its latency + its bytes at the group's bandwidth."""
         size = self.model.boundary_bytes(cfg.micro_batch_size, self.precision.activation_bytes)
-        return ring_allreduce_s(size, cfg.tensor_parallel, self.network(cfg).tensor_parallel)
+        net = self.network(cfg)
+        return ring_allreduce_s(size, cfg.tensor_parallel, net.tensor_parallel.bytes_per_s,
+                                net.tensor_parallel.latency_s)
+
+    def loss_allreduce_s(self, cfg: ParallelConfig) -> float:
+        """One of the vocab-parallel cross entropy's all-reduces of [s, b] fp32 values."""
+        size = 4.0 * self.model.seq_length * cfg.micro_batch_size
+        net = self.network(cfg)
+        return ring_allreduce_s(size, cfg.tensor_parallel, net.tensor_parallel.bytes_per_s,
+                                net.tensor_parallel.latency_s)
 
     def p2p_s(self, cfg: ParallelConfig) -> float:
-        """Slowest stage-to-stage transfer of one [s, b, h] tensor (the simulator takes
-        one p2p time for every boundary)."""
+        """Slowest stage-to-stage transfer of one [s, b, h] tensor, latency included (the
+        simulator takes one p2p time for every boundary, the wrap-around one of an
+        interleaved schedule too)."""
         if cfg.pipeline_depth == 1:
             return 0.0
         size = self.model.boundary_bytes(cfg.micro_batch_size, self.precision.activation_bytes)
-        return size / self.network(cfg).p2p
+        link = self.network(cfg).p2p
+        return link.latency_s + size / link.bytes_per_s
 
     def allreduce_s(self, cfg: ParallelConfig, stage: int, params: int) -> float:
         """Data-parallel gradient all-reduce of one stage, plus the tied-embedding sync
         between first and last stage (pp > 1), which Megatron runs right after it."""
         net, grad_bytes = self.network(cfg), self.precision.grad_bytes
+        dp = net.data_parallel[stage]
         seconds = ring_allreduce_s(params * grad_bytes, cfg.data_parallel_width,
-                                   net.data_parallel[stage])
+                                   dp.bytes_per_s, dp.latency_s)
         if cfg.pipeline_depth > 1 and stage in (0, cfg.pipeline_depth - 1):
             vocab = padded_vocab_size(self.model.vocab_size, cfg.tensor_parallel)
             embedding = vocab // cfg.tensor_parallel * self.model.hidden_size
-            seconds += ring_allreduce_s(embedding * grad_bytes, 2, net.embedding)
+            seconds += ring_allreduce_s(embedding * grad_bytes, 2, net.embedding.bytes_per_s,
+                                        net.embedding.latency_s)
         return seconds
 
 
 @dataclass(frozen=True)
-class Bandwidths:
-    """Bytes/s each kind of communication gets in one layout (slowest group of its kind)."""
+class Link:
+    """What one kind of communication gets in one layout: the alpha-beta pair."""
 
-    tensor_parallel: float
-    data_parallel: tuple[float, ...]
+    bytes_per_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class Network:
+    """Each kind of communication in one layout (the slowest group of its kind)."""
+
+    tensor_parallel: Link
+    data_parallel: tuple[Link, ...]
     """Per stage."""
-    embedding: float
-    p2p: float
+    embedding: Link
+    p2p: Link
 
 
 @lru_cache(maxsize=1024)
-def bandwidths(hw: Hardware, tp: int, dp: int, pp: int) -> Bandwidths:
-    """Where the groups of a (tp, dp, pp) layout sit decides their bandwidth (placement.py)."""
+def network(hw: Hardware, tp: int, dp: int, pp: int, wrap: bool = False) -> Network:
+    """Where the groups of a (tp, dp, pp) layout sit decides their bandwidth and latency
+    (placement.py): a group inside a server gets the intra-node pair, one across servers
+    the network's. `wrap`: the last stage also sends to the first (interleaving)."""
     lay = Layout(tp, dp, pp, hw.devices_per_node)
 
-    def slowest(groups: list, concurrent: list) -> float:
-        return min((collective_bandwidth(lay, g, concurrent, hw) for g in groups),
-                   default=hw.intra_bytes_per_s)
+    def slowest(groups: list, concurrent: list) -> Link:
+        if not groups:
+            return Link(hw.intra_bytes_per_s, hw.collective_latency_s(False))
+        return Link(min(collective_bandwidth(lay, g, concurrent, hw) for g in groups),
+                    hw.collective_latency_s(any(lay.crosses(g) for g in groups)))
     every_dp = lay.dp_groups()
-    return Bandwidths(
+    boundaries = range(pp if wrap and pp > 1 else pp - 1)
+    return Network(
         tensor_parallel=slowest(lay.tp_groups(), lay.tp_groups()),
         data_parallel=tuple(slowest(lay.dp_groups(s), every_dp) for s in range(pp)),
         embedding=slowest(lay.embedding_groups(), lay.embedding_groups()),
-        p2p=min((p2p_bandwidth(lay, s, hw) for s in range(pp - 1)),
-                default=hw.intra_bytes_per_s))
+        p2p=Link(min((p2p_bandwidth(lay, s, hw) for s in boundaries),
+                     default=hw.intra_bytes_per_s),
+                 hw.p2p_latency_s(any(lay.boundary_crosses(s) for s in boundaries))))
 
 
 def _without_allreduce(stage: StageCost) -> StageCost:
@@ -244,6 +311,18 @@ class _MicrobatchTimes:
     compute: float
     recompute: float
     tensor_parallel: float
+    collectives: int = 0
+    """Tensor-parallel all-reduces (0 at tp = 1)."""
+
+    def __add__(self, other: "_MicrobatchTimes") -> "_MicrobatchTimes":
+        return _MicrobatchTimes(*(a + b for a, b in zip(_fields(self), _fields(other))))
+
+    def __mul__(self, k: int) -> "_MicrobatchTimes":
+        return _MicrobatchTimes(*(a * k for a in _fields(self)))
+
+
+def _fields(t: _MicrobatchTimes) -> tuple:
+    return (t.forward, t.backward, t.compute, t.recompute, t.tensor_parallel, t.collectives)
 
 
 @dataclass(frozen=True)
@@ -266,7 +345,8 @@ def _layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
     ar = cm.tensor_parallel_allreduce_s(cfg)
     fwd, bwd = cm.layers.layer_forward_s(b) / t, cm.layers.layer_backward_s(b) / t
     plain = _MicrobatchTimes(forward=fwd + 2 * ar, backward=bwd + 2 * ar, compute=fwd + bwd,
-                             recompute=0.0, tensor_parallel=4 * ar)
+                             recompute=0.0, tensor_parallel=4 * ar,
+                             collectives=4 if t > 1 else 0)
     return _LayerTimes(plain, full_recompute_s=cm.layers.layer_recompute_backward_s(b) / t - bwd,
                        full_recompute_tp_s=2 * ar,
                        selective_recompute_s=cm.layers.attention_core_forward_s(b) / t)
@@ -282,28 +362,40 @@ def _stage_layer_times(layer: _LayerTimes, rc: Recompute, n: int) -> _Microbatch
     p = layer.plain
     return _MicrobatchTimes(forward=n * p.forward, backward=n * p.backward + rc_s + rc_tp,
                             compute=n * p.compute, recompute=rc_s,
-                            tensor_parallel=n * p.tensor_parallel + rc_tp)
+                            tensor_parallel=n * p.tensor_parallel + rc_tp,
+                            collectives=n * p.collectives + (2 * full if p.collectives else 0))
+
+
+def _chunked_layer_times(layer: _LayerTimes, rc: Recompute, n: int, v: int) -> _MicrobatchTimes:
+    """A stage's n layers as v model chunks of n / v, each its own megatron-core block
+    (recomputation options apply per chunk: block N recomputes each chunk's first N)."""
+    return _stage_layer_times(layer, rc, n // v) * v
 
 
 def _ends_times(cm: CostModel, cfg: ParallelConfig, first: bool, last: bool) -> _MicrobatchTimes:
     """Embedding (first stage) and output layer (last stage): per-microbatch seconds.
 
     With tp > 1 the vocab-parallel embedding all-reduces its output in forward and the
-    output layer all-reduces its input gradient in backward (one [s, b, h] each).
+    output layer all-reduces its input gradient in backward (one [s, b, h] each), and the
+    vocab-parallel loss does `LOSS_ALLREDUCES` small all-reduces in forward.
     """
     b, t = cfg.micro_batch_size, cfg.tensor_parallel
     ar = cm.tensor_parallel_allreduce_s(cfg)
+    loss = LOSS_ALLREDUCES * cm.loss_allreduce_s(cfg) if t > 1 else 0.0
     fwd = bwd = tp = 0.0
+    count = 0
     if first:
         ef, eb = cm.layers.embedding_s(b)
-        fwd, bwd, tp = fwd + ef, bwd + eb, tp + ar
+        fwd, bwd, tp, count = fwd + ef, bwd + eb, tp + ar, count + 1
     if last:
         of, ob = cm.layers.output_s(b)
-        fwd, bwd, tp = fwd + of / t, bwd + ob / t, tp + ar
+        fwd, bwd = fwd + of / t, bwd + ob / t
+        tp, count = tp + ar + loss, count + 1 + LOSS_ALLREDUCES
     compute = fwd + bwd
-    return _MicrobatchTimes(forward=fwd + (ar if first else 0.0),
+    return _MicrobatchTimes(forward=fwd + (ar if first else 0.0) + (loss if last else 0.0),
                             backward=bwd + (ar if last else 0.0),
-                            compute=compute, recompute=0.0, tensor_parallel=tp)
+                            compute=compute, recompute=0.0, tensor_parallel=tp,
+                            collectives=count if t > 1 else 0)
 
 
 def _stage_params(model: ModelSpec, cfg: ParallelConfig, stage: int, layers: int) -> int:
@@ -364,70 +456,85 @@ def _rebuilt_bytes(per: _LayerBytes, rc: Recompute, n: int) -> float:
 
 
 def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, layers: int,
-                      stash: int) -> float:
+                      declared: "_Declared") -> float:
     """Stashed microbatches x bytes each, + what backward rebuilds when recomputing.
 
     Without recomputation a stashed microbatch keeps every layer's activations; with
     full recomputation it keeps only each recomputed chunk's input, and backward
     rebuilds one chunk at a time (paper Section 3; Korthikanti et al. 2022 Sections 4-5).
+    With v model chunks the stash counts (microbatch, chunk) units of n / v layers each;
+    the embedding's bytes belong to chunk 0 of the first stage and the output layer's to
+    the last chunk of the last stage, so the peak is taken over the schedule's own
+    stash points (`_chunk_peaks`), not the unit count times the largest unit.
     """
-    b, t, d = cfg.micro_batch_size, cfg.tensor_parallel, cfg.pipeline_depth
+    b, t, d, v = cfg.micro_batch_size, cfg.tensor_parallel, cfg.pipeline_depth, cfg.virtual_stages
     per = _layer_bytes(cm, b, t)
-    per_microbatch = _kept_bytes(per, cfg.recompute, layers)
-    if stage == 0:
-        per_microbatch += cm.model.embedding_activation_bytes(b)
-    if stage == d - 1:
-        per_microbatch += cm.model.output_activation_bytes(b, t)
-    return stash * per_microbatch + _rebuilt_bytes(per, cfg.recompute, layers)
+    n = layers // v
+    unit = _kept_bytes(per, cfg.recompute, n)
+    first = cm.model.embedding_activation_bytes(b) if stage == 0 else 0.0
+    last = cm.model.output_activation_bytes(b, t) if stage == d - 1 else 0.0
+    if v == 1:
+        stashed = declared.stash_limit[stage] * (unit + first + last)
+    else:
+        stashed = max(total * unit + c_first * first + c_last * last
+                      for total, c_first, c_last in declared.chunk_peaks[stage])
+    return stashed + _rebuilt_bytes(per, cfg.recompute, n)
 
 
 def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
-    d, m, prec = cfg.pipeline_depth, cfg.num_microbatches, cm.precision
+    d, m, v, prec = cfg.pipeline_depth, cfg.num_microbatches, cfg.virtual_stages, cm.precision
+    if v > 1:
+        cfg.chunk_layers(cm.model.num_layers)  # ValueError unless the stages split evenly
     layer = _layer_times(cm, cfg)
-    declared = _declared(cfg.schedule, d, m)  # what the runtime allocates, per stage
+    declared = _declared(cfg.schedule, d, m, v)  # what the runtime allocates, per stage
     per_param = prec.bytes_per_param(declared.weight_versions, declared.grad_buffers,
                                      compensated=cfg.schedule == "2bw")
     out = []
     for s, n in enumerate(cfg.stage_layers(cm.model.num_layers)):
-        body = _stage_layer_times(layer, cfg.recompute, n)
+        body = _chunked_layer_times(layer, cfg.recompute, n, v)
         ends = _ends_times(cm, cfg, s == 0, s == d - 1)
         params = _stage_params(cm.model, cfg, s, n)
-        stash = declared.stash_limit[s]
+        total = body + ends
         out.append(StageCost(
             stage=s, layers=n, params=params,
-            forward_s=body.forward + ends.forward,
-            backward_s=body.backward + ends.backward,
-            compute_s=body.compute + ends.compute,
-            recompute_s=body.recompute,
-            tensor_parallel_s=body.tensor_parallel + ends.tensor_parallel,
+            forward_s=total.forward, backward_s=total.backward, compute_s=total.compute,
+            recompute_s=total.recompute, tensor_parallel_s=total.tensor_parallel,
+            tensor_parallel_collectives=total.collectives,
             allreduce_s=cm.allreduce_s(cfg, s, params),
             step_s=params * prec.step_bytes_touched / cm.hardware.hbm_bytes_per_s,
             weight_bytes=float(params * per_param),
-            activation_bytes=_activation_bytes(cm, cfg, s, n, stash), stash=stash))
+            activation_bytes=_activation_bytes(cm, cfg, s, n, declared),
+            stash=declared.stash_limit[s]))
     return tuple(out), cm.p2p_s(cfg)
 
 
-def pipeline_lower_bound_s(schedule: str, m: int, costs: Costs) -> float:
-    """Lower bound on `pipeline_timing(schedule, d, m, costs).iteration_s`.
+def pipeline_lower_bound_s(schedule: str, m: int, costs: Costs, v: int = 1) -> float:
+    """Lower bound on `pipeline_timing(schedule, d, m, costs, v).iteration_s`.
 
     Not a prediction (the simulator makes those), only a pruning bound; tests check it
     against the simulator on random costs. Three facts about every schedule here:
     - a stage runs its m forwards and m backwards one after another;
     - Flush/GPipe: stage s cannot start before the first forward has crossed the stages
-      before it, and the minibatch ends with every stage's all-reduce and the step;
-    - 1F1B (Flush, 2BW): the last stage's forward of microbatch i + 1 waits for stage
-      d - 2 to finish the backward of i - 1 and the forward of i + 1, two transfers in
-      between, so every two microbatches cost at least 2 p2p + both stages' F + B.
+      before it (with v chunks: the first chunk's, 1 / v of each stage's forward); the
+      microbatch of its last backward then crosses the stages before it backwards (their
+      first chunk's backward each), and the minibatch ends with the first stage's
+      all-reduce and the step;
+    - 1F1B (Flush, 2BW, not interleaved): the last stage's forward of microbatch i + 1
+      waits for stage d - 2 to finish the backward of i - 1 and the forward of i + 1,
+      two transfers in between, so every two microbatches cost at least 2 p2p + both
+      stages' F + B.
     """
     d = len(costs.forward) if not isinstance(costs.forward, (int, float)) else 1
     work = [costs.of("forward", s) + costs.of("backward", s) for s in range(d)]
     bound = m * max(work)
     if schedule != "2bw":
-        fill = 0.0
+        fill = drain = 0.0
         for s in range(d):
-            bound = max(bound, fill + m * work[s] + costs.of("allreduce", s) + costs.of("step", s))
-            fill += costs.of("forward", s) + costs.p2p
-    if schedule in ("flush", "2bw") and d >= 2:
+            bound = max(bound, fill + m * work[s] + costs.of("allreduce", s) + costs.of("step", s),
+                        fill + m * work[s] + drain + costs.of("allreduce", 0) + costs.of("step", 0))
+            fill += costs.of("forward", s) / v + costs.p2p
+            drain += costs.of("backward", s) / v + costs.p2p
+    if schedule in ("flush", "2bw") and d >= 2 and v == 1:
         bound = max(bound, (m - 1) // 2 * (2 * costs.p2p + work[d - 2] + work[d - 1]))
     return bound
 
@@ -435,42 +542,65 @@ def pipeline_lower_bound_s(schedule: str, m: int, costs: Costs) -> float:
 @dataclass(frozen=True)
 class _Declared:
     """What a schedule declares about its memory: stashes per stage, weight versions and
-    gradient buffers."""
+    gradient buffers; with v model chunks also each stage's stash points."""
 
     stash_limit: tuple[int, ...]
     weight_versions: int
     grad_buffers: int
+    chunk_peaks: tuple[tuple[tuple[int, int, int], ...], ...] = ()
+    """Per stage (v > 1): the maximal (stashed units, of them in chunk 0, of them in the
+    last chunk) over the stage's action order (`_chunk_peaks`)."""
 
 
 @lru_cache(maxsize=4096)
-def _declared(name: str, d: int, m: int) -> _Declared:
+def _declared(name: str, d: int, m: int, v: int = 1) -> _Declared:
     """The declarations only, cached on their own: every configuration of a search asks,
     and `_schedule` keeps only a few action lists. Flush and 2BW stash at most d - s
     microbatches on stage s, so they declare the same for every m >= d and are built
     with min(m, d) microbatches (a test checks this against full builds); GPipe stashes
-    all m and is built whole."""
-    built = m if name == "gpipe" else min(m, d)
-    sched = build_schedule(name, d, built, 1, tied_embedding=True, check=False)
-    return _Declared(tuple(sched.stash_limit), sched.weight_versions, sched.grad_buffers)
+    all m and is built whole. Interleaved flush stashes at most its warm-up + 1 units,
+    2 (d - s - 1) + (v - 1) d + 1 < 2 v d, and repeats itself every d microbatches, so
+    it is built with min(m, 3d) (m is a multiple of d; a test checks against full builds)."""
+    built = m if name == "gpipe" else min(m, 3 * d if v > 1 else d)
+    sched = build_schedule(name, d, built, 1, tied_embedding=True, check=False, num_chunks=v)
+    peaks = tuple(_chunk_peaks(sched[s], v) for s in range(d)) if v > 1 else ()
+    return _Declared(tuple(sched.stash_limit), sched.weight_versions, sched.grad_buffers, peaks)
 
 
-@lru_cache(maxsize=8)
-def _schedule(name: str, d: int, m: int, n: int) -> Schedule:
+def _chunk_peaks(actions, v: int) -> tuple[tuple[int, int, int], ...]:
+    """The maximal (stashed units, units of chunk 0, units of chunk v - 1) a stage reaches
+    (after each forward), with dominated points dropped: the peak of any per-unit bytes
+    with extra bytes on the first or last chunk is the max over these points."""
+    live = [0] * v
+    points = set()
+    for a in actions:
+        if a.kind == FORWARD:
+            live[a.chunk] += 1
+            points.add((sum(live), live[0], live[v - 1]))
+        elif a.kind == BACKWARD:
+            live[a.chunk] -= 1
+    return tuple(sorted(p for p in points
+                        if not any(q != p and all(x >= y for x, y in zip(q, p)) for q in points)))
+
+
+@lru_cache(maxsize=32)
+def _schedule(name: str, d: int, m: int, n: int, v: int = 1) -> Schedule:
     """The schedule the runtime would run (tied embeddings, the default step placement),
-    built once per shape: many configurations share (schedule, d, m). Validation is the
+    built once per shape: many configurations share (schedule, d, m, v). Validation is the
     schedules package's job (its tests); the simulator still raises on a deadlock."""
-    return build_schedule(name, d, m, n, tied_embedding=True, check=False)
+    return build_schedule(name, d, m, n, tied_embedding=True, check=False, num_chunks=v)
 
 
 @lru_cache(maxsize=65536)
-def pipeline_timing(schedule: str, d: int, m: int, costs: Costs) -> PipelineTiming:
-    """Steady-state time of one minibatch of `schedule`, from the simulator."""
+def pipeline_timing(schedule: str, d: int, m: int, costs: Costs, v: int = 1) -> PipelineTiming:
+    """Steady-state time of one minibatch of `schedule` (v model chunks per stage), from
+    the simulator. The peak stashes count (microbatch, chunk) units when v > 1."""
     before, after = STEADY_STATE_MINIBATCHES[schedule]
-    end = simulate(_schedule(schedule, d, m, after), costs)
+    end = simulate(_schedule(schedule, d, m, after, v), costs)
     if before == 0:
         return PipelineTiming(end.makespan, tuple(end.busy[s] for s in range(d)),
                               tuple(end.peak_stashes[s] for s in range(d)))
-    start = simulate(_schedule(schedule, d, m, before), costs)
+    start = simulate(_schedule(schedule, d, m, before, v), costs)
     return PipelineTiming(end.makespan - start.makespan,
                           tuple(end.busy[s] - start.busy[s] for s in range(d)),
                           tuple(end.peak_stashes[s] for s in range(d)))

@@ -2,11 +2,12 @@
 
 The paragraph says which recomputation option and stage split the best plan uses and
 what the alternatives of the same plan would cost, compares the best plan with the best
-plan of every other group (each schedule, and no pipeline at all) and with the fastest
-configurations that do not fit, and names the cost that separates them: memory, pipeline
-bubble, exposed data-parallel all-reduce, tensor-parallel traffic or recomputation. The
-seconds come from the cost model (`Estimate.breakdown`, `CostModel.exposed_allreduce_s`),
-not from new formulas.
+plan of every other group (each schedule, interleaved Flush, and no pipeline at all) and
+with the fastest configurations that do not fit, and names the cost that separates them:
+memory, pipeline bubble, exposed data-parallel all-reduce, tensor-parallel traffic or
+recomputation. A group where nothing fits gets the memory its smallest plan needs and the
+term that dominates it (`memory_sentence`). The seconds come from the cost model
+(`Estimate.breakdown`, `CostModel.exposed_allreduce_s`), not from new formulas.
 """
 from __future__ import annotations
 
@@ -14,15 +15,45 @@ from dataclasses import replace
 
 from .cost_model import CostModel, Estimate
 from .hardware import GB
-from .search import SearchResult, chunks_fit, plan_group
+from .search import INTERLEAVED, SearchResult, chunks_fit, plan_group
 from .spec import Recompute
 
 RECOMPUTE_WORDS = {"none": "none", "selective": "selective (the core attention of every layer)",
                    "full": "full"}
 
 GROUP_NAMES = {("2bw", False): "PipeDream-2BW", ("flush", False): "PipeDream-Flush",
+               (INTERLEAVED, False): "interleaved PipeDream-Flush (Megatron's interleaved 1F1B)",
                ("gpipe", False): "GPipe", ("flush", True): "no pipeline (tensor + data parallel)",
                ("2bw", True): "no pipeline with 2BW's delayed all-reduce"}
+MEMORY_WORDS = {"weights": "weights", "weight_versions": "extra weight versions",
+                "gradients": "gradient buffers", "optimizer_state": "optimizer state",
+                "stashed_activations": "stashed activations"}
+
+
+def dominant_term(terms: dict[str, float]) -> str:
+    """The largest of `CostModel.memory_terms` apart from the reserved memory."""
+    return max((k for k in terms if k != "reserved"), key=lambda k: terms[k])
+
+
+def memory_sentence(cm: CostModel, est: Estimate) -> str:
+    """"needs 21.3 GB of 16 GB per device, 14.2 GB of it stashed activations"."""
+    terms = cm.memory_terms(est)
+    top = dominant_term(terms)
+    return (f"needs {est.memory_gb:.1f} GB of {cm.hardware.memory_per_device_gb:g} GB per "
+            f"device, {terms[top] / GB:.1f} GB of it {MEMORY_WORDS[top]}")
+
+
+def interleaving_sentence(cm: CostModel, est: Estimate) -> str:
+    """For an interleaved plan: v, the layers per chunk, the bubble and the transfers."""
+    cfg = est.config
+    p, v, m = cfg.pipeline_depth, cfg.virtual_stages, cfg.num_microbatches
+    plain = cm.evaluate(replace(cfg, virtual_stages=1))
+    return (f"Interleaving: {v} model chunks of {cfg.chunk_layers(cm.model.num_layers)} "
+            f"layer(s) per device (--num-layers-per-virtual-pipeline-stage), bubble "
+            f"(p - 1) / (v m) = {(p - 1) / (v * m):.1%} of compute against {(p - 1) / m:.1%} "
+            f"without, for {v}x the stage-to-stage transfers ({est.p2p_s * 1e3:.2f} ms each); "
+            f"plain Flush of the same shape: {plain.iteration_time_s / est.iteration_time_s:.2f}x "
+            f"the time at {plain.memory_gb:.1f} GB.")
 
 
 def costs_by_cause(cm: CostModel, est: Estimate) -> dict[str, float]:
@@ -94,7 +125,7 @@ def recompute_sentence(cm: CostModel, est: Estimate, options: tuple[Recompute, .
         text += f", {est.breakdown()['recompute_s']:.3f} s per iteration"
     layers = est.config.stage_layers(cm.model.num_layers)
     others = [cm.evaluate(replace(est.config, recompute=o), simulate_time=False)
-              for o in options if o != rc and chunks_fit(o, layers)]
+              for o in options if o != rc and chunks_fit(o, layers, est.config.virtual_stages)]
     if others:
         text += "; " + ", ".join(_alternative(cm, est, o) for o in others)
     return text + "."
@@ -131,11 +162,13 @@ def explain(cm: CostModel, result: SearchResult) -> str:
     text.append(recompute_sentence(cm, best, options))
     if best.config.uneven:
         text.append(stages_sentence(cm, best))
+    if best.config.interleaved:
+        text.append(interleaving_sentence(cm, best))
     if result.too_big:
         big = result.too_big[0]
         text.append(f"The fastest configuration, {big.config.label()} "
-                    f"({big.samples_per_s:.1f} samples/s), needs {big.memory_gb:.1f} GB per "
-                    f"device and does not fit (memory).")
+                    f"({big.samples_per_s:.1f} samples/s), {memory_sentence(cm, big)} and "
+                    f"does not fit (memory).")
     for group, other in best_per_group(result).items():
         if group == plan_group(best.config):
             continue
@@ -146,12 +179,29 @@ def explain(cm: CostModel, result: SearchResult) -> str:
             continue
         text.append(f"The best {GROUP_NAMES[group]} plan, {other.config.label()}, is "
                     f"{ratio:.2f}x slower: {_why_slower(cm, best, other)}.")
-    searched = result.space.schedules if result.space else ()
-    missing = [name for g, name in GROUP_NAMES.items() if g[0] in searched and g != ("2bw", True)
-               and g not in best_per_group(result)]
+    missing = [g for g in GROUP_NAMES if g != ("2bw", True) and g not in best_per_group(result)
+               and g in searched_groups(result)]
     if missing:
-        text.append("No plan fits with " + ", ".join(missing) + ".")
+        closest = closest_per_group(result)
+        text.append("No plan fits with " + "; ".join(
+            GROUP_NAMES[g] + (f" (the smallest, {closest[g].config.label()}, "
+                              f"{memory_sentence(cm, closest[g])})" if g in closest else "")
+            for g in missing) + ".")
     return " ".join(text)
+
+
+def searched_groups(result: SearchResult) -> set[tuple[str, bool]]:
+    """The `plan_group`s of every enumerated configuration (fitting or not)."""
+    return {plan_group(e.config) for e in result.ranked + result.not_fitting}
+
+
+def closest_per_group(result: SearchResult) -> dict[tuple[str, bool], Estimate]:
+    """The non-fitting plan needing the least memory in each `plan_group`
+    (`not_fitting` is sorted by memory)."""
+    found: dict[tuple[str, bool], Estimate] = {}
+    for est in result.not_fitting:
+        found.setdefault(plan_group(est.config), est)
+    return found
 
 
 def best_per_group(result: SearchResult) -> dict[tuple[str, bool], Estimate]:
@@ -163,15 +213,17 @@ def best_per_group(result: SearchResult) -> dict[tuple[str, bool], Estimate]:
 
 
 def format_table(result: SearchResult, top: int = 10) -> str:
-    """The ranked plans as a fixed-width table."""
-    head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'pp':>3} {'dp':>3} {'b':>4} {'m':>5} "
+    """The ranked plans as a fixed-width table (`v`: model chunks per device, 1 without
+    interleaving)."""
+    head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'pp':>3} {'v':>2} {'dp':>3} {'b':>4} {'m':>5} "
             f"{'recompute':>9} {'stages':>8} {'samples/s':>10} {'iter s':>8} {'bubble':>7} "
             f"{'mem GB':>7}")
     rows = [head, "-" * len(head)]
     for i, est in enumerate(result.ranked[:top], 1):
         c = est.config
         rows.append(f"{i:>3} {c.schedule:8} {c.tensor_parallel:>3} {c.pipeline_depth:>3} "
-                    f"{c.data_parallel_width:>3} {c.micro_batch_size:>4} {c.num_microbatches:>5} "
+                    f"{c.virtual_stages:>2} {c.data_parallel_width:>3} {c.micro_batch_size:>4} "
+                    f"{c.num_microbatches:>5} "
                     f"{c.recompute.name:>9} {_stages_cell(est):>8} {est.samples_per_s:>10.1f} "
                     f"{est.iteration_time_s:>8.3f} {est.bubble_fraction:>7.1%} "
                     f"{est.memory_gb:>7.1f}")

@@ -2,16 +2,58 @@
 
 A `Hardware` holds the few numbers the cost model needs. They are *effective* numbers
 (what a training job achieves), not datasheet peaks; each preset says where its values
-come from so a reader can replace them with measured ones (`--hardware FILE.json`).
+come from so a reader can replace them with measured ones (`--hardware FILE.json`, or
+the fitted latency and bandwidth of `fit_link` / `calibrated`, which the profiler's
+`profile-network` and the planner validation's calibration write).
+
+Communication follows the alpha-beta (latency-bandwidth) model, Hockney's
+`t = alpha + bytes / bandwidth` for one message, per collective:
+
+    ring all-reduce of B bytes over n ranks:  alpha_coll + 2 (n - 1) / n * B / bus bandwidth
+    point-to-point transfer of B bytes:       alpha_p2p  + B / bandwidth
+
+with alpha per collective (a fixed cost every all-reduce pays whatever its size: kernel
+launch, synchronisation, the ring's hop latencies) and per transfer, each inside a server
+and across servers.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Sequence
 
 GB = 1e9
 GBIT = 1e9 / 8
+US = 1e-6
+
+
+@dataclass(frozen=True)
+class FabricLatency:
+    """Fixed cost of one collective and of one point-to-point transfer on a fabric, in µs."""
+
+    collective_us: float
+    p2p_us: float
+    source: str
+
+
+# Defaults where nothing was measured. NCCL's own tuning model (src/graph/tuning.cc,
+# ncclTopoTuneModel) prices a ring all-reduce's latency as base + 2 (n - 1) x hop: base
+# 3.6 µs (ring, LL protocol), hop 0.47 µs over NVLink and 2.7 µs over the network, i.e.
+# ~10 µs for 8 GPUs on NVLink and ~30 µs once 2 servers are in the ring (their intra-node
+# hops x 1.8); one transfer is about a kernel launch plus a hop. EFA's and TCP's per-message
+# latencies are several times InfiniBand's. gloo between CPU processes on one machine:
+# this project's calibration measured a 131 kB all-reduce at 0.46 ms where its bus
+# bandwidth alone gives 0.13 ms (docs/planner.md, "Validation on this machine"), and a
+# `profile-network` run here fitted 458 µs per all-reduce and 84 µs per transfer.
+FABRICS: dict[str, FabricLatency] = {
+    "nvlink": FabricLatency(10.0, 5.0, "NCCL tuning model, ring LL over NVLink, 8 GPUs"),
+    "infiniband": FabricLatency(30.0, 10.0, "NCCL tuning model, ring LL, 2 servers"),
+    "efa": FabricLatency(50.0, 20.0, "EFA (libfabric) messages: a few x InfiniBand's"),
+    "tcp": FabricLatency(100.0, 50.0, "NCCL over TCP sockets (no EFA/RDMA)"),
+    "gloo-loopback": FabricLatency(330.0, 100.0, "this project's gloo calibration (2 CPU "
+                                   "processes); calibrate rather than trust"),
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +79,15 @@ class Hardware:
     layer_overhead_ms: float = 0.1
     """Fixed time per transformer layer per forward pass (kernel launches, tiny ops) that a
     FLOP count misses; backward pays twice this. Only used without a profile."""
+    intra_node_latency_us: float = FABRICS["nvlink"].collective_us
+    """Fixed cost of one collective (all-reduce, all-gather) inside a server, µs: the alpha
+    of `t = alpha + bytes x beta`; NVLink's by default (`FABRICS`)."""
+    inter_node_latency_us: float = FABRICS["infiniband"].collective_us
+    """The same for a collective whose group spans servers, µs."""
+    intra_node_p2p_latency_us: float = FABRICS["nvlink"].p2p_us
+    """Fixed cost of one point-to-point transfer inside a server, µs."""
+    inter_node_p2p_latency_us: float = FABRICS["infiniband"].p2p_us
+    """The same between servers, µs."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -74,6 +125,15 @@ class Hardware:
     def hbm_bytes_per_s(self) -> float:
         return self.memory_bandwidth_gb_s * GB
 
+    def collective_latency_s(self, crosses_servers: bool) -> float:
+        """alpha of one collective, seconds."""
+        return (self.inter_node_latency_us if crosses_servers else self.intra_node_latency_us) * US
+
+    def p2p_latency_s(self, crosses_servers: bool) -> float:
+        """alpha of one point-to-point transfer, seconds."""
+        return (self.inter_node_p2p_latency_us if crosses_servers
+                else self.intra_node_p2p_latency_us) * US
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -84,20 +144,102 @@ class Hardware:
 # TFLOP/s per A100; ~400 TFLOP/s per H100 is ~40% of its 989 TFLOP/s dense bf16 peak.
 # Intra-node bandwidths are NCCL all-reduce bus bandwidths one can expect (about half the
 # NVLink/NVSwitch aggregate), not the aggregate.
+# Latencies: NVLink inside every server (`FABRICS`); between servers TCP sockets on
+# p3.16xlarge (no EFA) and EFA on p4d / p5.
+
+
+def _latencies(intra: str, inter: str) -> dict[str, float]:
+    a, b = FABRICS[intra], FABRICS[inter]
+    return {"intra_node_latency_us": a.collective_us, "intra_node_p2p_latency_us": a.p2p_us,
+            "inter_node_latency_us": b.collective_us, "inter_node_p2p_latency_us": b.p2p_us}
+
+
 PRESETS: dict[str, Hardware] = {
     "p3.16xlarge": Hardware(
         name="p3.16xlarge", devices_per_node=8, memory_per_device_gb=16.0, achieved_tflops=45.0,
         intra_node_bandwidth_gb_s=100.0, inter_node_bandwidth_gbit_s=25.0,
-        memory_bandwidth_gb_s=900.0, reserved_memory_gb=1.0, layer_overhead_ms=0.1),
+        memory_bandwidth_gb_s=900.0, reserved_memory_gb=1.0, layer_overhead_ms=0.1,
+        **_latencies("nvlink", "tcp")),
     "p4d.24xlarge": Hardware(
         name="p4d.24xlarge", devices_per_node=8, memory_per_device_gb=40.0, achieved_tflops=150.0,
         intra_node_bandwidth_gb_s=230.0, inter_node_bandwidth_gbit_s=400.0,
-        memory_bandwidth_gb_s=1555.0, reserved_memory_gb=1.5, layer_overhead_ms=0.05),
+        memory_bandwidth_gb_s=1555.0, reserved_memory_gb=1.5, layer_overhead_ms=0.05,
+        **_latencies("nvlink", "efa")),
     "p5.48xlarge": Hardware(
         name="p5.48xlarge", devices_per_node=8, memory_per_device_gb=80.0, achieved_tflops=400.0,
         intra_node_bandwidth_gb_s=400.0, inter_node_bandwidth_gbit_s=3200.0,
-        memory_bandwidth_gb_s=3350.0, reserved_memory_gb=2.0, layer_overhead_ms=0.03),
+        memory_bandwidth_gb_s=3350.0, reserved_memory_gb=2.0, layer_overhead_ms=0.03,
+        **_latencies("nvlink", "efa")),
 }
+
+
+# ---------------------------------------------------------------- calibration (pure)
+
+@dataclass(frozen=True)
+class LinkFit:
+    """`t = latency_s + bytes x seconds_per_byte`, fitted to timings of one operation
+    (a collective over a fixed group, or a transfer) at several message sizes."""
+
+    latency_s: float
+    seconds_per_byte: float
+    points: int
+    max_rel_residual: float
+    """Largest |fitted - measured| / measured over the timings: how linear they were."""
+
+    def time_s(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes * self.seconds_per_byte
+
+
+def fit_link(samples: Sequence[tuple[float, float]], relative: bool = True) -> LinkFit:
+    """Least-squares fit of `t = alpha + bytes x beta` to (bytes, seconds) samples.
+
+    `relative` weighs each sample by 1 / t (minimises the relative residuals), so a
+    17 MB message does not drown the microsecond ones that decide alpha; either way
+    noise-free timings are recovered exactly. Needs 2 or more distinct sizes. A negative
+    alpha (noise around a pure-bandwidth link) is clamped to 0 and beta refitted through
+    the origin; a non-positive beta raises ValueError (the timings do not grow with size).
+    """
+    pts = [(float(x), float(t)) for x, t in samples]
+    if len({x for x, _ in pts}) < 2 or any(t <= 0 or x < 0 for x, t in pts):
+        raise ValueError("fit_link needs positive timings at 2 or more distinct message sizes, "
+                         f"got {samples!r}")
+    w = [1.0 / t if relative else 1.0 for _, t in pts]
+    # weighted normal equations of [1, x] . (alpha, beta) = t, weights w^2
+    s0 = sum(wi * wi for wi in w)
+    s1 = sum(wi * wi * x for wi, (x, _) in zip(w, pts))
+    s2 = sum(wi * wi * x * x for wi, (x, _) in zip(w, pts))
+    t0 = sum(wi * wi * t for wi, (_, t) in zip(w, pts))
+    t1 = sum(wi * wi * x * t for wi, (x, t) in zip(w, pts))
+    det = s0 * s2 - s1 * s1
+    alpha, beta = (s2 * t0 - s1 * t1) / det, (s0 * t1 - s1 * t0) / det
+    if alpha < 0:
+        alpha, beta = 0.0, t1 / s2
+    if beta <= 0:
+        raise ValueError(f"timings do not grow with message size: {samples!r}")
+    worst = max(abs(alpha + beta * x - t) / t for x, t in pts)
+    return LinkFit(alpha, beta, len(pts), worst)
+
+
+def calibrated(hw: Hardware, *, allreduce: LinkFit | None = None, group_size: int = 2,
+               p2p: LinkFit | None = None, inter_node: bool = False) -> Hardware:
+    """`hw` with the latency and bandwidth of one level (inside a server, or across
+    servers with `inter_node`) taken from fits: the all-reduce fit over `group_size` ranks
+    gives the collective latency and the bus bandwidth (beta = 2 (n - 1) / n / bus
+    bandwidth, the ring's bytes per rank), the transfer fit the point-to-point latency."""
+    changes: dict[str, float] = {}
+    level = "inter_node" if inter_node else "intra_node"
+    if allreduce is not None:
+        if group_size < 2:
+            raise ValueError("an all-reduce fit needs a group of 2 or more ranks")
+        bus = 2.0 * (group_size - 1) / group_size / allreduce.seconds_per_byte
+        changes[f"{level}_latency_us"] = round(allreduce.latency_s / US, 3)
+        if inter_node:
+            changes["inter_node_bandwidth_gbit_s"] = round(bus / GBIT, 4)
+        else:
+            changes["intra_node_bandwidth_gb_s"] = round(bus / GB, 4)
+    if p2p is not None:
+        changes[f"{level}_p2p_latency_us"] = round(p2p.latency_s / US, 3)
+    return replace(hw, **changes)
 
 
 @dataclass(frozen=True)

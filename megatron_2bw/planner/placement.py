@@ -49,9 +49,16 @@ class Layout:
                 for s in stages for t in range(self.tp)]
 
     def boundary_pairs(self, stage: int) -> list[tuple[int, int]]:
-        """(sender, receiver) of the activation from `stage` to `stage + 1`, one per (tp, dp)."""
-        return [(self.rank(t, d, stage), self.rank(t, d, stage + 1))
+        """(sender, receiver) of the activation from `stage` to `stage + 1`, one per (tp, dp);
+        from the last stage to stage 0 (the wrap-around between model chunks of an
+        interleaved schedule) for `stage = pp - 1`."""
+        nxt = (stage + 1) % self.pp
+        return [(self.rank(t, d, stage), self.rank(t, d, nxt))
                 for t in range(self.tp) for d in range(self.dp)]
+
+    def boundary_crosses(self, stage: int) -> bool:
+        """Whether the transfers from `stage` to the next leave a server."""
+        return any(self.node(a) != self.node(b) for a, b in self.boundary_pairs(stage))
 
     def embedding_groups(self) -> list[Group]:
         """First and last stage ranks that keep the tied word embedding equal (pp > 1)."""
@@ -106,12 +113,15 @@ def p2p_bandwidth(layout: Layout, stage: int, hw: Hardware) -> float:
     return hw.inter_bytes_per_s / max(max(leaving.values()), max(arriving.values()))
 
 
-def ring_allreduce_s(num_bytes: float, n: int, bytes_per_s: float) -> float:
-    """Ring all-reduce time: each rank sends and receives 2 (n - 1) / n * bytes.
+def ring_allreduce_s(num_bytes: float, n: int, bytes_per_s: float,
+                     latency_s: float = 0.0) -> float:
+    """Ring all-reduce time: a fixed `latency_s` per collective (alpha) + each rank
+    sending and receiving 2 (n - 1) / n * bytes at the bus bandwidth.
 
     Source: Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
-    workstations", JPDC 2009; NCCL's "bus bandwidth" uses the same 2 (n - 1) / n factor.
+    workstations", JPDC 2009; NCCL's "bus bandwidth" uses the same 2 (n - 1) / n factor,
+    and its tuning model the same alpha + bytes / bandwidth form (`hardware.py`).
     """
     if n <= 1 or num_bytes <= 0:
         return 0.0
-    return 2.0 * (n - 1) / n * num_bytes / bytes_per_s
+    return latency_s + 2.0 * (n - 1) / n * num_bytes / bytes_per_s

@@ -1,11 +1,12 @@
-"""Plans as data for machines: the JSON candidates and the command line that runs each."""
+"""Plans as data for machines: the JSON candidates and the command line that runs each,
+and the configurations that do not fit with the memory that rules each out."""
 from __future__ import annotations
 
 import argparse
 import shlex
 
 from .cost_model import CostModel, Estimate
-from .explain import costs_by_cause, explain
+from .explain import costs_by_cause, dominant_term, explain
 from .hardware import GB
 from .launch import DEFAULT_PORT, Shell, nodes_for, rendezvous_words
 from .search import SearchResult
@@ -24,15 +25,19 @@ def model_flags(model: ModelSpec) -> list[str]:
             "--vocab-size", str(model.vocab_size)]
 
 
-def plan_flags(cfg: ParallelConfig) -> list[str]:
+def plan_flags(cfg: ParallelConfig, num_layers: int | None = None) -> list[str]:
     """Megatron-LM's flags for the plan itself: parallel sizes, schedule, batch,
-    recomputation (`Recompute.flags`) and uneven stages (`ParallelConfig.stage_flags`).
+    recomputation (`Recompute.flags`), uneven stages (`ParallelConfig.stage_flags`) and
+    model chunks (`--num-layers-per-virtual-pipeline-stage`, which needs `num_layers`).
     Shared with the planner validation, which runs these plans."""
+    if cfg.interleaved and num_layers is None:
+        raise ValueError(f"{cfg.label()}: the flags of an interleaved plan need num_layers")
     return (["--tensor-model-parallel-size", str(cfg.tensor_parallel),
              "--pipeline-model-parallel-size", str(cfg.pipeline_depth),
-             "--pipeline-schedule", cfg.schedule,
-             "--micro-batch-size", str(cfg.micro_batch_size),
-             "--global-batch-size", str(cfg.global_batch_size)]
+             "--pipeline-schedule", cfg.schedule]
+            + (cfg.virtual_stage_flags(num_layers) if cfg.interleaved else [])
+            + ["--micro-batch-size", str(cfg.micro_batch_size),
+               "--global-batch-size", str(cfg.global_batch_size)]
             + cfg.recompute.flags() + cfg.stage_flags())
 
 
@@ -43,7 +48,8 @@ def launch_command(model: ModelSpec, cfg: ParallelConfig, devices_per_node: int)
     nodes = nodes_for(cfg.num_gpus, devices_per_node)
     endpoint = Shell(f"$MASTER_ADDR:{DEFAULT_PORT}") if nodes.count > 1 else None
     words = (["torchrun"] + rendezvous_words(nodes, endpoint, "megatron-2bw")
-             + [ENTRY_POINTS[model.model]] + model_flags(model) + plan_flags(cfg) + ["--fp16"])
+             + [ENTRY_POINTS[model.model]] + model_flags(model)
+             + plan_flags(cfg, model.num_layers) + ["--fp16"])
     return " ".join(w if isinstance(w, Shell) else shlex.quote(w) for w in words)
 
 
@@ -57,25 +63,44 @@ def plan_groups(model: ModelSpec, cfg: ParallelConfig,
         optimizer += ["--delay-compensation", args.delay_compensation]
     precision = ["--bf16" if args.bf16 else "--fp16"]
     return [("MODEL_ARGS", model_flags(model)),
-            ("PARALLEL_ARGS", plan_flags(cfg) + precision + optimizer)]
+            ("PARALLEL_ARGS", plan_flags(cfg, model.num_layers) + precision + optimizer)]
+
+
+def memory_json(cm: CostModel, est: Estimate) -> dict:
+    """Needed vs available per device, by term (`CostModel.memory_terms`), and the term
+    that dominates (reserved memory apart): what rules a plan out when it does not fit."""
+    terms = cm.memory_terms(est)
+    return {"needed_gb": round(est.memory_gb, 3),
+            "available_gb": cm.hardware.memory_per_device_gb,
+            "by_term_gb": {k: round(v / GB, 3) for k, v in terms.items()},
+            "dominant": dominant_term(terms)}
 
 
 def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
-    """One plan as a JSON object (`detail` adds the per-cause seconds and per-stage bytes)."""
+    """One plan as a JSON object (`detail` adds the per-cause seconds and per-stage bytes).
+    A plan that was not simulated (one that does not fit) has no time and no command."""
     c = est.config
+    timed = est.iteration_time_s != float("inf")
     out = {"schedule": c.schedule, "tensor_parallel": c.tensor_parallel,
-           "pipeline_depth": c.pipeline_depth, "data_parallel_width": c.data_parallel_width,
+           "pipeline_depth": c.pipeline_depth, "virtual_stages": c.virtual_stages,
+           "data_parallel_width": c.data_parallel_width,
            "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
            "recompute": c.recompute.name,
            "stage_layers": [st.layers for st in est.stages],
            "first_stage_layers": c.first_stage_layers or None,
            "last_stage_layers": c.last_stage_layers or None,
+           "layers_per_virtual_stage": (c.chunk_layers(cm.model.num_layers)
+                                        if c.interleaved else None),
            "global_batch_size": c.global_batch_size,
-           "predicted_iteration_time_s": round(est.iteration_time_s, 6),
-           "predicted_samples_per_s": round(est.samples_per_s, 3),
+           "predicted_iteration_time_s": round(est.iteration_time_s, 6) if timed else None,
+           "predicted_samples_per_s": round(est.samples_per_s, 3) if timed else None,
            "predicted_memory_gb": round(est.memory_gb, 3), "fits": est.fits,
-           "bubble_fraction": round(est.bubble_fraction, 4),
-           "command": launch_command(cm.model, c, cm.hardware.devices_per_node)}
+           "memory": memory_json(cm, est),
+           "bubble_fraction": round(est.bubble_fraction, 4) if timed else None,
+           "tensor_parallel_collectives_per_microbatch":
+               max(st.tensor_parallel_collectives for st in est.stages),
+           "command": (launch_command(cm.model, c, cm.hardware.devices_per_node)
+                       if est.fits or timed else None)}
     if detail:
         out["seconds_by_cause"] = {k: round(v, 6) for k, v in costs_by_cause(cm, est).items()}
         out["tensor_memory_per_stage_gb"] = [round(s.memory_bytes / GB, 3) for s in est.stages]
@@ -92,12 +117,17 @@ def to_json(cm: CostModel, result: SearchResult) -> dict:
                                            "explanation": explain(cm, result)},
         "candidates": [candidate(cm, e) for e in result.ranked],
         "too_big": [candidate(cm, e) for e in result.too_big],
+        "not_fitting": [candidate(cm, e) for e in result.not_fitting],
         "search": {"enumerated": result.num_enumerated, "fitting": result.num_fitting,
                    "simulated": len(result.ranked), "pruned": result.num_pruned,
                    "seconds": round(result.seconds, 3),
                    "recompute_options": [r.name for r in result.space.recompute]
                    if result.space else [],
                    "uneven_stages": bool(result.space and result.space.uneven_stages),
+                   "virtual_stages": (list(result.space.virtual_stages)
+                                      if result.space and result.space.virtual_stages
+                                      else None),  # None: 1 and every allowed power of two
+                   "not_fitting": len(result.not_fitting),
                    "compute_source": cm.layers.source, "hardware": cm.hardware.to_dict(),
                    "model": {"model": cm.model.model, "num_layers": cm.model.num_layers,
                              "hidden_size": cm.model.hidden_size,

@@ -5,8 +5,10 @@ recomputation options and uneven stages): TP x PP x DP = number of devices, TP i
 server and dividing the attention heads, PP dividing the layers (transformer blocks
 repeat), every microbatch size dividing the per-replica batch, recomputation none /
 selective / full (uniform, one layer per chunk), the schedules GPipe (PP > 1), Flush and
-2BW (2BW only where m >= d), and, for PP > 1 when the vocabulary is large, the first
-and/or last stage given one or two layers fewer than the even share (`uneven_splits`).
+2BW (2BW only where m >= d), Flush also interleaved with v = 2, 4, 8, ... model chunks
+per stage where Megatron-LM allows it (`virtual_stage_options`), and, for PP > 1 when the
+vocabulary is large, the first and/or last stage given one or two layers fewer than the
+even share (`uneven_splits`).
 """
 from __future__ import annotations
 
@@ -42,9 +44,30 @@ class SearchSpace:
     """Only these tensor-parallel sizes (None: every valid one)."""
     uneven_stages: bool = True
     """Also try first/last stages with fewer layers (`uneven_splits`) where it may pay."""
+    virtual_stages: tuple[int, ...] | None = None
+    """Model chunks per stage to try for Flush (interleaved 1F1B); None: 1 and every power
+    of two Megatron-LM's rules allow (`virtual_stage_options`); (1,): no interleaving."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", tuple(as_recompute(r) for r in self.recompute))
+
+
+def virtual_stage_options(name: str, num_layers: int, d: int, m: int,
+                          allowed: tuple[int, ...] | None = None) -> list[int]:
+    """Model chunks per stage v a plan may use: 1, and for Flush Megatron-LM's interleaved
+    1F1B rules (d >= 2, the d stages' layers split into v equal chunks: num_layers
+    divisible by d v; m a multiple of d, its default microbatch group being d), even
+    stages. v runs over powers of two (or `allowed`)."""
+    options = [1] if allowed is None or 1 in allowed else []
+    if name != "flush" or d < 2 or m % d or num_layers % d:
+        return options
+    per_stage = num_layers // d
+    v = 2
+    candidates = ([k for k in sorted(set(allowed)) if k > 1] if allowed is not None else [])
+    while allowed is None and v <= per_stage:
+        candidates.append(v)
+        v *= 2
+    return options + [k for k in candidates if per_stage % k == 0]
 
 
 def tensor_parallel_sizes(cm: CostModel, num_gpus: int) -> list[int]:
@@ -93,20 +116,20 @@ def enumerate_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelCon
     uneven = space.uneven_stages and large_vocabulary(cm.model)
     layers = cm.model.num_layers
     for cfg in _even_configs(cm, space):
-        splits = uneven_splits(layers, cfg.pipeline_depth) if uneven else []
+        splits = uneven_splits(layers, cfg.pipeline_depth) if uneven and not cfg.interleaved else []
         for first, last in [(0, 0)] + splits:
             split = replace(cfg, first_stage_layers=first, last_stage_layers=last)
-            if chunks_fit(split.recompute, split.stage_layers(layers)):
+            if chunks_fit(split.recompute, split.stage_layers(layers), split.virtual_stages):
                 yield split
 
 
-def chunks_fit(rc: Recompute, stage_layers: tuple[int, ...]) -> bool:
+def chunks_fit(rc: Recompute, stage_layers: tuple[int, ...], virtual_stages: int = 1) -> bool:
     """Uniform full recomputation checkpoints whole chunks of N layers, so N must divide
-    every stage's layer count (megatron-core's TransformerBlock; the trainer refuses
-    the flags otherwise)."""
+    every stage's layer count, and with v model chunks every model chunk's (n / v; each
+    is its own megatron-core TransformerBlock; the trainer refuses the flags otherwise)."""
     if rc.granularity != "full" or rc.method != "uniform":
         return True
-    return all(n % rc.num_layers == 0 for n in stage_layers)
+    return all((n // virtual_stages) % rc.num_layers == 0 for n in stage_layers)
 
 
 def _even_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]:
@@ -128,8 +151,10 @@ def _even_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]
                 for name in space.schedules:
                     if (name == "gpipe" and d == 1) or (name == "2bw" and m < d):
                         continue  # GPipe at d = 1 is Flush with m stashes; 2BW needs m >= d
-                    for rc in space.recompute:
-                        yield ParallelConfig(name, t, d, w, b, m, rc)
+                    for v in virtual_stage_options(name, cm.model.num_layers, d, m,
+                                                   space.virtual_stages):
+                        for rc in space.recompute:
+                            yield ParallelConfig(name, t, d, w, b, m, rc, virtual_stages=v)
 
 
 @dataclass
@@ -139,6 +164,9 @@ class SearchResult:
     ranked: list[Estimate]
     too_big: list[Estimate] = field(default_factory=list)
     """Configurations that do not fit but would beat the best plan, fastest first."""
+    not_fitting: list[Estimate] = field(default_factory=list)
+    """Every configuration that does not fit, memory only (not simulated: time inf),
+    the closest to fitting first."""
     num_enumerated: int = 0
     num_fitting: int = 0
     num_pruned: int = 0
@@ -151,9 +179,14 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
+INTERLEAVED = "interleaved"
+"""`plan_group`'s name for Flush with model chunks (Megatron-LM's interleaved 1F1B)."""
+
+
 def plan_group(cfg: ParallelConfig) -> tuple[str, bool]:
-    """Plans compared in the explanation: best per schedule, and pure tensor/data parallel."""
-    return cfg.schedule, cfg.pipeline_depth == 1
+    """Plans compared in the explanation: best per schedule (interleaved Flush apart), and
+    pure tensor/data parallel."""
+    return (INTERLEAVED if cfg.interleaved else cfg.schedule), cfg.pipeline_depth == 1
 
 
 def search(cm: CostModel, space: SearchSpace, *, keep: int = 20,
@@ -173,10 +206,13 @@ def search(cm: CostModel, space: SearchSpace, *, keep: int = 20,
     ranked, pruned = _simulate_promising(cm, fitting, keep, exhaustive)
     best_time = ranked[0].iteration_time_s if ranked else float("inf")
     too_big = _fastest_too_big(cm, [e.config for e in sized if not e.fits], best_time)
+    not_fitting = sorted((e for e in sized if not e.fits),
+                         key=lambda e: (e.memory_bytes, e.config))
     seconds = time.perf_counter() - start
     logger.info("planner: %d configurations, %d fit, %d simulated, %.2f s", len(configs),
                 len(fitting), len(ranked), seconds)
-    return SearchResult(ranked, too_big, len(configs), len(fitting), pruned, seconds, space)
+    return SearchResult(ranked, too_big, not_fitting, len(configs), len(fitting), pruned,
+                        seconds, space)
 
 
 def _simulate_promising(cm: CostModel, configs: list[ParallelConfig], keep: int,

@@ -369,9 +369,16 @@ class ParallelConfig:
     configurations stay orderable)."""
     last_stage_layers: int = 0
     """`--decoder-last-pipeline-num-layers`; 0: not given."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline stage, v (Megatron-LM's virtual pipeline stages): above 1
+    the flush schedule runs Megatron's interleaved 1F1B (`--num-layers-per-virtual-
+    pipeline-stage` = layers per stage / v)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", as_recompute(self.recompute))
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be a positive integer, got "
+                             f"{self.virtual_stages!r}")
 
     @property
     def num_gpus(self) -> int:
@@ -390,6 +397,24 @@ class ParallelConfig:
         return split_layers(num_layers, self.pipeline_depth, self.first_stage_layers,
                             self.last_stage_layers)
 
+    @property
+    def interleaved(self) -> bool:
+        return self.virtual_stages > 1
+
+    def chunk_layers(self, num_layers: int) -> int:
+        """Transformer layers of one model chunk (interleaving needs even stages)."""
+        layers = self.stage_layers(num_layers)
+        if self.virtual_stages > 1 and (self.uneven or layers[0] % self.virtual_stages):
+            raise ValueError(f"{layers[0]} layers per stage do not split into "
+                             f"{self.virtual_stages} equal model chunks")
+        return layers[0] // self.virtual_stages
+
+    def virtual_stage_flags(self, num_layers: int) -> list[str]:
+        """Megatron-LM's flag for the model chunks (none without interleaving)."""
+        if self.virtual_stages == 1:
+            return []
+        return ["--num-layers-per-virtual-pipeline-stage", str(self.chunk_layers(num_layers))]
+
     def stage_flags(self) -> list[str]:
         """Megatron-LM's flags for the first/last stage layer counts (none when even)."""
         flags = []
@@ -403,6 +428,7 @@ class ParallelConfig:
         rc = f" {self.recompute.short}" if self.recompute.short else ""
         split = "".join(f" {name}{n}" for name, n in (("first", self.first_stage_layers),
                                                        ("last", self.last_stage_layers)) if n)
+        chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         return (f"{self.schedule} tp{self.tensor_parallel} pp{self.pipeline_depth} "
                 f"dp{self.data_parallel_width} b{self.micro_batch_size} "
-                f"m{self.num_microbatches}{rc}{split}")
+                f"m{self.num_microbatches}{chunks}{rc}{split}")

@@ -3,15 +3,18 @@
 `tools/validate_planner.py` (a thin wrapper around `cli.main`) does, on the CPU:
 
 1. **Calibrate** (`calibrate.py`). Profile the model with the planner's own profiler;
-   measure, in two worker processes (the two "devices"), gloo bandwidth, this project's
-   optimizer step and the memory a near-empty run costs; write a hardware JSON.
+   measure, in two worker processes (the two "devices"), gloo all-reduce and transfer
+   times at several message sizes (fitted to latency + bytes / bandwidth), this project's
+   optimizer step and the memory a near-empty run costs; write a hardware JSON. None of
+   it comes from the runs of step 3 (they are held out).
 2. **Predict** (`predictions.py`). Every configuration the planner enumerates for 2 devices
    and the batch, evaluated by its `CostModel` with that hardware, the profile and fp32
    number formats (`plans.FP32`).
 3. **Measure** (`measure.py`). Every plan as a real training run (`pretrain_gpt.py`'s
    body with the plan's flags and `--mock-data`) in a child forked from one of two warm
-   workers (`workers.py`): median iteration time and the peak memory the run added,
-   rerun when other processes loaded the machine (`proc.py`).
+   workers (`workers.py`), `repeats` times (one pass over the plans each): the median of
+   the runs' median iteration times and the peak memory the run added, with runs during
+   which other processes loaded the machine (`proc.py`) replaced by more passes.
 4. **Compare** (`report.py`). Relative errors, the planner's pick against the fastest
    measured plan, a markdown table, a scatter plot, JSON.
 
@@ -21,10 +24,10 @@ the comparison and formatting code is pure and unit-tested. The workers run as
 `python -m planner_validation _worker ...` with tools/ on PYTHONPATH.
 """
 from .calibrate import (calibrate_bandwidth, calibration_jobs, run_calibration,  # noqa: F401
-                        hardware_from_calibration, profile_layer, run_profile)
+                        hardware_from_calibration, link_fits, profile_layer, run_profile)
 from .cli import build_parser, main  # noqa: F401
-from .measure import (measure_plans, read_iteration_times, record_attempt,  # noqa: F401
-                      steady_median)
+from .measure import (measure_plans, needs_another_run, read_iteration_times,  # noqa: F401
+                      record_attempt, steady_median)
 from .plans import (FP32, Setup, model_flags, null_setup, plan_flags, plan_key,  # noqa: F401
                     profile_sizes)
 from .predictions import cost_model, predict  # noqa: F401

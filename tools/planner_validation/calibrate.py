@@ -2,10 +2,14 @@
 
 Profile the model with the planner's own profiler (`python -m megatron_2bw.planner
 profile`, one process, one thread, fp32); then, in two worker processes (the two
-"devices", workers.py): gloo all-reduce and point-to-point bandwidth between them, the
-time of this project's optimizer step (`MegatronUpdater`, AdamW) per parameter, and the
-memory a near-empty training run costs beyond an idle process. From these it writes a
-hardware JSON (`planner.hardware.Hardware`'s fields).
+"devices", workers.py): gloo all-reduce and point-to-point times between them at message
+sizes from the loss's [s, b] all-reduces to the gradient buffer (the planner's
+`netprofile.time_links`), fitted to `t = alpha + bytes x beta` (`hardware.fit_link`:
+the latency and bandwidth of the planner's alpha-beta model), the time of this project's
+optimizer step (`MegatronUpdater`, AdamW) per parameter, and the memory a near-empty
+training run costs beyond an idle process. From these it writes a hardware JSON
+(`planner.hardware.Hardware`'s fields). None of it comes from the runs that are
+validated: those are held out.
 
 A diagnostic (`layer_in_parallel`, not used by the planner) times the profiled layer
 with both processes busy and split over them by tensor parallelism, to explain where the
@@ -25,7 +29,7 @@ import time
 from pathlib import Path
 
 from megatron_2bw.planner.compute import load_profile
-from megatron_2bw.planner.hardware import GB, Hardware
+from megatron_2bw.planner.hardware import GB, Hardware, LinkFit, calibrated, fit_link
 from megatron_2bw.planner.spec import ParallelConfig
 
 from .plans import FP32, Setup, null_setup, plan_flags, plan_key, profile_sizes
@@ -79,12 +83,13 @@ def calibration_jobs(setup: Setup, work: Path) -> list[dict]:
     model = setup.model()
     grad_bytes = model.total_params() * 4
     act_bytes = [int(model.boundary_bytes(b, 4)) for b in profile_sizes(setup)]
+    loss_bytes = [4 * setup.seq_length * b for b in profile_sizes(setup)]
     tiny = null_setup(setup)
     null_plans = [ParallelConfig("flush", 1, 1, setup.num_procs, 1, 1, False),
                   ParallelConfig("flush", 1, setup.num_procs, 1, 1, setup.num_procs, False),
                   ParallelConfig("flush", setup.num_procs, 1, 1, 1, 1, False)]
     calib_jobs = [{"name": "calibrate", "kind": "calibrate", "timeout_s": 300,
-                   "args": {"message_bytes": sorted(set(act_bytes + [grad_bytes])),
+                   "args": {"message_bytes": sorted(set(loss_bytes + act_bytes + [grad_bytes])),
                             "step_params": model.total_params()}}]
     for cfg in null_plans:
         calib_jobs.append({"name": "null-" + plan_key(cfg), "kind": "pretrain", "timeout_s": 120,
@@ -129,12 +134,27 @@ def run_calibration(setup: Setup, work: Path, profile_loads: list[float], log=pr
              "reserved_bytes": statistics.median(null_bytes.values()),
              "bandwidth_basis_bytes": grad_bytes}
     calib["bandwidth_gb_s"] = calibrate_bandwidth(calib, grad_bytes)
+    allreduce, p2p = link_fits(calib)
+    calib["allreduce_fit"], calib["p2p_fit"] = _fit_dict(allreduce), _fit_dict(p2p)
     return calib
+
+
+def link_fits(calib: dict) -> tuple[LinkFit, LinkFit]:
+    """`t = alpha + bytes x beta` fitted to the all-reduce and to the transfer timings."""
+    def samples(kind: str) -> list[tuple[float, float]]:
+        return [(float(k), float(t)) for k, t in calib[kind].items()]
+    return fit_link(samples("allreduce_s")), fit_link(samples("p2p_s"))
+
+
+def _fit_dict(fit: LinkFit) -> dict:
+    return {"latency_us": fit.latency_s * 1e6, "bandwidth_gb_s": 1 / fit.seconds_per_byte / GB,
+            "points": fit.points, "max_rel_residual": fit.max_rel_residual}
 
 
 def calibrate_bandwidth(calib: dict, basis_bytes: int) -> float:
     """GB/s of a 2-process gloo all-reduce at `basis_bytes` (bus bandwidth: for n = 2
-    the ring sends and receives the whole buffer once, so bytes / time)."""
+    the ring sends and receives the whole buffer once, so bytes / time). For the record:
+    the hardware takes the bandwidth of the fit (`link_fits`)."""
     sizes = sorted(int(k) for k in calib["allreduce_s"])
     size = min(sizes, key=lambda s: abs(s - basis_bytes))
     return size / calib["allreduce_s"][str(size)] / GB
@@ -143,8 +163,12 @@ def calibrate_bandwidth(calib: dict, basis_bytes: int) -> float:
 def hardware_from_calibration(calib: dict, profile_path: str, setup: Setup) -> Hardware:
     """This machine as the planner sees it: 2 devices (processes) on one node.
 
-    - intra-node bandwidth: gloo all-reduce bus bandwidth between the two processes at
-      the message size chosen by `calib["bandwidth_basis_bytes"]` (see `calibrate_bandwidth`);
+    - intra-node latency and bandwidth: `t = alpha + bytes x beta` fitted to the gloo
+      all-reduce timings between the two processes (alpha: the collective latency; for
+      n = 2 the ring moves the whole buffer once, so 1 / beta is the bus bandwidth), and
+      the transfer latency fitted to the ping-pong timings (`hardware.calibrated`);
+      calibrations without timings (older reports) keep the bandwidth at the gradient
+      buffer's size (`calibrate_bandwidth`) and no latency;
     - achieved TFLOP/s: the profiled layer's forward FLOPs over its forward time, at the
       largest profiled microbatch (used only for the record: with a profile the cost
       model takes times from it);
@@ -161,13 +185,21 @@ def hardware_from_calibration(calib: dict, profile_path: str, setup: Setup) -> H
     mem_bw = FP32.step_bytes_touched / step_s_per_param / GB
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     bw = calib["bandwidth_gb_s"]
-    return Hardware(name="this-machine-cpu-2proc", devices_per_node=setup.num_procs,
-                    memory_per_device_gb=round(ram / setup.num_procs, 3),
-                    achieved_tflops=round(tflops, 6), intra_node_bandwidth_gb_s=round(bw, 4),
-                    inter_node_bandwidth_gbit_s=round(bw * 8, 4),
-                    memory_bandwidth_gb_s=round(mem_bw, 4),
-                    reserved_memory_gb=round(calib["reserved_bytes"] / GB, 6),
-                    layer_overhead_ms=0.0)
+    hw = Hardware(name="this-machine-cpu-2proc", devices_per_node=setup.num_procs,
+                  memory_per_device_gb=round(ram / setup.num_procs, 3),
+                  achieved_tflops=round(tflops, 6), intra_node_bandwidth_gb_s=round(bw, 4),
+                  inter_node_bandwidth_gbit_s=round(bw * 8, 4),
+                  memory_bandwidth_gb_s=round(mem_bw, 4),
+                  reserved_memory_gb=round(calib["reserved_bytes"] / GB, 6),
+                  layer_overhead_ms=0.0, intra_node_latency_us=0.0, inter_node_latency_us=0.0,
+                  intra_node_p2p_latency_us=0.0, inter_node_p2p_latency_us=0.0)
+    if "allreduce_s" not in calib:
+        return hw
+    allreduce, p2p = link_fits(calib)
+    hw = calibrated(hw, allreduce=allreduce, group_size=setup.num_procs, p2p=p2p)
+    # one server: nothing crosses servers; the inter-node fields mirror the intra-node ones
+    return calibrated(hw, allreduce=allreduce, group_size=setup.num_procs, p2p=p2p,
+                      inter_node=True)
 
 
 # ----------------------------------------------------------------------------------
@@ -179,53 +211,14 @@ def calibrate_worker(rank: int, world: int, message_bytes: list[int], step_param
     optimizer step's time per parameter (both ranks step at once, as in a run)."""
     import torch
     import torch.distributed as dist
+    from megatron_2bw.planner.netprofile import time_links
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    out: dict = {"allreduce_s": {}, "p2p_s": {}}
-    for size in message_bytes:
-        t = torch.ones(max(1, size // 4), dtype=torch.float32)
-        reps = max(3, min(repeats, int(2e8 // max(size, 1))))
-        out["allreduce_s"][str(size)] = _time_allreduce(t, reps)
-        p2p_s = _time_ping_pong(t, reps, rank)
-        if rank <= 1:
-            out["p2p_s"][str(size)] = p2p_s
+    out = time_links(message_bytes, repeats, rank, torch.device("cpu"))
     dist.barrier()
     out["step_s_per_param"], out["step_transient_bytes_per_param"] = _time_step(step_params)
     return out
-
-
-def _time_allreduce(t, reps: int) -> float:
-    """Median seconds of an all-reduce of `t` (after 2 untimed ones)."""
-    import torch.distributed as dist
-
-    times = []
-    for i in range(reps + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(t)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _time_ping_pong(t, reps: int, rank: int) -> float:
-    """Median one-way seconds of sending `t`: ping-pong between rank 0 and 1, halved."""
-    import torch.distributed as dist
-
-    times = []
-    for i in range(reps + 2):  # ping-pong between rank 0 and 1: one way = half
-        dist.barrier()
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
-        elif rank == 1:
-            dist.recv(t, 0)
-            dist.send(t, 0)
-        if i >= 2:
-            times.append((time.perf_counter() - start) / 2)
-    return statistics.median(times)
 
 
 def _time_step(num_params: int, repeats: int = 5) -> tuple[float, float]:

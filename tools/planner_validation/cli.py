@@ -14,6 +14,14 @@ from .report import render
 from .run import validate
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
+            from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = Setup()
     p = argparse.ArgumentParser(
@@ -31,8 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training iterations per run, warm-up included")
     p.add_argument("--warmup", type=int, default=d.warmup,
                    help="iterations dropped before the median")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="runs per plan (one pass over the plans each); a plan's time is the "
+                        "median of its runs' medians")
     p.add_argument("--retries", type=int, default=d.retries,
-                   help="extra passes over plans measured while other processes were busy")
+                   help="extra passes over plans with fewer than --repeats runs under little "
+                        "load from other processes")
+    p.add_argument("--virtual-stages", type=_ints, default=d.virtual_stages,
+                   help="model chunks per stage searched for flush (interleaved 1F1B), "
+                        "comma-separated; 1 leaves interleaving out")
     p.add_argument("--max-other-load", type=float, default=d.max_other_load,
                    help="share of the CPUs other processes may use during a kept run")
     p.add_argument("--wait-quiet", type=float, default=d.wait_quiet_s, metavar="SECONDS",
@@ -62,8 +77,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         setup = Setup(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                       vocab_size=args.vocab_size, global_batch_size=args.global_batch_size,
-                      iterations=args.iterations, warmup=args.warmup, retries=args.retries,
+                      iterations=args.iterations, warmup=args.warmup, repeats=args.repeats,
+                      retries=args.retries,
+                      virtual_stages=args.virtual_stages,
                       max_other_load=args.max_other_load, wait_quiet_s=args.wait_quiet)
+        if setup.repeats < 1 or not setup.virtual_stages or min(setup.virtual_stages) < 1:
+            sys.stderr.write("tools/validate_planner.py: error: --repeats and --virtual-stages "
+                             "must be positive integers\n")
+            return 2
         if setup.iterations < setup.warmup + 2:
             sys.stderr.write("tools/validate_planner.py: error: --iterations must be at least "
                              "--warmup + 2 (the last iteration is not counted)\n")

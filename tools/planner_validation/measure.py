@@ -6,10 +6,16 @@ the plan's flags and `--mock-data`, in a child forked from one of two warm worke
 warm-up iterations and the last one (a 2BW run drains there). Memory: the child's peak
 resident set minus its resident set at fork, i.e. what the run added to an idle process
 that had already imported everything; the larger of the two ranks (with a fixed glibc
-mmap threshold, `ALLOCATOR_ENV`, so freed tensors leave the resident set). The machine
-may be shared: each run records the share of the CPUs other processes took
-(`other_load`), and plans measured above `max_other_load` are run again, keeping the
-least-loaded run.
+mmap threshold, `ALLOCATOR_ENV`, so freed tensors leave the resident set).
+
+Repeats: every plan runs `setup.repeats` times (one pass over all plans per repeat, so a
+slow spell of the machine touches every plan alike) and its measured time is the median
+of its runs' medians. The machine may be shared: each run records the share of the CPUs
+other processes took (`other_load`); runs above `max_other_load` count only while a plan
+has no quieter run, and up to `setup.retries` more passes rerun the plans with fewer
+than `repeats` quiet runs. Nothing here feeds the planner: its calibration (profile,
+collectives, optimizer step) comes from other runs (`calibrate.py`), so the validation
+runs are held out.
 """
 from __future__ import annotations
 
@@ -49,11 +55,13 @@ def read_iteration_times(metrics_file: str) -> list[float]:
 
 
 def measure_plans(setup: Setup, rows: list[Row], work: Path, log=print) -> None:
-    """Run each plan; rerun (up to `setup.retries` more passes) those measured while other
-    processes took more than `setup.max_other_load` of the machine, keeping each plan's
-    run with the least other load."""
+    """Run each plan `setup.repeats` times, one pass over the plans per repeat; then up to
+    `setup.retries` more passes over the plans with fewer quiet runs than that (runs
+    during which other processes took more than `setup.max_other_load` of the machine)."""
     pending = list(rows)
-    for attempt in range(1 + setup.retries):
+    for attempt in range(setup.repeats + setup.retries):
+        if not pending:
+            break
         jobs = []
         for r in pending:
             cfg = ParallelConfig(**r.config)
@@ -67,17 +75,34 @@ def measure_plans(setup: Setup, rows: list[Row], work: Path, log=print) -> None:
                            timeout_s=setup.run_timeout_s * (len(jobs) + 1))
         for row, job, res in zip(pending, jobs, results):
             record_attempt(row, job["metrics"], res, setup)
-        pending = [r for r in pending if r.status == "ok" and r.other_load is not None
-                   and r.other_load > setup.max_other_load]
-        if not pending or attempt == setup.retries:
+        if attempt + 1 < setup.repeats:  # the next repeat: every plan that has not failed
+            pending = [r for r in rows if all(a["status"] == "ok" for a in r.attempts)]
+            log(f"pass {attempt + 1} of {setup.repeats} done")
+            continue
+        pending = [r for r in rows if needs_another_run(r, setup)]
+        if not pending:
             break
-        log(f"pass {attempt + 1}: {len(pending)} plans ran while other processes took more "
-            f"than {setup.max_other_load:.0%} of the CPUs; running them again ...")
+        log(f"pass {attempt + 1}: {len(pending)} plans have fewer than {setup.repeats} runs "
+            f"during which other processes took at most {setup.max_other_load:.0%} of the "
+            "CPUs; running them again ...")
+
+
+def _quiet(attempt: dict, setup: Setup) -> bool:
+    load = attempt["other_load"]
+    return load is None or load <= setup.max_other_load
+
+
+def needs_another_run(row: Row, setup: Setup) -> bool:
+    """A plan whose runs all succeeded but fewer than `setup.repeats` of them were quiet."""
+    if any(a["status"] != "ok" for a in row.attempts):
+        return False
+    return sum(_quiet(a, setup) for a in row.attempts) < setup.repeats
 
 
 def record_attempt(row: Row, metrics: str, results: Sequence[dict], setup: Setup) -> None:
-    """Fold one run of `row`'s plan in; keep it if it is the first good one or ran with
-    less other load than the kept one."""
+    """Fold one run of `row`'s plan in, then re-derive the plan's measurement from its
+    good runs: the median time and memory of its quiet runs (`max_other_load`), or of its
+    least-loaded run while none is quiet."""
     statuses = {r.get("status", "?") for r in results}
     status = "ok" if statuses == {"ok"} else ",".join(sorted(statuses - {"ok"}))
     if status == "ok" and not Path(metrics).exists():
@@ -86,17 +111,23 @@ def record_attempt(row: Row, metrics: str, results: Sequence[dict], setup: Setup
     median = steady_median(times, setup.warmup)
     if status == "ok" and median is None:
         status = "too few iterations"
-    load = other_load(results)
-    row.attempts.append({"median_s": median, "other_load": load, "status": status,
-                         "iteration_times_s": times})
-    better = (row.status != "ok" or (load is not None and row.other_load is not None
-                                     and load < row.other_load))
-    if status != "ok" or not better:
-        if row.status != "ok":
-            row.status = status
+    row.attempts.append({"median_s": median, "other_load": other_load(results),
+                         "status": status, "iteration_times_s": times,
+                         "memory_by_rank_bytes": [r.get("added_bytes", 0.0) for r in results],
+                         "cpu_s_by_rank": [r.get("cpu_s", 0.0) for r in results]})
+    good = [a for a in row.attempts if a["status"] == "ok"]
+    if not good:
+        row.status = status
         return
-    row.status, row.iteration_times_s, row.measured_time_s = status, times, median
-    row.memory_by_rank_bytes = [r["added_bytes"] for r in results]
-    row.measured_memory_bytes = max(row.memory_by_rank_bytes)
-    row.other_load = load
-    row.cpu_s_by_rank = [r.get("cpu_s", 0.0) for r in results]
+    used = [a for a in good if _quiet(a, setup)] or [
+        min(good, key=lambda a: a["other_load"] if a["other_load"] is not None else 0.0)]
+    kept = min(used, key=lambda a: a["other_load"] if a["other_load"] is not None else 0.0)
+    row.status = "ok"
+    row.measured_time_s = statistics.median(a["median_s"] for a in used)
+    row.measured_memory_bytes = statistics.median(max(a["memory_by_rank_bytes"]) for a in used)
+    row.iteration_times_s = kept["iteration_times_s"]
+    row.memory_by_rank_bytes = kept["memory_by_rank_bytes"]
+    row.cpu_s_by_rank = kept["cpu_s_by_rank"]
+    loads = [a["other_load"] for a in used if a["other_load"] is not None]
+    row.other_load = max(loads) if loads else None
+    row.runs = len(used)

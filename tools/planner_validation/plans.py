@@ -36,8 +36,12 @@ class Setup:
     profile_micro_batch_sizes: tuple[int, ...] = ()
     """Microbatch sizes to profile (default: every size a plan uses)."""
     run_timeout_s: float = 240.0
+    repeats: int = 3
+    """Runs per plan; its measured time is the median of their medians (two runs of the
+    same code once gave 11.5% and 17.8% median error: one run per plan is not enough)."""
     retries: int = 1
-    """Extra passes over the plans measured under load from other processes."""
+    """Extra passes over the plans with fewer than `repeats` runs under little load from
+    other processes."""
     max_other_load: float = 0.10
     """Share of the machine's CPU time other processes may take during a kept run."""
     wait_quiet_s: float = 0.0
@@ -50,6 +54,9 @@ class Setup:
     uneven_stages: bool = False
     """Uneven first/last stages: off, as in the documented runs (with 4 layers over 2
     stages they would add 1/3 splits to every PP = 2 plan)."""
+    virtual_stages: tuple[int, ...] = (1, 2)
+    """Model chunks per stage searched: interleaved Flush (v = 2: one layer per chunk at
+    PP = 2) adds 8 plans to the 64; (1,) leaves interleaving out."""
 
     def model(self) -> ModelSpec:
         return ModelSpec("gpt", self.num_layers, self.hidden_size, self.num_attention_heads,
@@ -57,7 +64,8 @@ class Setup:
 
     def space(self) -> SearchSpace:
         return SearchSpace(num_gpus=self.num_procs, global_batch_size=self.global_batch_size,
-                           recompute=self.recompute, uneven_stages=self.uneven_stages)
+                           recompute=self.recompute, uneven_stages=self.uneven_stages,
+                           virtual_stages=self.virtual_stages)
 
 
 def model_flags(setup: Setup) -> list[str]:
@@ -71,9 +79,9 @@ def model_flags(setup: Setup) -> list[str]:
 def plan_flags(setup: Setup, cfg: ParallelConfig, metrics_file: str,
                iterations: Optional[int] = None) -> list[str]:
     """pretrain_gpt.py's flags for one plan: the planner's own plan flags (parallel sizes,
-    schedule, batch, recomputation, stage split), fp32 (no --fp16), Megatron's default
-    dropout, no validation passes (--eval-iters 0)."""
-    return model_flags(setup) + planner_flags(cfg) + [
+    schedule, model chunks, batch, recomputation, stage split), fp32 (no --fp16),
+    Megatron's default dropout, no validation passes (--eval-iters 0)."""
+    return model_flags(setup) + planner_flags(cfg, setup.num_layers) + [
         "--train-iters", str(iterations or setup.iterations),
         "--lr", "1e-4", "--lr-decay-style", "constant", "--log-interval", "1000",
         "--eval-iters", "0", "--metrics-file", metrics_file]

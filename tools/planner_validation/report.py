@@ -35,8 +35,9 @@ class Row:
     """Share of the machine's CPU other processes used during the kept run."""
     cpu_s_by_rank: list[float] = field(default_factory=list)
     attempts: list[dict] = field(default_factory=list)
-    """Every run of this plan: {"median_s", "other_load", "status"}; the kept one is the
-    run with the least other load."""
+    """Every run of this plan: {"median_s", "other_load", "status", ...}."""
+    runs: int = 0
+    """Runs whose medians make `measured_time_s` (their median): the quiet ones."""
 
     @property
     def time_error(self) -> Optional[float]:
@@ -123,8 +124,8 @@ def markdown_table(rows: Sequence[Row], pick_label: Optional[str]) -> str:
     order = sorted(rows, key=lambda r: (r.measured_time_s is None,
                                         r.measured_time_s or 0.0, r.predicted_time_s))
     lines = ["| plan | predicted s/iter | measured s/iter | time error | "
-             "predicted MB | measured MB | memory error | other load |",
-             "|---|---|---|---|---|---|---|---|"]
+             "predicted MB | measured MB | memory error | other load | runs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in order:
         name = r.label + (" *" if r.label == fastest else "")
         if r.label == pick_label:
@@ -136,7 +137,8 @@ def markdown_table(rows: Sequence[Row], pick_label: Optional[str]) -> str:
             meas_t = r.status
         lines.append(f"| {name} | {r.predicted_time_s:.3f} | {meas_t} | {_pct(r.time_error)} | "
                      f"{r.predicted_memory_bytes / MB:.0f} | {meas_m} | {_pct(r.memory_error)} | "
-                     f"{'n/a' if r.other_load is None else f'{r.other_load:.0%}'} |")
+                     f"{'n/a' if r.other_load is None else f'{r.other_load:.0%}'} | "
+                     f"{r.runs or ('n/a' if r.measured_time_s is None else 1)} |")
     return "\n".join(lines)
 
 
