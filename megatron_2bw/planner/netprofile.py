@@ -25,9 +25,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable
 
 from .hardware import LAUNCH_KEY, calibrated, fit_link, load_hardware, load_launch_env
+from .profile import SubcommandParser
 
 DEFAULT_SIZES = (4096, 65536, 1 << 20, 1 << 23, 1 << 25)
 """Bytes: 4 kB (latency) to 32 MB (bandwidth), around a [s, b, h] activation."""
@@ -94,14 +95,8 @@ def fits_from_timings(timings: dict):
     return fit_link(samples("allreduce_s")), fit_link(samples("p2p_s"))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"python -m megatron_2bw.planner profile-network: error: {message}\n")
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m megatron_2bw.planner profile-network", description=__doc__,
+    p = SubcommandParser(prog="python -m megatron_2bw.planner profile-network", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hardware", required=True,
                    help="the base: a preset or FILE.json whose other fields are kept")

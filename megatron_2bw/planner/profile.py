@@ -36,14 +36,16 @@ from .compute import PartTiming, Profile, ProfileEntry
 logger = logging.getLogger(__name__)
 
 
-class _Parser(argparse.ArgumentParser):
+class SubcommandParser(argparse.ArgumentParser):
+    """A planner subcommand's parser: a bad flag is one line naming the subcommand."""
+
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"python -m megatron_2bw.planner profile: error: {message}\n")
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m megatron_2bw.planner profile", description=__doc__,
+    p = SubcommandParser(prog="python -m megatron_2bw.planner profile", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--hidden-size", type=int, required=True)
