@@ -18,7 +18,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--stages", "2", "--microbatches", "2", "--warmup", "1", "--iterations", "2",
         "--hidden", "16", "--blocks-per-stage", "1", "--microbatch-size", "8",
-        "--overhead-microbatches", "2", "--overhead-rounds", "1", "--retry-rounds", "0"]
+        "--overhead-microbatches", "2", "--overhead-rounds", "1", "--retry-rounds", "0",
+        "--ours", "gpipe,flush,2bw", "--peers", "gpipe,1f1b"]
 FIELDS = ("system", "schedule", "stages", "microbatches", "samples_per_s", "peak_stashes",
           "weight_bytes", "optimizer_bytes", "activation_bytes")
 
@@ -94,6 +95,40 @@ def test_overhead_and_target_records(records) -> None:
             "2bw weights = flush + one copy m=2"} <= names
     assert all(t["met"] for t in records if t["system"] == "target" and
                ("stashes" in t["name"] or "weights" in t["name"]))
+
+
+def test_peer_schedules_smoke(tmp_path) -> None:
+    """Our interleaved flush and torch's ScheduleInterleaved1F1B on the same blocks (two
+    chunks of one block per rank), DualPipeV recorded as not run at m = d, and the
+    simulator fed with the measured action times; structure only, no speed."""
+    out = tmp_path / "p.json"
+    _run([sys.executable, "tools/benchmark_schedules.py", "--stages", "2", "--microbatches",
+          "2", "--warmup", "1", "--iterations", "3", "--rounds", "3", "--hidden", "16",
+          "--blocks-per-stage", "2", "--microbatch-size", "8", "--overhead-microbatches", "0",
+          "--retry-rounds", "0", "--ours", "flush,2bw,interleaved-flush",
+          "--peers", "interleaved-1f1b,dualpipev", "--simulate", "2,4", "--json", str(out)])
+    records = json.loads(out.read_text())
+    ours = _one(records, "megatron_2bw", "interleaved-flush")
+    theirs = _one(records, "torch.distributed.pipelining", "interleaved-1f1b")
+    for r in (ours, theirs):
+        assert r["chunks"] == 2 and r["samples_per_s"] > 0 and len(r["iteration_times_s"]) == 3
+        assert len(r["session_samples_per_s"]) == 3
+        assert all(v > 0 for v in r["activation_bytes"])
+    assert ours["weight_bytes"] == theirs["weight_bytes"]  # the same blocks per rank
+    assert ours["peak_stashes"] == ours["engine_peak_stashes"] == theirs["peak_stashes"]
+    assert "2d" in _one(records, "torch.distributed.pipelining", "dualpipev")["not_run"]
+    names = {t["name"]: t for t in records if t["system"] == "target"}
+    ratio = names["our interleaved-flush / torch interleaved-1f1b m=2"]
+    assert ratio["rounds"] == 3 and ratio["ratio_min"] <= ratio["value"] <= ratio["ratio_max"]
+    assert "2bw / torch interleaved-1f1b m=d=2" in names
+    assert names["2bw / torch dualpipev m=d=2"]["value"] is None
+    assert names["interleaved-flush peak stashes m=2"]["met"]
+    simulated = [r for r in records if r["system"] == "simulated"]
+    assert {(r["schedule"], r["stages"], r["microbatches"]) for r in simulated} == {
+        (s, d, d) for s in ("gpipe", "flush", "2bw", "interleaved-flush") for d in (2, 4)}
+    assert all(r["samples_per_s"] > 0 for r in simulated)
+    assert next(r for r in simulated if r["schedule"] == "2bw" and r["stages"] == 2)[
+        "simulated_over_measured"] > 0
 
 
 def test_gpu_check_dry_run(tmp_path) -> None:

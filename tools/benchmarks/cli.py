@@ -1,4 +1,5 @@
-"""`tools/benchmark_schedules.py`: our gpipe/flush/2bw against torch.distributed.pipelining.
+"""`tools/benchmark_schedules.py`: our gpipe/flush/2bw/interleaved flush against
+torch.distributed.pipelining (gpipe, 1f1b, interleaved 1F1B, zero-bubble, ZBV, DualPipeV).
 
 Runs every configuration in one set of gloo processes (one per stage), then the engine
 overhead in this process; prints a table and the targets; `--json FILE` writes the
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .config import BenchConfig
+from .config import ENGINE_SCHEDULES, TORCH_SCHEDULES, BenchConfig
 from .report import (comparisons, format_breakdown, format_comparisons, format_table,
-                     format_targets, overhead_record, pipeline_record, plot, targets)
+                     format_targets, not_run_record, overhead_record, pipeline_record, plot,
+                     targets)
+from .simulated import format_simulated, simulated_records
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,10 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,11 +63,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    p.add_argument("--ours", type=_name_list, default=d.engine_schedules,
+                   help=f"our schedules, comma-separated (default {','.join(ENGINE_SCHEDULES)})")
+    p.add_argument("--peers", type=_name_list, default=d.torch_schedules,
+                   help="torch.distributed.pipelining schedules, comma-separated (default "
+                   f"{','.join(TORCH_SCHEDULES)})")
+    p.add_argument("--chunks", type=int, default=d.chunks,
+                   help="model chunks per rank of the interleaved schedules (V-shaped: 2)")
     p.add_argument("--megatron-updater", action="store_true",
                    help="also run flush and 2bw (plain and deferred step) with the training "
                    "updater, whose step all-reduces the gradient norm across stages")
     p.add_argument("--breakdown", action="store_true",
                    help="time each action kind of our executor (ms per minibatch per stage)")
+    p.add_argument("--simulate", type=_int_list, default=(),
+                   help="depths d to predict our schedules at from the measured action "
+                   "times (e.g. 2,4: 2 is the check against the measurement); implies "
+                   "--breakdown")
     p.add_argument("--overhead-microbatches", type=int, default=4,
                    help="m of the one-process overhead measurement (0: skip it)")
     p.add_argument("--overhead-rounds", type=int, default=8,
@@ -83,7 +101,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        threads=args.threads, max_foreign_cores=args.max_foreign_cores,
                        retry_rounds=args.retry_rounds,
                        torch_baseline=not args.no_torch,
-                       megatron_updater=args.megatron_updater, breakdown=args.breakdown)
+                       megatron_updater=args.megatron_updater,
+                       breakdown=args.breakdown or bool(args.simulate),
+                       chunks=args.chunks, engine_schedules=args.ours,
+                       torch_schedules=args.peers)
 
 
 def run(cfg: BenchConfig, args: argparse.Namespace) -> list[dict]:
@@ -94,8 +115,11 @@ def run(cfg: BenchConfig, args: argparse.Namespace) -> list[dict]:
     records: list[dict] = []
     if not args.overhead_only:
         specs = cfg.specs()
-        for spec, stages in zip(specs, run_pipelines(cfg, specs)):
-            records.append(pipeline_record(cfg, spec, stages))
+        measured = iter(run_pipelines(cfg, specs) if specs else [])
+        for spec in cfg.all_specs():
+            reason = cfg.not_run(spec)
+            records.append(not_run_record(cfg, spec, reason) if reason else
+                           pipeline_record(cfg, spec, next(measured)))
     if args.overhead_microbatches > 0:
         result = measure_overhead(cfg, args.overhead_microbatches, torch.device(args.device),
                                   args.overhead_rounds)
@@ -116,14 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     records = run(cfg, args)
     checks = targets(records, cfg.stages)
     extra = comparisons(records, cfg.stages)
+    simulated = (simulated_records(records, cfg.stages, args.simulate, cfg.microbatch_size,
+                                   cfg.chunks) if args.simulate else [])
     elapsed = time.monotonic() - start
     parts = ([] if args.overhead_only else [format_table(records)]) + [format_targets(checks)]
     parts += [format_comparisons(extra)] if extra else []
-    parts += [format_breakdown(records)] if args.breakdown else []
+    parts += [format_breakdown(records)] if cfg.breakdown else []
+    parts += [format_simulated(simulated)] if simulated else []
     text = "\n\n".join(parts) + "\n"
     sys.stdout.write(f"\n{text}\nbenchmark finished in {elapsed:.0f} s\n")
     if args.json:
-        Path(args.json).write_text(json.dumps(records + checks + extra, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(records + checks + extra + simulated, indent=1,
+                                                default=str) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(text)
     if args.plot and any(r["system"] != "overhead" for r in records):

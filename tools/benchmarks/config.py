@@ -5,8 +5,13 @@ from dataclasses import dataclass
 
 ENGINE = "megatron_2bw"
 TORCH = "torch.distributed.pipelining"
-ENGINE_SCHEDULES = ("gpipe", "flush", "2bw")
-TORCH_SCHEDULES = ("gpipe", "1f1b")  # ScheduleGPipe, Schedule1F1B
+# "interleaved-flush": our flush with `chunks` model chunks per rank (interleaved 1F1B)
+ENGINE_SCHEDULES = ("gpipe", "flush", "2bw", "interleaved-flush")
+# ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+# ScheduleZBVZeroBubble, ScheduleDualPipeV
+TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+INTERLEAVED = ("interleaved-flush", "interleaved-1f1b", "interleaved-zb")  # loop placement
+V_SHAPED = ("zbv", "dualpipev")  # rank r holds virtual stages r and 2d - 1 - r
 TORCH_UPDATER, MEGATRON = "torch", "megatron"
 
 
@@ -38,6 +43,10 @@ class BenchConfig:
     torch_baseline: bool = True           # also run torch.distributed.pipelining
     megatron_updater: bool = False        # also run flush/2bw with the training updater
     breakdown: bool = False               # time each action kind of our executor
+    chunks: int = 2                       # model chunks per rank of the interleaved
+    #                                       schedules (V-shaped ones always hold 2)
+    engine_schedules: tuple[str, ...] = ENGINE_SCHEDULES  # ours to run
+    torch_schedules: tuple[str, ...] = TORCH_SCHEDULES    # torch's to run (torch_baseline)
 
     def __post_init__(self) -> None:
         for name in ("stages", "hidden", "blocks_per_stage", "microbatch_size", "threads"):
@@ -49,24 +58,54 @@ class BenchConfig:
                              f"rounds={self.rounds}")
         if not self.microbatches or min(self.microbatches) < 1:
             raise ValueError(f"microbatches must be positive, got {self.microbatches}")
+        if self.chunks < 2:
+            raise ValueError(f"chunks must be at least 2, got {self.chunks}")
+        for given, known in ((self.engine_schedules, ENGINE_SCHEDULES),
+                             (self.torch_schedules, TORCH_SCHEDULES)):
+            unknown = [n for n in given if n not in known]
+            if unknown:
+                raise ValueError(f"unknown schedules {unknown}; known: {', '.join(known)}")
 
-    def specs(self) -> list["RunSpec"]:
-        """Every configuration, systems interleaved per m so drift hits them alike."""
+    def all_specs(self) -> list["RunSpec"]:
+        """Every configuration asked for, runnable or not (see `not_run`), systems
+        interleaved per m so drift hits them alike."""
         out = []
         for m in self.microbatches:
-            for name in ENGINE_SCHEDULES:
-                if name != "2bw" or m >= self.stages:
-                    out.append(RunSpec(ENGINE, name, m))
+            out += [RunSpec(ENGINE, name, m) for name in ENGINE_SCHEDULES
+                    if name in self.engine_schedules]
             if self.torch_baseline:
-                for name in TORCH_SCHEDULES:
-                    if name != "1f1b" or m >= self.stages:  # Schedule1F1B needs m >= d
-                        out.append(RunSpec(TORCH, name, m))
+                out += [RunSpec(TORCH, name, m) for name in TORCH_SCHEDULES
+                        if name in self.torch_schedules]
             if self.megatron_updater:
-                out.append(RunSpec(ENGINE, "flush", m, MEGATRON))
-                if m >= self.stages:
-                    out += [RunSpec(ENGINE, "2bw", m, MEGATRON),
-                            RunSpec(ENGINE, "2bw", m, MEGATRON, defer_step=True)]
+                out += [RunSpec(ENGINE, "flush", m, MEGATRON),
+                        RunSpec(ENGINE, "2bw", m, MEGATRON),
+                        RunSpec(ENGINE, "2bw", m, MEGATRON, defer_step=True)]
         return out
+
+    def specs(self) -> list["RunSpec"]:
+        """The configurations that can run (`not_run` is None), in `all_specs` order."""
+        return [s for s in self.all_specs() if self.not_run(s) is None]
+
+    def chunks_of(self, spec: "RunSpec") -> int:
+        """Model chunks per rank the spec's schedule runs."""
+        if spec.schedule in V_SHAPED:
+            return 2
+        return self.chunks if spec.schedule in INTERLEAVED else 1
+
+    def not_run(self, spec: "RunSpec") -> str | None:
+        """Why a configuration cannot run at these sizes (None: it can)."""
+        d, m, v = self.stages, spec.microbatches, self.chunks_of(spec)
+        if spec.schedule in ("2bw", "1f1b") and m < d:
+            return f"{spec.schedule} needs m >= d ({m} < {d})"
+        if v > 1 and self.blocks_per_stage % v:
+            return f"blocks_per_stage={self.blocks_per_stage} does not split into {v} chunks"
+        if spec.schedule == "interleaved-flush" and m % d:
+            return f"our interleaved flush needs m a multiple of d (m={m}, d={d})"
+        if spec.schedule in ("interleaved-1f1b", "interleaved-zb") and m % max(1, m // d):
+            return f"torch needs m a multiple of its rounds max(1, m // d) (m={m}, d={d})"
+        if spec.schedule == "dualpipev" and m < 2 * d:
+            return f"ScheduleDualPipeV needs m >= 2d virtual stages ({m} < {2 * d})"
+        return None
 
 
 @dataclass(frozen=True)

@@ -50,16 +50,29 @@ class _Rounds:
         pids: list[int] = [0] * world
         dist.all_gather_object(pids, os.getpid())
         self.probe = LoadProbe(pids + [os.getppid()])
-        self.runners = []
+        self.runners: list = []
+        self.not_run: list[str | None] = []
         for spec in specs:
             dist.barrier()
-            self.runners.append(make_runner(cfg, spec, rank, world, torch.device("cpu")))
+            try:  # what a schedule refuses at construction, every rank refuses alike
+                runner, error = make_runner(cfg, spec, rank, world, torch.device("cpu")), None
+            except Exception as err:  # noqa: BLE001 - recorded as "not run: <reason>"
+                runner, error = None, f"{type(err).__name__}: {err}"
+            errors: list = [None] * world
+            dist.all_gather_object(errors, error)
+            reason = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+            if reason and rank == 0:
+                logger.warning("%s m=%d not run: %s", spec.label, spec.microbatches, reason)
+            self.runners.append(None if reason else runner)
+            self.not_run.append(reason)
         self.sessions: list[list[list[float]]] = [[] for _ in specs]
         self.warmups: list[list[int]] = [[] for _ in specs]
         self.foreign: list[list[float]] = [[] for _ in specs]
         self.clean = [0] * len(specs)  # undisturbed timed minibatches so far
 
     def session(self, i: int, warm: int, timed: int, measure: int) -> None:
+        if self.runners[i] is None:
+            return
         dist.barrier()
         self.probe.start()
         times = self.runners[i].session(warm + timed + 1, measure)
@@ -78,7 +91,8 @@ class _Rounds:
                 self.session(i, warm, timed, warm if r == 0 else 0)
         per_round = plan[-1][1]
         for extra in range(self.cfg.retry_rounds):  # re-run what disturbances spoiled
-            short = [i for i, n in enumerate(self.clean) if n < self.cfg.iterations]
+            short = [i for i, n in enumerate(self.clean)
+                     if n < self.cfg.iterations and self.runners[i] is not None]
             if not short:
                 break
             if self.rank == 0:
@@ -87,7 +101,9 @@ class _Rounds:
             for i in short:
                 self.session(i, 1, per_round, 0)
         return [StageResult(self.rank, self.sessions[i], self.warmups[i], self.foreign[i],
-                            **runner.memory()) for i, runner in enumerate(self.runners)]
+                            **runner.memory()) if runner is not None else
+                StageResult(self.rank, [], [], [], not_run=self.not_run[i])
+                for i, runner in enumerate(self.runners)]
 
 
 def _worker(rank: int, world: int, port: int, cfg: BenchConfig, specs: list[RunSpec],

@@ -40,6 +40,22 @@ def build_blocks(cfg: BenchConfig, stage: int, num_stages: int | None = None) ->
     return nn.Sequential(*blocks)
 
 
+def build_chunk_blocks(cfg: BenchConfig, virtual_stage: int, chunks: int) -> nn.Sequential:
+    """Blocks of one virtual stage when each of the cfg.stages ranks holds `chunks` of
+    them: blocks_per_stage / chunks consecutive blocks, the same blocks (global index,
+    seed) `build_blocks` gives, so every system trains the same d * blocks_per_stage
+    blocks whatever its placement of them."""
+    if cfg.blocks_per_stage % chunks:
+        raise ValueError(f"blocks_per_stage={cfg.blocks_per_stage} does not split into "
+                         f"{chunks} chunks")
+    per = cfg.blocks_per_stage // chunks
+    blocks = []
+    for idx in range(virtual_stage * per, (virtual_stage + 1) * per):
+        torch.manual_seed(cfg.seed + idx)
+        blocks.append(Block(cfg.hidden))
+    return nn.Sequential(*blocks)
+
+
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)
 
@@ -57,6 +73,14 @@ class EngineStage(nn.Module):
         with self.meter.scope():
             h = self.blocks(h)
         return mse(h, batch["y"]) if self.last else h
+
+
+class EngineChunks(nn.Module):
+    """A rank's model chunks for our executor's interleaved schedules (`module.chunks`)."""
+
+    def __init__(self, chunks: list[EngineStage]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
 
 
 class TorchStage(nn.Module):

@@ -45,8 +45,30 @@ def timed_gaps(cfg: BenchConfig, stages: list[StageResult]) -> tuple[list[float]
     return gaps, len(sessions) - len(clean)
 
 
+def session_rates(cfg: BenchConfig, spec: RunSpec, stages: list[StageResult]
+                  ) -> list[Optional[float]]:
+    """Median samples/s of each session (None: no timed gap), for ratios paired per
+    round; whether a session was disturbed is in the record's foreign_cores."""
+    samples = spec.microbatches * cfg.microbatch_size
+    out: list[Optional[float]] = []
+    for i in range(len(stages[0].sessions)):
+        gaps = _session_gaps(stages, i)
+        out.append(statistics.median(samples / g for g in gaps) if gaps else None)
+    return out
+
+
+def not_run_record(cfg: BenchConfig, spec: RunSpec, reason: str) -> dict:
+    """A configuration that could not run: why, in place of its measurements."""
+    return {"system": spec.system, "schedule": spec.schedule, "label": spec.label,
+            "updater": spec.updater, "defer_step": spec.defer_step, "stages": cfg.stages,
+            "microbatches": spec.microbatches, "microbatch_size": cfg.microbatch_size,
+            "chunks": cfg.chunks_of(spec), "not_run": reason}
+
+
 def pipeline_record(cfg: BenchConfig, spec: RunSpec, stages: list[StageResult]) -> dict:
     """One configuration's record (lists are per stage)."""
+    if stages[0].not_run:
+        return not_run_record(cfg, spec, stages[0].not_run)
     gaps, set_aside = timed_gaps(cfg, stages)
     samples = spec.microbatches * cfg.microbatch_size
     rates = [samples / g for g in gaps]
@@ -56,6 +78,8 @@ def pipeline_record(cfg: BenchConfig, spec: RunSpec, stages: list[StageResult]) 
         "microbatches": spec.microbatches, "microbatch_size": cfg.microbatch_size,
         "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
         "samples_per_s_max": max(rates), "iteration_times_s": gaps,
+        "session_samples_per_s": session_rates(cfg, spec, stages),
+        "chunks": stages[0].chunks,
         "sessions": len(stages[0].sessions), "sessions_set_aside": set_aside,
         "foreign_cores": stages[0].foreign,
         "peak_stashes": [s.peak_stashes for s in stages],
@@ -84,12 +108,40 @@ def _find(records: list[dict], system: str, schedule: str, m: int,
           updater: str = TORCH_UPDATER, defer_step: bool = False) -> Optional[dict]:
     return next((r for r in records if r["system"] == system and r["schedule"] == schedule
                  and r["microbatches"] == m and r["updater"] == updater
-                 and r["defer_step"] == defer_step), None)
+                 and r["defer_step"] == defer_step and not r.get("not_run")), None)
 
 
-def _target(name: str, value: float, threshold: float, met: bool, detail: str) -> dict:
+def _target(name: str, value: float, threshold: float, met: bool, detail: str,
+            **extra) -> dict:
     return {"system": "target", "name": name, "value": value, "threshold": threshold,
-            "met": bool(met), "detail": detail}
+            "met": bool(met), "detail": detail, **extra}
+
+
+def paired_ratios(a: dict, b: dict, max_foreign: float = BenchConfig.max_foreign_cores
+                  ) -> list[float]:
+    """a/b throughput per round: session i of each ran in the same round (configurations
+    alternate), so drift cancels. Rounds where either was disturbed are left out unless
+    that leaves none (then every round counts, as `timed_gaps` does); the ratio of the
+    overall medians when no round pairs up."""
+    rows = list(zip(a.get("session_samples_per_s") or [], b.get("session_samples_per_s") or [],
+                    a.get("foreign_cores") or [], b.get("foreign_cores") or []))
+    pairs = [x / y for x, y, fa, fb in rows if x and y and max(fa, fb) <= max_foreign]
+    pairs = pairs or [x / y for x, y, _, _ in rows if x and y]
+    return pairs or [a["samples_per_s"] / b["samples_per_s"]]
+
+
+def _ratio_target(name: str, a: dict, b: dict, threshold: float) -> dict:
+    ratios = paired_ratios(a, b)
+    ratio = statistics.median(ratios)
+    return _target(name, ratio, threshold, ratio >= threshold,
+                   f"median of {len(ratios)} rounds, spread {min(ratios):.3f}-"
+                   f"{max(ratios):.3f}; {a['samples_per_s']:.1f} vs "
+                   f"{b['samples_per_s']:.1f} samples/s",
+                   ratio_min=min(ratios), ratio_max=max(ratios), rounds=len(ratios))
+
+
+INTERLEAVED_FRACTION = 0.97
+PEERS_AT_M_EQ_D = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 
 
 def _throughput_targets(records: list[dict], d: int, m: int) -> list[dict]:
@@ -100,12 +152,17 @@ def _throughput_targets(records: list[dict], d: int, m: int) -> list[dict]:
         need = SPEEDUP_FRACTION * (m + d - 1) / m
         out.append(_target(f"2bw/flush m={m}", ratio, need, ratio >= need,
                            f"2bw {ratio:.3f}x flush; ideal (m+d-1)/m = {(m + d - 1) / m:.3f}"))
-    for ours, theirs in (("flush", "1f1b"), ("gpipe", "gpipe")):
+    for ours, theirs, need in (("flush", "1f1b", 1.0), ("gpipe", "gpipe", 1.0),
+                               ("interleaved-flush", "interleaved-1f1b",
+                                INTERLEAVED_FRACTION)):
         a, b = _find(records, ENGINE, ours, m), _find(records, TORCH, theirs, m)
         if a and b:
-            ratio = a["samples_per_s"] / b["samples_per_s"]
-            out.append(_target(f"our {ours} / torch {theirs} m={m}", ratio, 1.0, ratio >= 1.0,
-                               f"{a['samples_per_s']:.1f} vs {b['samples_per_s']:.1f} samples/s"))
+            out.append(_ratio_target(f"our {ours} / torch {theirs} m={m}", a, b, need))
+    if m == d and twobw:
+        for theirs in PEERS_AT_M_EQ_D:
+            b = _find(records, TORCH, theirs, m)
+            if b:
+                out.append(_ratio_target(f"2bw / torch {theirs} m=d={m}", twobw, b, 1.0))
     return out
 
 
@@ -117,11 +174,14 @@ def _memory_targets(records: list[dict], d: int, m: int) -> list[dict]:
         out.append(_target(f"2bw weights = flush + one copy m={m}", float(extra == flush[
             "weight_bytes"]), 1.0, extra == flush["weight_bytes"],
             f"2bw {twobw['weight_bytes']} B, flush {flush['weight_bytes']} B per stage"))
-    for schedule in ("gpipe", "flush", "2bw"):
+    for schedule in ("gpipe", "flush", "2bw", "interleaved-flush"):
         rec = _find(records, ENGINE, schedule, m)
         if rec is None:
             continue
         limit = [m] * d if schedule == "gpipe" else [d - s for s in range(d)]
+        if schedule == "interleaved-flush":  # (microbatch, chunk) pairs, Megatron's warm-up
+            from megatron_2bw.schedules import build_schedule
+            limit = list(build_schedule("flush", d, m, num_chunks=rec["chunks"]).stash_limit)
         got = rec["peak_stashes"]
         ok = got == limit if schedule == "gpipe" else all(g <= lim for g, lim in zip(got, limit))
         ok = ok and rec["engine_peak_stashes"] == got
@@ -136,6 +196,11 @@ def targets(records: list[dict], d: int) -> list[dict]:
     out = []
     for m in sorted({r["microbatches"] for r in records if r["system"] in (ENGINE, TORCH)}):
         out += _throughput_targets(records, d, m) + _memory_targets(records, d, m)
+    for r in records:  # a peer of the m = d comparison that could not run says why
+        if (r["system"] == TORCH and r.get("not_run") and r["microbatches"] == d
+                and r["schedule"] in PEERS_AT_M_EQ_D):
+            out.append(_target(f"2bw / torch {r['schedule']} m=d={d}", None, 1.0,
+                               False, f"not run: {r['not_run']}", not_run=r["not_run"]))
     for r in records:
         if r["system"] == "overhead":
             out.append(_target(f"engine overhead m={r['microbatches']} ({r['device']})",
@@ -195,14 +260,16 @@ def format_table(records: list[dict]) -> str:
             f"{r['samples_per_s']:.1f} | {r['samples_per_s_min']:.1f} | "
             f"{r['samples_per_s_max']:.1f} | {r['peak_stashes']} | "
             f"{_mib(r['activation_bytes'])} | {_mib(r['weight_bytes'])} | "
-            f"{_mib(r['optimizer_bytes'])} |"
+            f"{_mib(r['optimizer_bytes'])} |" if not r.get("not_run") else
+            f"| {r['label']} | {r['microbatches']} | not run: {r['not_run']} | | | | | | |"
             for r in records if r["system"] in (ENGINE, TORCH)]
     return "\n".join([head] + rows)
 
 
 def format_targets(checks: list[dict]) -> str:
     head = "| target | value | threshold | met | detail |\n|---|---|---|---|---|"
-    rows = [f"| {t['name']} | {t['value']:.3f} | {t['threshold']:.3f} | "
+    rows = [f"| {t['name']} | {'-' if t['value'] is None else format(t['value'], '.3f')} | "
+            f"{t['threshold']:.3f} | "
             f"{'yes' if t['met'] else 'NO'} | {t['detail']} |" for t in checks]
     return "\n".join([head] + rows)
 
@@ -213,7 +280,7 @@ def plot(records: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in records if r["system"] in (ENGINE, TORCH)]
+    runs = [r for r in records if r["system"] in (ENGINE, TORCH) and not r.get("not_run")]
     labels = list(dict.fromkeys(r["label"] for r in runs))
     ms = sorted({r["microbatches"] for r in runs})
     width = 0.8 / len(labels)

@@ -22,9 +22,10 @@ from typing import Optional
 
 import torch
 
-from .config import ENGINE, MEGATRON, BenchConfig, RunSpec
+from .config import ENGINE, MEGATRON, V_SHAPED, BenchConfig, RunSpec
 from .memory import SavedTensorMeter, optimizer_bytes
-from .model import EngineStage, TorchStage, build_blocks, microbatch_pool, mse
+from .model import (EngineChunks, EngineStage, TorchStage, build_blocks, build_chunk_blocks,
+                    microbatch_pool, mse)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class StageResult:
     optimizer_bytes: int = 0       # optimizer state
     peak_live_versions: int = 0    # weight versions in use at once (ours only)
     action_ms_per_minibatch: Optional[dict[str, float]] = None  # --breakdown (ours only)
+    chunks: int = 1                # model chunks (virtual stages) this rank holds
+    not_run: Optional[str] = None  # why the configuration could not be built here
 
 
 def _clock(device: torch.device) -> float:
@@ -54,7 +57,12 @@ def _clock(device: torch.device) -> float:
 
 
 class EngineRunner:
-    """Our PipelineExecutor; one `run` per session (flush and gpipe flush inside it)."""
+    """Our PipelineExecutor; one `run` per session (flush and gpipe flush inside it).
+
+    "interleaved-flush" is flush with cfg.chunks model chunks per rank: chunk c of rank
+    r is virtual stage c * d + r (Megatron's placement), its blocks those of
+    `build_chunk_blocks`, and the ranks form a ring.
+    """
 
     def __init__(self, cfg: BenchConfig, spec: RunSpec, rank: int, world: int,
                  device: torch.device):
@@ -64,20 +72,28 @@ class EngineRunner:
         self.cfg, self.spec, self.rank, self.world, self.device = cfg, spec, rank, world, device
         self.meter = SavedTensorMeter()
         first, last = rank == 0, rank == world - 1
+        self.chunks = v = cfg.chunks_of(spec)
 
-        def make_stage() -> EngineStage:
-            return EngineStage(build_blocks(cfg, rank, world), first, last, self.meter).to(device)
+        def make_stage() -> torch.nn.Module:
+            if v == 1:
+                return EngineStage(build_blocks(cfg, rank, world), first, last,
+                                   self.meter).to(device)
+            return EngineChunks([
+                EngineStage(build_chunk_blocks(cfg, c * world + rank, v), first and c == 0,
+                            last and c == v - 1, self.meter) for c in range(v)]).to(device)
 
         module = make_stage()
         self.updater = (_megatron_updater(cfg, spec, module) if spec.updater == MEGATRON else
                         TorchOptimizerUpdater(list(module.parameters()),
                                               lambda ps: torch.optim.Adam(ps, lr=cfg.lr)))
-        links = StageLinks(rank, world, None if first else rank - 1, None if last else rank + 1,
-                           (cfg.microbatch_size, cfg.hidden), torch.float32, device)
+        ring = v > 1 and world > 1
+        links = StageLinks(rank, world, (rank - 1) % world if ring or not first else None,
+                           (rank + 1) % world if ring or not last else None,
+                           (cfg.microbatch_size, cfg.hidden), torch.float32, device, wrap=ring)
         versions = 2 if spec.schedule == "2bw" else 1
         self.executor = PipelineExecutor(module, links, self.updater, weight_versions=versions,
                                          grad_buffers=2 if spec.defer_step else 1,
-                                         make_copy=make_stage)
+                                         make_copy=make_stage, num_chunks=v)
         self.meter.exclude(p for params in self.executor.weights.params for p in params)
         self.data = itertools.cycle(microbatch_pool(cfg, spec.microbatches, device))
         self.next_minibatch, self.peak_stashes = 0, 0
@@ -107,9 +123,10 @@ class EngineRunner:
         """Run `minibatches` back to back; the first `measure` ones under the meter."""
         from megatron_2bw.schedules import build_schedule
 
-        schedule = build_schedule(self.spec.schedule, self.world, self.spec.microbatches,
+        name = "flush" if self.spec.schedule == "interleaved-flush" else self.spec.schedule
+        schedule = build_schedule(name, self.world, self.spec.microbatches,
                                   minibatches, first_minibatch=self.next_minibatch,
-                                  defer_step=self.spec.defer_step)
+                                  defer_step=self.spec.defer_step, num_chunks=self.chunks)
         first, times = self.next_minibatch, []
 
         def on_step(k: int, _) -> None:
@@ -136,7 +153,7 @@ class EngineRunner:
                 "peak_live_versions": store.peak_live,
                 "action_ms_per_minibatch": {k: 1e3 * v / self.profiled_minibatches for k, v
                                             in sorted(self.action_seconds.items())}
-                if self.profiled_minibatches else None}
+                if self.profiled_minibatches else None, "chunks": self.chunks}
 
 
 def _megatron_updater(cfg: BenchConfig, spec: RunSpec, module: torch.nn.Module):
@@ -154,24 +171,59 @@ def _megatron_updater(cfg: BenchConfig, spec: RunSpec, module: torch.nn.Module):
     return MegatronUpdater([p for _, p in named], infos, config, StepGroups(model_parallel=group))
 
 
+TORCH_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                 "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                 "interleaved-zb": "ScheduleInterleavedZeroBubble",
+                 "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def torch_virtual_stages(schedule: str, rank: int, world: int, chunks: int) -> list[int]:
+    """The virtual stages rank `rank` holds under a torch schedule, in local order:
+    one stage, the loop placement r, r + d, ... (interleaved), or the V r, 2d - 1 - r."""
+    if chunks == 1:
+        return [rank]
+    if schedule in V_SHAPED:
+        return [rank, 2 * world - 1 - rank]
+    return [rank + c * world for c in range(chunks)]
+
+
 class TorchRunner:
-    """torch.distributed.pipelining: PipelineStage + ScheduleGPipe/Schedule1F1B, Adam."""
+    """torch.distributed.pipelining: PipelineStage(s) + one of its schedules, Adam.
+
+    Single-stage schedules (gpipe, 1f1b) hold `build_blocks`; the multi-stage ones hold
+    one `PipelineStage` per virtual stage of `torch_virtual_stages`, each over
+    `build_chunk_blocks`, so every system trains the same blocks. Zero-bubble schedules
+    split each backward into input- and weight-gradient actions, which torch's stage does.
+    """
 
     def __init__(self, cfg: BenchConfig, spec: RunSpec, rank: int, world: int,
                  device: torch.device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
 
         self.device, self.meter = device, SavedTensorMeter()
-        self.module = TorchStage(build_blocks(cfg, rank, world), self.meter).to(device)
-        self.meter.exclude(self.module.parameters())
-        stage = PipelineStage(self.module, rank, world, device)
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec.schedule]
-        self.schedule = cls(stage, spec.microbatches, loss_fn=mse)
-        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=cfg.lr)
+        self.chunks = v = cfg.chunks_of(spec)
+        cls = getattr(pipelining, TORCH_CLASSES[spec.schedule])
+        if v == 1:
+            self.modules = [TorchStage(build_blocks(cfg, rank, world), self.meter).to(device)]
+            stages = [PipelineStage(self.modules[0], rank, world, device)]
+            holds_first, holds_last = rank == 0, rank == world - 1
+            self.schedule = cls(stages[0], spec.microbatches, loss_fn=mse)
+        else:
+            ids = torch_virtual_stages(spec.schedule, rank, world, v)
+            self.modules = [TorchStage(build_chunk_blocks(cfg, i, v), self.meter).to(device)
+                            for i in ids]
+            stages = [PipelineStage(mod, i, v * world, device)
+                      for mod, i in zip(self.modules, ids)]
+            holds_first, holds_last = 0 in ids, v * world - 1 in ids
+            self.schedule = cls(stages, spec.microbatches, loss_fn=mse)
+        params = [p for mod in self.modules for p in mod.parameters()]
+        self.meter.exclude(params)
+        self.optimizer = torch.optim.Adam(params, lr=cfg.lr)
         pool = microbatch_pool(cfg, spec.microbatches, device)
         x, y = torch.cat([b["x"] for b in pool]), torch.cat([b["y"] for b in pool])
-        self.inputs = (x,) if rank == 0 else ()
-        self.target = y if rank == world - 1 else None
+        self.inputs = (x,) if holds_first else ()
+        self.target = y if holds_last else None
 
     def session(self, minibatches: int, measure: int) -> list[float]:
         times = []
@@ -185,12 +237,13 @@ class TorchRunner:
         return times
 
     def memory(self) -> dict:
-        params = list(self.module.parameters())
+        params = [p for mod in self.modules for p in mod.parameters()]
         size = sum(p.numel() * p.element_size() for p in params)
         return {"peak_stashes": self.meter.peak_microbatches, "engine_peak_stashes": -1,
                 "activation_bytes": self.meter.peak_bytes, "weight_bytes": size,
                 "grad_bytes": size, "optimizer_bytes": optimizer_bytes(self.optimizer),
-                "peak_live_versions": 1, "action_ms_per_minibatch": None}
+                "peak_live_versions": 1, "action_ms_per_minibatch": None,
+                "chunks": self.chunks}
 
 
 def make_runner(cfg: BenchConfig, spec: RunSpec, rank: int, world: int,
