@@ -1,6 +1,7 @@
 """The package's import graph runs one way; this test keeps it so.
 
-entry points -> training -> runtime / models / data / optim -> schedules. The planner is
+entry points -> (finetune, evaluation -> hf ->) training -> runtime / models / data / optim ->
+schedules. The planner is
 pure: it reads schedules (and `models/` only in its profiler, which times the real
 layers), never training or runtime. A new import that breaks a rule fails here with the
 file, the line and the rule.
@@ -23,6 +24,10 @@ ALLOWED = {
     "planner": {"schedules", "vocab", "models"},
     "training": {"runtime", "models", "data", "optim", "schedules", "vocab"},
     "hf": {"training", "models", "data", "vocab"},  # the optional transformers tools
+    # tools/evaluate.py: a checkpoint (through hf's loader) or an HF directory, scored
+    "evaluation": {"hf", "training", "models", "data", "vocab"},
+    # tools/finetune.py: a BERT run with a task head, trained by training's Trainer
+    "finetune": {"training", "models", "data", "vocab"},
 }
 # finer rules: (importing module, imported layer) pairs allowed only in these files
 ONLY_IN = {("planner", "models"): {"planner/profile.py"}}
