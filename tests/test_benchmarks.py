@@ -119,7 +119,8 @@ def test_peer_schedules_smoke(tmp_path) -> None:
     assert "2d" in _one(records, "torch.distributed.pipelining", "dualpipev")["not_run"]
     names = {t["name"]: t for t in records if t["system"] == "target"}
     ratio = names["our interleaved-flush / torch interleaved-1f1b m=2"]
-    assert ratio["rounds"] == 3 and ratio["ratio_min"] <= ratio["value"] <= ratio["ratio_max"]
+    # a round another process disturbed is left out of the ratio (the machine decides)
+    assert 1 <= ratio["rounds"] <= 3 and ratio["ratio_min"] <= ratio["value"] <= ratio["ratio_max"]
     assert "2bw / torch interleaved-1f1b m=d=2" in names
     assert names["2bw / torch dualpipev m=d=2"]["value"] is None
     assert names["interleaved-flush peak stashes m=2"]["met"]
