@@ -175,6 +175,9 @@ PRESETS: dict[str, Hardware] = {
 
 # ---------------------------------------------------------------- calibration (pure)
 
+MIN_SECONDS_PER_BYTE = 1e-15  # 1 PB/s: "bandwidth not resolved", never a division by 0
+
+
 @dataclass(frozen=True)
 class LinkFit:
     """`t = latency_s + bytes x seconds_per_byte`, fitted to timings of one operation
@@ -197,7 +200,9 @@ def fit_link(samples: Sequence[tuple[float, float]], relative: bool = True) -> L
     17 MB message does not drown the microsecond ones that decide alpha; either way
     noise-free timings are recovered exactly. Needs 2 or more distinct sizes. A negative
     alpha (noise around a pure-bandwidth link) is clamped to 0 and beta refitted through
-    the origin; a non-positive beta raises ValueError (the timings do not grow with size).
+    the origin; a non-positive beta (timings that do not grow with size: noise on a
+    latency-bound link) gives alpha = the fastest timing and beta from the largest message,
+    at least MIN_SECONDS_PER_BYTE.
     """
     pts = [(float(x), float(t)) for x, t in samples]
     if len({x for x, _ in pts}) < 2 or any(t <= 0 or x < 0 for x, t in pts):
@@ -214,8 +219,10 @@ def fit_link(samples: Sequence[tuple[float, float]], relative: bool = True) -> L
     alpha, beta = (s2 * t0 - s1 * t1) / det, (s0 * t1 - s1 * t0) / det
     if alpha < 0:
         alpha, beta = 0.0, t1 / s2
-    if beta <= 0:
-        raise ValueError(f"timings do not grow with message size: {samples!r}")
+    if beta <= 0:  # noise hides the bandwidth at these sizes: latency-bound, as measured
+        alpha = min(t for _, t in pts)
+        big, t_big = max(pts)
+        beta = max((t_big - alpha) / big, MIN_SECONDS_PER_BYTE) if big else MIN_SECONDS_PER_BYTE
     worst = max(abs(alpha + beta * x - t) / t for x, t in pts)
     return LinkFit(alpha, beta, len(pts), worst)
 
