@@ -16,7 +16,7 @@ $(STAMP): requirements.txt setup.py
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=25 tests
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow" tests

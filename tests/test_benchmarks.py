@@ -7,6 +7,7 @@ what `tools/gpu_check.sh` runs with `pytest -k cuda`; it skips without a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -133,16 +134,60 @@ def test_peer_schedules_smoke(tmp_path) -> None:
 
 
 def test_gpu_check_dry_run(tmp_path) -> None:
+    """Every step of the GPU check on CPU at tiny sizes: each schedule's stage program,
+    the refused interleaving at depth 1, one extra weight version, the executor against
+    a plain megatron-core loop on the same model and data."""
     proc = _run(["bash", "tools/gpu_check.sh", "--dry-run"], env={"OUT": str(tmp_path)},
                 timeout=180)
-    assert "GPT through pretrain_gpt.py" in proc.stdout
+    assert "Stage programs at pipeline depth 1" in proc.stdout
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["dry_run"] is True
-    assert {n: s["rc"] for n, s in summary["steps"].items()} == {
-        "install": 0, "gpt": 0, "overhead": 0, "cuda_tests": 0}
-    assert summary["gpt"]["median_tflops"] > 0 and summary["gpt"]["iterations"] == 4
-    assert summary["engine_overhead"]["engine_s_per_minibatch"] > 0
-    assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check (dry run")
+    steps = summary["steps"]
+    assert {n: s["status"] for n, s in steps.items()} == {
+        "install": "ok", "gpt_flush": "ok", "gpt_2bw": "ok", "gpt_gpipe": "ok",
+        "gpt_flush_interleaved": "refused", "overhead": "ok", "cuda_tests": "ok"}
+    assert steps["gpt_flush_interleaved"]["rc"] == 2
+    assert "--pipeline-model-parallel-size 1" in steps["gpt_flush_interleaved"]["reason"]
+    stages = summary["schedules"]
+    assert stages["flush interleaved (2 chunks)"]["measured"] is None
+    for name, versions in (("flush", 1), ("2bw", 2), ("gpipe", 1)):
+        measured = stages[name]["measured"]
+        assert measured["iterations"] == 4 and measured["timed_iterations"] == 3
+        assert measured["median_tflops"] > 0 and 0 < measured["mfu"] < 1
+        assert measured["weight_versions"] == versions
+        assert measured["cuda_allocated_bytes"] is None  # CPU
+    memory = summary["weight_version_memory"]
+    assert memory["param_bytes"] == 2 * 114432  # bf16 tiny GPT
+    assert memory["extra_version_weight_store_bytes"] == memory["param_bytes"]
+    assert memory["extra_version_cuda_bytes"] is None
+    ovh = summary["engine_overhead"]
+    assert ovh["engine_s_per_minibatch"] > 0 and ovh["plain_s_per_minibatch"] > 0
+    assert ovh["parameters"] == 114432 and ovh["microbatches"] == 2
+    # the same model, weights and data on both sides: the same first loss
+    assert ovh["first_loss_engine"] == pytest.approx(ovh["first_loss_plain"], rel=1e-6)
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert text.startswith("# GPU check (dry run")
+    assert "| flush interleaved (2 chunks) | refused |" in text
+
+
+def test_gpu_check_summary_shows_steps_not_run(tmp_path) -> None:
+    """A check cut short: the summary still lists every planned step, with why not."""
+    from benchmarks import gpu_summary  # tools/ is on sys.path (conftest.py)
+
+    (tmp_path / "plan.tsv").write_text("install\t60\ngpt_flush\t75\ngpt_2bw\t75\n"
+                                       "gpt_gpipe\t75\n")
+    (tmp_path / "steps.tsv").write_text("install\t0\t5\t60\ngpt_flush\t124\t75\t75\n"
+                                        "gpt_2bw\t1\t9\t75\n")
+    (tmp_path / "gpt_2bw.out").write_text("Traceback (most recent call last):\n  ...\n"
+                                          "RuntimeError: Expected all tensors on one device\n")
+    assert gpu_summary.main(["--out", str(tmp_path), "--quiet"]) == 0
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert {n: s["status"] for n, s in summary["steps"].items()} == {
+        "install": "ok", "gpt_flush": "timed out", "gpt_2bw": "failed", "gpt_gpipe": "not run"}
+    assert summary["steps"]["gpt_2bw"]["reason"].startswith("RuntimeError: Expected")
+    assert summary["schedules"]["gpipe"]["status"] == "not run"
+    assert summary["weight_version_memory"] is None
+    assert "| gpt_gpipe | not run |" in (tmp_path / "gpu_check.md").read_text()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -162,3 +207,160 @@ def test_cuda_fp16_overflow_is_skipped_and_scale_backs_off(tmp_path, schedule) -
     assert all(skipped[:first]) and not any(skipped[first:])
     assert scales[:first] == [2.0 ** 23 / 2 ** i for i in range(first)]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records_)
+
+
+# --- torch's peer schedules on paper (tools/benchmarks/peer_sim.py): no processes --------
+
+def _peer_sim():
+    """tools/ is not a package on sys.path for pytest; import the benchmark modules."""
+    _tools_on_path()
+    from benchmarks import peer_sim
+    return peer_sim
+
+
+def _tools_on_path() -> None:
+    if os.path.join(ROOT, "tools") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+
+@pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (4, 4), (4, 8)])
+@pytest.mark.parametrize("p2p", [0.0, 0.25])
+def test_torch_1f1b_order_and_timeline_are_our_flush(d: int, m: int, p2p: float) -> None:
+    """Schedule1F1B's order (derived from its _step_microbatches) is our flush's, and
+    both simulators time it alike, transfers included."""
+    from megatron_2bw.schedules import build_schedule
+    from megatron_2bw.schedules.simulate import Costs, simulate
+
+    ps = _peer_sim()
+    order = ps.torch_order("1f1b", d, m)
+    flush = build_schedule("flush", d, m, 1, defer_step=False)
+    for s in range(d):
+        ours = [(str(a.kind), a.microbatch) for a in flush[s] if a.is_compute]
+        assert [(a.kind, a.microbatch) for a in order.actions[s]] == ours
+    theirs = ps.simulate_order(order, ps.PeerCosts(forward=1, backward=2, p2p=p2p))
+    mine = simulate(flush, Costs(forward=1, backward=2, p2p=p2p))
+    assert theirs.makespan == pytest.approx(mine.makespan)
+    assert theirs.bubble_ratio == pytest.approx(mine.bubble_ratio)
+    assert [theirs.peak_stash_units[s] for s in range(d)] == [mine.peak_stashes[s]
+                                                               for s in range(d)]
+
+
+@pytest.mark.parametrize("d,m", [(2, 4), (4, 4), (4, 8), (4, 16)])
+@pytest.mark.parametrize("backward", [1.0, 2.0])
+def test_torch_interleaved_1f1b_bubble_is_megatrons(d: int, m: int, backward: float) -> None:
+    """ScheduleInterleaved1F1B's own order, v = 2, free transfers: bubble (d-1)/(v m)."""
+    ps = _peer_sim()
+    order = ps.torch_order("interleaved-1f1b", d, m, chunks=2)
+    t = ps.simulate_order(order, ps.PeerCosts(forward=1, backward=backward))
+    assert order.stage_to_rank == {s: s % d for s in range(2 * d)}
+    assert t.bubble_ratio == pytest.approx((d - 1) / (2 * m))
+
+
+@pytest.mark.parametrize("d,m", [(2, 4), (4, 4), (4, 8)])
+def test_zero_bubble_orders_beat_1f1b(d: int, m: int) -> None:
+    """With I = W = B/2, ZBV (V placement) and interleaved zero-bubble idle less than
+    1F1B and interleaved 1F1B."""
+    ps = _peer_sim()
+    costs = ps.PeerCosts(forward=1, backward=2, input_fraction=0.5)
+    bubble = {s: ps.simulate_order(ps.torch_order(s, d, m), costs).bubble_ratio
+              for s in ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")}
+    assert bubble["zbv"] < bubble["1f1b"] and bubble["interleaved-zb"] < bubble["1f1b"]
+    assert bubble["interleaved-zb"] < bubble["interleaved-1f1b"]
+    assert ps.torch_order("zbv", d, m).stage_to_rank == {
+        s: s if s < d else 2 * d - 1 - s for s in range(2 * d)}
+
+
+def test_every_torch_order_is_complete() -> None:
+    """Each rank's order from torch holds each (microbatch, stage) F once and B once (or
+    I and W once), on the rank holding the stage; DualPipeV refuses m < 2d; the check
+    itself catches an action taken out."""
+    ps = _peer_sim()
+    for d in (2, 4):
+        for m in (d, 2 * d, 4 * d):
+            for schedule in ps.PEERS:
+                if schedule == "dualpipev" and m < 2 * d:
+                    with pytest.raises(ValueError, match="DualPipeV"):
+                        ps.torch_order(schedule, d, m)
+                    continue
+                order = ps.torch_order(schedule, d, m)
+                assert ps.order_problems(order) == []
+                kinds = {a.kind for acts in order.actions.values() for a in acts}
+                assert ("I" in kinds) == (schedule in ps.ZERO_BUBBLE)
+    order = ps.torch_order("zbv", 2, 4)
+    broken = {**order.actions, 0: order.actions[0][1:]}
+    problems = ps.order_problems(dataclasses.replace(order, actions=broken))
+    assert problems and "F x0" in problems[0]
+
+
+def test_peer_transfers_cost_only_between_ranks() -> None:
+    """GPipe's critical path crosses 2(d-1) rank boundaries; stages on one rank pass
+    locally (the tip of the V), so ZBV on a single rank pays for no transfer."""
+    ps = _peer_sim()
+    for d in (2, 4):
+        order = ps.torch_order("gpipe", d, 8)
+        free = ps.simulate_order(order, ps.PeerCosts(p2p=0.0)).makespan
+        paid = ps.simulate_order(order, ps.PeerCosts(p2p=0.5)).makespan
+        assert paid - free == pytest.approx(2 * (d - 1) * 0.5)
+    one_rank = ps.torch_order("zbv", 1, 4)
+    assert (ps.simulate_order(one_rank, ps.PeerCosts(p2p=9.0)).makespan
+            == ps.simulate_order(one_rank, ps.PeerCosts(p2p=0.0)).makespan)
+
+
+def _measured_flush(m: int, d: int = 2) -> dict:
+    """A record as the benchmark writes it for our flush with --breakdown (4 ms forward,
+    8 ms backward per microbatch, 1 ms step, 0.5 ms per send)."""
+    per = [{"F": 4.0 * m, "B": 8.0 * m, "S": 1.0, ("SF" if s < d - 1 else "SB"): 0.5 * m,
+            "RB": 2.0} for s in range(d)]
+    return {"system": "megatron_2bw", "schedule": "flush", "label": "ours flush",
+            "updater": "torch", "defer_step": False, "stages": d, "microbatches": m,
+            "microbatch_size": 8, "samples_per_s": 900.0, "samples_per_s_min": 800.0,
+            "samples_per_s_max": 1000.0, "session_samples_per_s": [900.0, 950.0],
+            "foreign_cores": [0.0, 0.0], "action_ms_per_minibatch": per,
+            "weight_bytes": [100, 100], "optimizer_bytes": [200, 200],
+            "activation_bytes": [20, 10]}
+
+
+def test_simulated_peer_records_and_picture(tmp_path) -> None:
+    """--simulate 2,4 from measured records (made up here): peers beside their
+    measurement at d = 2, predicted at d = 4, 2bw / peer at m = d, memory, the picture."""
+    _tools_on_path()
+    from benchmarks import cli
+    from benchmarks.report import plot
+
+    flush = _measured_flush(2)
+    twobw = dict(flush, schedule="2bw", label="ours 2bw", samples_per_s=1200.0,
+                 samples_per_s_max=1300.0, session_samples_per_s=[1200.0, 1300.0],
+                 action_ms_per_minibatch=None)
+    zbv = dict(flush, system="torch.distributed.pipelining", schedule="zbv",
+               label="torch zbv", action_ms_per_minibatch=None)
+    records = [flush, twobw, zbv]
+    args = cli.parse_args(["--simulate", "2,4", "--peers", "1f1b,zbv,dualpipev"])
+    rows = cli.simulate(records, cli.config_from_args(args), args)
+    peers = {(r["schedule"], r["stages"]): r for r in rows if r["system"] == "simulated-peer"}
+    assert set(peers) == {(s, d) for s in ("1f1b", "zbv", "dualpipev") for d in (2, 4)}
+    assert peers[("zbv", 2)]["simulated_over_measured"] == pytest.approx(
+        peers[("zbv", 2)]["samples_per_s"] / 900.0)
+    assert "measured_samples_per_s" not in peers[("zbv", 4)]
+    assert peers[("dualpipev", 4)]["not_run"].startswith("DualPipeV requires")
+    assert peers[("zbv", 4)]["costs_s"]["p2p"] == pytest.approx(0.5e-3)  # measured send
+    assert set(peers[("zbv", 4)]["samples_per_s_by_input_fraction"]) == {"0.4", "0.6"}
+    assert peers[("1f1b", 4)]["peak_stash_units"] == [4.0, 3.0, 2.0, 1.0]
+    assert peers[("zbv", 4)]["weight_bytes_per_rank"] == 100
+    ours = {(r["schedule"], r["stages"]): r for r in rows if r["system"] == "simulated"}
+    assert ours[("2bw", 4)]["weight_versions"] == 2 and ours[("2bw", 4)][
+        "weight_bytes_per_rank"] == 200
+    # ours and torch's 1F1B are one order under one model: the same prediction
+    assert ours[("flush", 4)]["samples_per_s"] == pytest.approx(
+        peers[("1f1b", 4)]["samples_per_s"])
+    ratios = {r["peer"]: r for r in rows if r["system"] == "peer-ratio"}
+    assert ratios["zbv"]["measured"]["value"] == pytest.approx(  # per-round pairs
+        (1200.0 / 900.0 + 1300.0 / 950.0) / 2)
+    assert ratios["1f1b"]["measured"]["not_run"] == "not measured"
+    assert ratios["zbv"]["simulated"]["4"] == pytest.approx(
+        ours[("2bw", 4)]["samples_per_s"] / peers[("zbv", 4)]["samples_per_s"])
+    assert ratios["dualpipev"]["simulated"]["4"] is None
+    assert ratios["zbv"]["memory"]["4"]["2bw"]["weight_versions"] == 2
+    text = "\n".join(cli._simulated_tables(rows))
+    assert "| torch zbv | 4 | 4 |" in text and "2bw / peer at m = d" in text
+    plot(records, str(tmp_path / "p.png"), simulated=rows)
+    assert (tmp_path / "p.png").stat().st_size > 0

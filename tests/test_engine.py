@@ -86,3 +86,27 @@ def test_delay_is_real() -> None:
     delayed, _ = delayed_reference(4, 1, 3)
     assert vanilla[0] == pytest.approx(delayed[0], rel=1e-7)
     assert vanilla[1] != pytest.approx(delayed[1], rel=1e-4)
+
+
+def test_receives_are_posted_ahead_in_link_order():
+    """Every receive after the first compute action is posted before the forward or
+    backward that precedes it, none twice, in list order (so untagged messages on a link
+    still match); the receives before any compute wait at their own action."""
+    from megatron_2bw.runtime.executor import receives_ahead
+    from megatron_2bw.schedules import build_schedule
+    from megatron_2bw.schedules.actions import BACKWARD, FORWARD, RECV_KINDS
+
+    for name, chunks in (("flush", 1), ("2bw", 1), ("gpipe", 1), ("flush", 2)):
+        sched = build_schedule(name, 2, 4, 2, num_chunks=chunks)
+        for stage in range(2):
+            actions = list(sched[stage])
+            ahead = receives_ahead(actions)
+            posted = [a for i in sorted(ahead) for a in ahead[i]]
+            first = next(i for i, a in enumerate(actions) if a.kind in (FORWARD, BACKWARD))
+            later = [a for a in actions[first:] if a.kind in RECV_KINDS]
+            assert posted == later  # each once, in list order
+            for i, recvs in ahead.items():
+                assert actions[i].kind in (FORWARD, BACKWARD)
+                for r in recvs:  # no compute between the posting point and the receive
+                    j = actions.index(r)
+                    assert all(a.kind not in (FORWARD, BACKWARD) for a in actions[i + 1:j])

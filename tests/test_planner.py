@@ -22,6 +22,7 @@ from megatron_2bw.planner import (PRESETS, CostModel, FlopsCompute, Hardware, Mo
                                   load_hardware, search)
 from megatron_2bw.planner.cli import main as cli_main
 from megatron_2bw.planner.compute import (PartTiming, Profile, ProfiledCompute, ProfileEntry,
+                                          TensorParallelEntry, amdahl_time,
                                           load_profile)
 from megatron_2bw.planner.cost_model import pipeline_lower_bound_s, pipeline_timing
 from megatron_2bw.planner.explain import best_per_group, format_table, stages_sentence
@@ -697,7 +698,7 @@ def test_profiler_measures_a_tiny_megatron_layer(tmp_path):
     cmd = [sys.executable, "-m", "megatron_2bw.planner", "profile", "--hidden-size", "64",
            "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128",
            "--micro-batch-sizes", "1,2", "--repeats", "1", "--warmup", "1",
-           "--output", str(out)]
+           "--tensor-parallel-sizes", "1,2", "--output", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     prof = load_profile(str(out))
     model = ModelSpec("gpt", 2, 64, 4, 32, 128)
@@ -712,6 +713,39 @@ def test_profiler_measures_a_tiny_megatron_layer(tmp_path):
             model.layer_activation_bytes(b, 1), rel=0.25)
     assert prof.params["layer"] == model.layer_params()
     assert math.isfinite(prof.entries[1].output.forward_s)
+    # tp = 2 in two processes: every piece timed, the all-reduces beside them
+    split = prof.tensor_parallel[2]
+    assert [e.micro_batch_size for e in split] == [1, 2]
+    assert all(e.layer.forward_s > 0 and e.output.backward_s > 0 and e.allreduce_s > 0
+               and e.loss_allreduce_s > 0 for e in split)
+    assert 0 < layers.layer_forward_s(2, 2) <= split[1].layer.forward_s
+
+
+def test_tensor_parallel_profile_fits_unsplit_plus_split(tmp_path):
+    """A layer forward of 2 s at tp = 1 measured at 1.6 s at tp = 2 (0.1 s of it its two
+    all-reduces) is 1 s unsplit + 1 s split: 1.25 s of compute at tp 4, not the 0.5 s of
+    2 / 4; the JSON keeps the raw times and the reader takes the all-reduces out."""
+    prof = _profile({1: 2.0, 4: 8.0})
+    measured = PartTiming(1.6, 3.2, 4.4, 0.0, 0.0, 0.0)
+    tp2 = tuple(TensorParallelEntry(b, measured, PartTiming(0.7, 1.5), 0.05, 0.01)
+                for b in (1, 4))
+    prof = replace(prof, tensor_parallel={2: tp2})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_dict()))
+    loaded = load_profile(str(path))
+    assert loaded == prof
+    layers = ProfiledCompute(loaded, SMALL)
+    assert layers.layer_forward_s(1, 2) == pytest.approx(1.5)  # 1.6 - 2 x 0.05
+    assert layers.layer_forward_s(1, 4) == pytest.approx(1.0 + 1.0 / 4)
+    assert layers.layer_recompute_backward_s(1, 2) == pytest.approx(4.4 - 4 * 0.05)
+    assert layers.output_s(1, 2) == pytest.approx((0.7 - 3 * 0.01, 1.5 - 0.05))
+    assert layers.layer_forward_s(1, 1) == pytest.approx(2.0)
+    assert amdahl_time([(1, 1.0), (2, 0.7), (4, 0.55)], 8) == pytest.approx(0.4 + 0.6 / 8)
+    # faster than linear: nothing unsplit, the measured points still met where measured
+    assert amdahl_time([(1, 1.0), (2, 0.4)], 2) == pytest.approx(0.4)
+    assert amdahl_time([(1, 1.0), (2, 0.4)], 4) >= 0
+    # a profile without tensor-parallel entries: time / tp, as before
+    assert ProfiledCompute(_profile({1: 2.0}), SMALL).layer_forward_s(1, 4) == pytest.approx(0.5)
 
 
 # ---------------------------------------------------------------- latency (alpha-beta)

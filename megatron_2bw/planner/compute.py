@@ -1,10 +1,18 @@
 """Per-layer compute times and sizes: from a measured profile, or estimated from FLOPs.
 
-Both sources answer the same questions for one device without tensor parallelism (the
-cost model divides by the tensor-parallel size and adds its communication):
-forward/backward seconds of a transformer layer, the embedding and the output layer at
-microbatch size b, and activation bytes. The profile JSON is written by
-`python -m megatron_2bw.planner profile` (see `profile.py`); reading it needs no torch.
+Both sources answer the same questions for one device: forward/backward seconds of one
+rank's share of a transformer layer, the embedding and the output layer at microbatch size
+b and tensor-parallel size tp, compute only (the cost model adds the communication), and
+activation bytes. The profile JSON is written by `python -m megatron_2bw.planner profile`
+(see `profile.py`); reading it needs no torch.
+
+Why tp is a question and not a division: a tensor-parallel rank computes its share of the
+GEMMs and attention heads, but also the whole LayerNorms, residual adds, dropouts and bias
+adds of the [s, b, h] activation, and the kernel launches, which tensor parallelism does
+not split. A profile measured at tp = 1 and at some tp = k (`--tensor-parallel-sizes`)
+fits each time to `u + s / tp` (unsplit + split, `amdahl_time`); a profile measured at
+tp = 1 only, and the FLOPs estimate, keep the old `time / tp` (the FLOPs estimate's fixed
+per-layer overhead is not split).
 """
 from __future__ import annotations
 
@@ -25,14 +33,14 @@ class LayerModel(Protocol):
 
     source: str
 
-    def layer_forward_s(self, b: int) -> float: ...
-    def layer_backward_s(self, b: int) -> float: ...
-    def layer_recompute_backward_s(self, b: int) -> float: ...
+    def layer_forward_s(self, b: int, tp: int = 1) -> float: ...
+    def layer_backward_s(self, b: int, tp: int = 1) -> float: ...
+    def layer_recompute_backward_s(self, b: int, tp: int = 1) -> float: ...
     def embedding_s(self, b: int) -> tuple[float, float]: ...
-    def output_s(self, b: int) -> tuple[float, float]: ...
+    def output_s(self, b: int, tp: int = 1) -> tuple[float, float]: ...
     def layer_activation_bytes(self, b: int, tp: int) -> float: ...
     def layer_selective_activation_bytes(self, b: int, tp: int) -> float: ...
-    def attention_core_forward_s(self, b: int) -> float: ...
+    def attention_core_forward_s(self, b: int, tp: int = 1) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -49,21 +57,21 @@ class FlopsCompute:
     hardware: Hardware
     source: str = "flops"
 
-    def layer_forward_s(self, b: int) -> float:
-        return (self.model.layer_forward_flops(b) / self.hardware.flops_per_s
+    def layer_forward_s(self, b: int, tp: int = 1) -> float:
+        return (self.model.layer_forward_flops(b) / tp / self.hardware.flops_per_s
                 + self.hardware.layer_overhead_ms * 1e-3)
 
-    def layer_backward_s(self, b: int) -> float:
-        return 2.0 * self.layer_forward_s(b)
+    def layer_backward_s(self, b: int, tp: int = 1) -> float:
+        return 2.0 * self.layer_forward_s(b, tp)
 
-    def layer_recompute_backward_s(self, b: int) -> float:
-        return self.layer_backward_s(b) + self.layer_forward_s(b)
+    def layer_recompute_backward_s(self, b: int, tp: int = 1) -> float:
+        return self.layer_backward_s(b, tp) + self.layer_forward_s(b, tp)
 
     def embedding_s(self, b: int) -> tuple[float, float]:
         return 0.0, 0.0
 
-    def output_s(self, b: int) -> tuple[float, float]:
-        forward = self.model.output_forward_flops(b) / self.hardware.flops_per_s
+    def output_s(self, b: int, tp: int = 1) -> tuple[float, float]:
+        forward = self.model.output_forward_flops(b) / tp / self.hardware.flops_per_s
         return forward, 2.0 * forward
 
     def layer_activation_bytes(self, b: int, tp: int) -> float:
@@ -72,10 +80,10 @@ class FlopsCompute:
     def layer_selective_activation_bytes(self, b: int, tp: int) -> float:
         return self.model.layer_selective_activation_bytes(b, tp)
 
-    def attention_core_forward_s(self, b: int) -> float:
+    def attention_core_forward_s(self, b: int, tp: int = 1) -> float:
         """QK^T and attention over V (4bs^2h FLOPs), what selective recomputation repeats;
         no per-layer overhead: it is a few kernels inside a layer already counted."""
-        return self.model.attention_core_forward_flops(b) / self.hardware.flops_per_s
+        return self.model.attention_core_forward_flops(b) / tp / self.hardware.flops_per_s
 
 
 @dataclass(frozen=True)
@@ -101,14 +109,46 @@ class ProfileEntry:
 
 
 @dataclass(frozen=True)
+class TensorParallelEntry:
+    """The same pieces measured at tensor-parallel size k, in k processes, each timing
+    its own share; the times include the all-reduces the pieces run, which are measured
+    apart (`allreduce_s`: one of the [s, b, h] activation, `loss_allreduce_s`: one of the
+    loss's [s, b] fp32) so that the reader can take them out (`compute_part`)."""
+
+    micro_batch_size: int
+    layer: PartTiming
+    output: PartTiming
+    allreduce_s: float
+    loss_allreduce_s: float
+
+    def compute_part(self, part: str, name: str) -> float:
+        """Measured seconds less the all-reduces megatron-core runs inside them: a layer
+        does 2 in forward and 2 in backward (4 with full recomputation), the output side
+        3 small ones in forward (the vocab-parallel loss) and 1 in backward."""
+        measured = getattr(getattr(self, part), name)
+        count = {("layer", "forward_s"): (2, 0), ("layer", "backward_s"): (2, 0),
+                 ("layer", "recompute_backward_s"): (4, 0),
+                 ("output", "forward_s"): (0, 3), ("output", "backward_s"): (1, 0)}
+        big, small = count[(part, name)]
+        return max(0.0, measured - big * self.allreduce_s - small * self.loss_allreduce_s)
+
+
+def _part_dict(p: PartTiming) -> dict:
+    return dict(p.__dict__)
+
+
+@dataclass(frozen=True)
 class Profile:
-    """Measurements of one model shape on one device, at several microbatch sizes."""
+    """Measurements of one model shape on one device, at several microbatch sizes, and
+    optionally at tensor-parallel sizes above 1 (`tensor_parallel`: k -> entries)."""
 
     device: str
     dtype_bytes: int
     model: dict
     entries: tuple[ProfileEntry, ...]
     params: dict = field(default_factory=dict)
+    tensor_parallel: dict = field(default_factory=dict)
+    """{k: tuple of TensorParallelEntry sorted by microbatch size}"""
 
     def matches(self, spec: ModelSpec) -> list[str]:
         """Model fields that differ between the profile and `spec` (empty: usable)."""
@@ -119,13 +159,29 @@ class Profile:
                 if self.model.get(k) != v]
 
     def to_dict(self) -> dict:
-        def part(p: PartTiming) -> dict:
-            return dict(p.__dict__)
-        return {"format": PROFILE_FORMAT, "device": self.device, "dtype_bytes": self.dtype_bytes,
-                "model": self.model, "params": self.params,
-                "entries": [{"micro_batch_size": e.micro_batch_size, "layer": part(e.layer),
-                             "embedding": part(e.embedding), "output": part(e.output)}
-                            for e in self.entries]}
+        out = {"format": PROFILE_FORMAT, "device": self.device, "dtype_bytes": self.dtype_bytes,
+               "model": self.model, "params": self.params,
+               "entries": [{"micro_batch_size": e.micro_batch_size,
+                            "layer": _part_dict(e.layer), "embedding": _part_dict(e.embedding),
+                            "output": _part_dict(e.output)} for e in self.entries]}
+        if self.tensor_parallel:
+            out["tensor_parallel"] = {
+                str(k): [{"micro_batch_size": e.micro_batch_size, "layer": _part_dict(e.layer),
+                          "output": _part_dict(e.output), "allreduce_s": e.allreduce_s,
+                          "loss_allreduce_s": e.loss_allreduce_s} for e in entries]
+                for k, entries in sorted(self.tensor_parallel.items())}
+        return out
+
+
+def tensor_parallel_entries(data: dict) -> dict:
+    """The optional `tensor_parallel` section of a profile JSON."""
+    return {int(k): tuple(sorted((TensorParallelEntry(int(e["micro_batch_size"]),
+                                                      PartTiming(**e["layer"]),
+                                                      PartTiming(**e["output"]),
+                                                      float(e["allreduce_s"]),
+                                                      float(e["loss_allreduce_s"]))
+                                  for e in entries), key=lambda e: e.micro_batch_size))
+            for k, entries in data.get("tensor_parallel", {}).items()}
 
 
 def load_profile(path: str) -> Profile:
@@ -143,12 +199,29 @@ def load_profile(path: str) -> Profile:
                                              PartTiming(**e["output"]))
                                 for e in data["entries"]), key=lambda e: e.micro_batch_size))
         profile = Profile(str(data["device"]), int(data["dtype_bytes"]), dict(data["model"]),
-                          entries, dict(data.get("params", {})))
-    except (KeyError, TypeError, ValueError) as err:
+                          entries, dict(data.get("params", {})), tensor_parallel_entries(data))
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise ValueError(f"profile {path} is malformed: {err}") from None
     if not entries:
         raise ValueError(f"profile {path} has no measurements")
     return profile
+
+
+def amdahl_time(points: list[tuple[int, float]], tp: int) -> float:
+    """Seconds at tensor-parallel size `tp` from measured (size, seconds) points, one of
+    them at size 1: least squares of `u + s / size` (u: what tensor parallelism does not
+    split, s: what it does), both kept non-negative; a measured size is returned as is."""
+    for size, seconds in points:
+        if size == tp:
+            return seconds
+    xs = [1.0 / size for size, _ in points]
+    ys = [seconds for _, seconds in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    split = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else my
+    split = max(0.0, split)
+    unsplit = max(0.0, my - split * mx)
+    return unsplit + split / tp
 
 
 def _interpolate(xs: list[int], ys: list[float], b: int) -> float:
@@ -169,9 +242,11 @@ def _interpolate(xs: list[int], ys: list[float], b: int) -> float:
 class ProfiledCompute:
     """Compute times from a profile, activation bytes from it scaled to fp16 and to tp.
 
-    The profile is taken without tensor parallelism; its activation bytes are scaled to
-    tp by the ratio of Korthikanti et al.'s formula at tp and at 1 (the part of a layer's
-    activations that tensor parallelism splits).
+    Times at tp > 1: `amdahl_time` over the profile's tp = 1 entry and its tensor-parallel
+    entries (all-reduces taken out), or the tp = 1 time / tp when it has none. Activation
+    bytes are measured at tp = 1 and scaled to tp by the ratio of Korthikanti et al.'s
+    formula at tp and at 1 (the part of a layer's activations that tensor parallelism
+    splits).
     """
 
     profile: Profile
@@ -183,24 +258,34 @@ class ProfiledCompute:
         xs = [e.micro_batch_size for e in self.profile.entries]
         return xs, [getattr(getattr(e, part), name) for e in self.profile.entries]
 
-    def _at(self, part: str, name: str, b: int) -> float:
-        return _interpolate(*self._series(part, name), b)
+    def _at(self, part: str, name: str, b: int, tp: int = 1) -> float:
+        single = _interpolate(*self._series(part, name), b)
+        if tp == 1:
+            return single
+        if not self.profile.tensor_parallel:
+            return single / tp
+        points = [(1, single)]
+        for k, entries in sorted(self.profile.tensor_parallel.items()):
+            xs = [e.micro_batch_size for e in entries]
+            points.append((k, _interpolate(xs, [e.compute_part(part, name) for e in entries], b)))
+        return amdahl_time(points, tp)
 
-    def layer_forward_s(self, b: int) -> float:
-        return self._at("layer", "forward_s", b)
+    def layer_forward_s(self, b: int, tp: int = 1) -> float:
+        return self._at("layer", "forward_s", b, tp)
 
-    def layer_backward_s(self, b: int) -> float:
-        return self._at("layer", "backward_s", b)
+    def layer_backward_s(self, b: int, tp: int = 1) -> float:
+        return self._at("layer", "backward_s", b, tp)
 
-    def layer_recompute_backward_s(self, b: int) -> float:
-        measured = self._at("layer", "recompute_backward_s", b)
-        return measured if measured > 0 else self.layer_backward_s(b) + self.layer_forward_s(b)
+    def layer_recompute_backward_s(self, b: int, tp: int = 1) -> float:
+        if self._at("layer", "recompute_backward_s", b) > 0:
+            return self._at("layer", "recompute_backward_s", b, tp)
+        return self.layer_backward_s(b, tp) + self.layer_forward_s(b, tp)
 
     def embedding_s(self, b: int) -> tuple[float, float]:
         return self._at("embedding", "forward_s", b), self._at("embedding", "backward_s", b)
 
-    def output_s(self, b: int) -> tuple[float, float]:
-        return self._at("output", "forward_s", b), self._at("output", "backward_s", b)
+    def output_s(self, b: int, tp: int = 1) -> tuple[float, float]:
+        return self._at("output", "forward_s", b, tp), self._at("output", "backward_s", b, tp)
 
     def layer_activation_bytes(self, b: int, tp: int) -> float:
         scale = self.activation_bytes / self.profile.dtype_bytes
@@ -216,8 +301,8 @@ class ProfiledCompute:
         return (self.layer_activation_bytes(b, tp) * spec.layer_selective_activation_bytes(b, tp)
                 / spec.layer_activation_bytes(b, tp))
 
-    def attention_core_forward_s(self, b: int) -> float:
+    def attention_core_forward_s(self, b: int, tp: int = 1) -> float:
         """The measured forward times the core attention's share of the layer's FLOPs."""
         spec = self.model
-        return (self.layer_forward_s(b) * spec.attention_core_forward_flops(b)
+        return (self.layer_forward_s(b, tp) * spec.attention_core_forward_flops(b)
                 / spec.layer_forward_flops(b))

@@ -4,7 +4,9 @@ Pure functions over frozen dataclasses; no torch, no process groups. The pieces 
 their sources:
 
 - per-stage compute: a `LayerModel` (measured profile, or FLOPs per Narayanan et al.
-  SC21) divided by the tensor-parallel size;
+  SC21) at the tensor-parallel size: one rank's share, which is the time / tp only for
+  the part tensor parallelism splits when the profile was measured at tp > 1 too
+  (`compute.amdahl_time`);
 - recomputation (`spec.Recompute`, Megatron-LM's options): full recomputation runs a
   recomputed layer's forward again in backward, selective only the core attention
   (4bs^2h FLOPs per layer);
@@ -343,13 +345,13 @@ def _layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
     """One transformer layer at this tp and b: per-microbatch seconds."""
     b, t = cfg.micro_batch_size, cfg.tensor_parallel
     ar = cm.tensor_parallel_allreduce_s(cfg)
-    fwd, bwd = cm.layers.layer_forward_s(b) / t, cm.layers.layer_backward_s(b) / t
+    fwd, bwd = cm.layers.layer_forward_s(b, t), cm.layers.layer_backward_s(b, t)
     plain = _MicrobatchTimes(forward=fwd + 2 * ar, backward=bwd + 2 * ar, compute=fwd + bwd,
                              recompute=0.0, tensor_parallel=4 * ar,
                              collectives=4 if t > 1 else 0)
-    return _LayerTimes(plain, full_recompute_s=cm.layers.layer_recompute_backward_s(b) / t - bwd,
+    return _LayerTimes(plain, full_recompute_s=cm.layers.layer_recompute_backward_s(b, t) - bwd,
                        full_recompute_tp_s=2 * ar,
-                       selective_recompute_s=cm.layers.attention_core_forward_s(b) / t)
+                       selective_recompute_s=cm.layers.attention_core_forward_s(b, t))
 
 
 def _stage_layer_times(layer: _LayerTimes, rc: Recompute, n: int) -> _MicrobatchTimes:
@@ -388,8 +390,8 @@ def _ends_times(cm: CostModel, cfg: ParallelConfig, first: bool, last: bool) -> 
         ef, eb = cm.layers.embedding_s(b)
         fwd, bwd, tp, count = fwd + ef, bwd + eb, tp + ar, count + 1
     if last:
-        of, ob = cm.layers.output_s(b)
-        fwd, bwd = fwd + of / t, bwd + ob / t
+        of, ob = cm.layers.output_s(b, t)
+        fwd, bwd = fwd + of, bwd + ob
         tp, count = tp + ar + loss, count + 1 + LOSS_ALLREDUCES
     compute = fwd + bwd
     return _MicrobatchTimes(forward=fwd + (ar if first else 0.0) + (loss if last else 0.0),

@@ -13,6 +13,13 @@ and counts the bytes each saves for backward with `torch.autograd.graph.
 saved_tensors_hooks` (parameters excluded, shared storage counted once). It writes the
 profile JSON that `compute.load_profile` reads.
 
+`--tensor-parallel-sizes 1,2` also measures the layer and the output side split over k
+processes by megatron-core's tensor parallelism (gloo on CPU, NCCL with one GPU per
+process), with the all-reduce of one [s, b, h] activation and of one [s, b] fp32 loss
+term timed beside them in the same processes, so that the planner can take the
+communication out and learn how much of a layer tensor parallelism does not split
+(LayerNorms, residuals, dropout, launches; `compute.amdahl_time`).
+
 This is the one planner module that imports torch and megatron-core, lazily, from
 `main`; it starts a one-process group only because megatron-core's layers read
 `parallel_state`. Planning itself never imports it.
@@ -56,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, help="accepted for symmetry with the planner; "
                    "one layer is measured")
     p.add_argument("--micro-batch-sizes", default="1,2,4,8", help="comma-separated")
+    p.add_argument("--tensor-parallel-sizes", default="1",
+                   help="comma-separated; each k > 1 runs k processes (k GPUs on CUDA)")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"),
                    help="default fp16 on CUDA, fp32 on CPU")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
@@ -72,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"--micro-batch-sizes: expected integers, got {args.micro_batch_sizes!r}")
     if not sizes or min(sizes) < 1:
         build_parser().error("--micro-batch-sizes: need positive integers")
+    tp_sizes = _tensor_parallel_sizes(args.tensor_parallel_sizes, args.num_attention_heads)
     for flag in ("hidden_size", "num_attention_heads", "seq_length", "repeats"):
         if getattr(args, flag) < 1:
             build_parser().error(f"--{flag.replace('_', '-')} must be positive")
@@ -88,15 +98,37 @@ def main(argv: list[str] | None = None) -> int:
                           seq_length=args.seq_length,
                           vocab_size=args.vocab_size or (50257 if args.model == "gpt" else 30522),
                           micro_batch_sizes=sizes, dtype=args.dtype, repeats=args.repeats,
-                          warmup=args.warmup)
+                          warmup=args.warmup, tensor_parallel_sizes=tp_sizes)
     Path(args.output).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     for e in profile.entries:
         sys.stdout.write(f"b={e.micro_batch_size}: layer F {e.layer.forward_s * 1e3:.2f} ms, "
                          f"B {e.layer.backward_s * 1e3:.2f} ms, B with recompute "
                          f"{e.layer.recompute_backward_s * 1e3:.2f} ms, saved "
                          f"{(e.layer.activation_bytes_float + e.layer.activation_bytes_other) / 1e6:.1f} MB\n")
+    for k, entries in sorted(profile.tensor_parallel.items()):
+        for e in entries:
+            sys.stdout.write(f"tp={k} b={e.micro_batch_size}: layer F {e.layer.forward_s * 1e3:.2f} "
+                             f"ms, B {e.layer.backward_s * 1e3:.2f} ms (all-reduces included: "
+                             f"{e.allreduce_s * 1e3:.2f} ms each)\n")
     sys.stdout.write(f"profile of {profile.device} written to {args.output}\n")
     return 0
+
+
+def _tensor_parallel_sizes(text: str, heads: int) -> list[int]:
+    """The sizes of --tensor-parallel-sizes, or a one-line error naming the flag."""
+    import torch
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x})
+    except ValueError:
+        build_parser().error(f"--tensor-parallel-sizes: expected integers, got {text!r}")
+    if not sizes or min(sizes) < 1 or any(heads % k for k in sizes):
+        build_parser().error(f"--tensor-parallel-sizes {text}: need positive sizes that "
+                             f"divide --num-attention-heads {heads}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and max(sizes) > gpus:
+        build_parser().error(f"--tensor-parallel-sizes {text}: {max(sizes)} processes need "
+                             f"{max(sizes)} GPUs, this machine has {gpus}")
+    return sizes
 
 
 @contextmanager
@@ -123,7 +155,7 @@ def _single_process_megatron() -> Iterator[None]:
 def run_profile(*, model: str, hidden_size: int, ffn_hidden_size: int | None,
                 num_attention_heads: int, seq_length: int, vocab_size: int,
                 micro_batch_sizes: list[int], dtype: str | None = None, repeats: int = 3,
-                warmup: int = 2) -> Profile:
+                warmup: int = 2, tensor_parallel_sizes: tuple[int, ...] = (1,)) -> Profile:
     """Measure and return a `Profile` (see the module docstring)."""
     import torch
     from megatron_2bw.models.compat import model_parallel_manual_seed
@@ -151,8 +183,71 @@ def run_profile(*, model: str, hidden_size: int, ffn_hidden_size: int | None,
             "ffn_hidden_size": ffn_hidden_size or 4 * hidden_size,
             "num_attention_heads": num_attention_heads, "seq_length": seq_length,
             "vocab_size": vocab_size}
+    shape = dict(spec, micro_batch_sizes=list(micro_batch_sizes), dtype=str(torch_dtype),
+                 repeats=repeats, warmup=warmup)
+    split = {k: _profile_tensor_parallel(k, shape) for k in tensor_parallel_sizes if k > 1}
     return Profile(device=name, dtype_bytes=torch.finfo(torch_dtype).bits // 8, model=spec,
-                   entries=entries, params=params)
+                   entries=entries, params=params, tensor_parallel=split)
+
+
+def _profile_tensor_parallel(k: int, shape: dict) -> tuple:
+    """The layer and output side at tensor-parallel size k, in k spawned processes; rank
+    0's measurements (the ranks run in lockstep through their all-reduces)."""
+    import torch.multiprocessing as mp
+    from .compute import tensor_parallel_entries
+
+    with tempfile.TemporaryDirectory(prefix="m2bw-profile-tp") as tmp:
+        mp.start_processes(_tensor_parallel_worker, args=(k, tmp, shape), nprocs=k,
+                           join=True, start_method="spawn")
+        return tensor_parallel_entries(json.loads((Path(tmp) / "rank0.json").read_text()))[k]
+
+
+def _tensor_parallel_worker(rank: int, k: int, tmp: str, shape: dict) -> None:
+    """One of k processes: megatron-core at tp = k, the pieces timed, the all-reduces of
+    the sizes they communicate timed; rank 0 writes a profile holding only them."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron_2bw.models.compat import apply_cpu_shims, model_parallel_manual_seed
+    from megatron_2bw.models.config import ModelConfig, pad_vocab_size
+    from megatron_2bw.models.stages import build_stage
+    from .compute import TensorParallelEntry
+    from .netprofile import time_allreduce
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    apply_cpu_shims()
+    store = dist.FileStore(str(Path(tmp) / "store"), k)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=k)
+    parallel_state.initialize_model_parallel(k, 1)
+    model_parallel_manual_seed(1234)
+    dtype = getattr(torch, shape["dtype"].split(".")[-1])
+    config = ModelConfig(model=shape["model"], num_layers=1, hidden_size=shape["hidden_size"],
+                         ffn_hidden_size=shape["ffn_hidden_size"],
+                         num_attention_heads=shape["num_attention_heads"],
+                         seq_length=shape["seq_length"],
+                         vocab_size=pad_vocab_size(shape["vocab_size"], 128, k),
+                         params_dtype=dtype, bert_binary_head=False)
+    stage = build_stage(config, 0, 1, device=device)
+    stage.train()
+    parts = _Parts(stage, config, device, shape["repeats"], shape["warmup"])
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    entries = []
+    for b in shape["micro_batch_sizes"]:
+        e = parts.entry(b)
+        act = torch.ones(shape["seq_length"] * b * shape["hidden_size"], dtype=dtype, device=device)
+        loss = torch.ones(shape["seq_length"] * b, dtype=torch.float32, device=device)
+        reps = max(3, shape["repeats"])
+        entries.append(TensorParallelEntry(b, e.layer, e.output, time_allreduce(act, reps, sync),
+                                           time_allreduce(loss, reps, sync)))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    if rank == 0:
+        out = Profile("", 0, {}, (), {}, {k: tuple(entries)}).to_dict()
+        Path(tmp, "rank0.json").write_text(json.dumps(out))
 
 
 class _Parts:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Optional, Protocol
+from typing import Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,25 @@ class RunResult:
 
 StepCallback = Callable[[int, RunResult], None]
 Key = tuple[int, int]  # (microbatch, model chunk)
+
+_COMPUTE = (K.FORWARD, K.BACKWARD)
+_RECEIVES = (K.RECV_FORWARD, K.RECV_BACKWARD)
+
+
+def receives_ahead(actions: Sequence[Action]) -> dict[int, list[Action]]:
+    """{index of a forward or backward: the receive actions between it and the next
+    forward or backward}, in list order: the executor posts them before running that
+    compute action. Receives before the first compute action are not posted ahead.
+    Posting in list order keeps every link's order, which is what untagged messages
+    match by."""
+    ahead: dict[int, list[Action]] = {}
+    current: Optional[int] = None
+    for i, action in enumerate(actions):
+        if action.kind in _COMPUTE:
+            current = i
+        elif action.kind in _RECEIVES and current is not None:
+            ahead.setdefault(current, []).append(action)
+    return ahead
 TokenCount = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 
@@ -120,10 +139,18 @@ class PipelineExecutor:
         self._check_declarations(schedule)
         self._reset(schedule, data)
         self._on_step = on_step
-        for action in schedule[self.links.stage]:
-            self._handlers[action.kind](action)
+        self._run_actions(schedule[self.links.stage])
         self.p2p.wait_all()
         return self._result
+
+    def _run_actions(self, actions: Sequence[Action]) -> None:
+        """Dispatch each action; before a forward or backward, post the receives that the
+        next compute action waits for (`receives_ahead`), so their transfers overlap it."""
+        ahead = receives_ahead(actions)
+        for i, action in enumerate(actions):
+            for recv in ahead.get(i, ()):
+                self.p2p.post(self._peer(recv))
+            self._handlers[action.kind](action)
 
     def _check_declarations(self, schedule: Schedule) -> None:
         held = (self.weights.num_buffers, self.weights.num_grad_buffers,
@@ -147,8 +174,7 @@ class PipelineExecutor:
             module.eval()
         try:
             with torch.no_grad():
-                for action in schedule[self.links.stage]:
-                    self._handlers[action.kind](action)
+                self._run_actions(schedule[self.links.stage])
         finally:
             self._train = True
             for module in self.weights.modules:

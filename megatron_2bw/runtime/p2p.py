@@ -7,10 +7,15 @@ executor names the peer stage of every transfer (`Action.peer`); `send` / `recv`
 to its rank. Transfers are untagged: each link carries them in the order the schedule
 lists them, which the validator checks send by receive.
 
-Sends are asynchronous (`isend`) and kept alive until they complete; receives block.
-With the schedule's send/receive order checked by the validator this cannot deadlock,
-and it avoids batched isend/irecv, which hangs on gloo (pytorch issue 132644). The
-device follows the tensors, so the same code runs over gloo on CPU and NCCL on CUDA.
+Sends are asynchronous (`isend`) and kept alive until they complete; a receive is
+either posted ahead (`post`, an `irecv` the executor issues while the compute before it
+runs, so the transfer overlaps that compute instead of starting when the tensor is
+needed: gloo moves a message only once its receive is posted) and waited for at its
+action, or posted and waited for at once. Posting keeps the schedule's order on every
+link, so untagged messages still match; with that order checked by the validator this
+cannot deadlock, and it avoids batched isend/irecv, which hangs on gloo (pytorch issue
+132644). The device follows the tensors, so the same code runs over gloo on CPU and NCCL
+on CUDA.
 
 Every wait is bounded by the process group's timeout (--distributed-timeout-minutes);
 when it runs out, or the peer's connection breaks, the error names the neighbouring
@@ -18,6 +23,7 @@ stage and rank that stopped answering instead of gloo's anonymous timeout.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -118,15 +124,32 @@ class P2P:
     def __init__(self, links: StageLinks):
         self.links = links
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self._posted: dict[int, deque[tuple[dist.Work, torch.Tensor]]] = {}
         self.bytes_sent = 0
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.links.boundary_shape, dtype=self.links.boundary_dtype,
+                           device=self.links.device)
+
+    def post(self, stage: int) -> None:
+        """Post the next receive from neighbouring stage `stage` now; `recv` waits for it."""
+        src = self.links.rank_of(stage)
+        if src is None:
+            raise RuntimeError(f"stage {self.links.stage} has no neighbour to receive from")
+        buf = self._buffer()
+        self._posted.setdefault(src, deque()).append((dist.irecv(buf, src=src), buf))
 
     def _recv(self, src: Optional[int], kind: Optional[str] = None) -> torch.Tensor:
         if src is None:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to receive from")
-        buf = torch.empty(self.links.boundary_shape, dtype=self.links.boundary_dtype,
-                          device=self.links.device)
+        posted = self._posted.get(src)
         try:
-            dist.recv(buf, src=src)
+            if posted:  # the oldest receive posted from src is this one (link order)
+                work, buf = posted.popleft()
+                work.wait()
+            else:
+                buf = self._buffer()
+                dist.recv(buf, src=src)
         except RuntimeError as err:
             kind = kind or ("an activation" if src == self.links.prev_rank else "a gradient")
             raise peer_failure(err, self._peer(src), f"stage {self.links.stage}'s receive "
@@ -171,6 +194,10 @@ class P2P:
         self._send(tensor, self.links.prev_rank)
 
     def wait_all(self) -> None:
+        if any(self._posted.values()):
+            raise RuntimeError(f"stage {self.links.stage}: receives posted ahead were never "
+                               f"waited for (the executor's posting and its receive actions "
+                               f"disagree)")
         for work, _, dst in self._pending:
             try:
                 work.wait()

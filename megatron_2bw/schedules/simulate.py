@@ -14,7 +14,9 @@ communication model, so the validator calls it:
   counts the tied gradient), for the tied all-reduce; it starts the model-wide sums
   (gradient norm, inf/NaN flag) without blocking;
 - S(k) waits until every stage has run G(k) (the sums are complete) and, on a tied
-  stage, for the tied all-reduce; then steps.
+  stage, for the tied all-reduce; then steps. With `Costs.local_step` it waits for
+  neither the other stages nor their sums (a plain torch optimizer per stage, as the
+  benchmark's "torch" updater and torch.distributed.pipelining's runner step).
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ class Costs:
     allreduce: PerStage = 0.0  # data-parallel all-reduce of one stage's gradients
     step: PerStage = 0.0    # optimizer step
     tied: float = 0.0       # all-reduce of the tied word-embedding gradient (first, last)
+    local_step: bool = False  # S waits only for its own stage (a plain torch optimizer,
+    #                           no model-wide sums); default: every stage's G, as below
 
     def of(self, name: str, stage: int) -> float:
         value = getattr(self, name)
@@ -118,6 +122,9 @@ class _Sim:
             if self.sched.tied_stages and s == min(self.sched.tied_stages):
                 return self._after_tied(a.minibatch, ready)
             return ready
+        if a.kind == OPTIMIZER_STEP and self.costs.local_step:
+            ready = self.clock[s]
+            return self._after_tied(a.minibatch, ready) if s in self.sched.tied_stages else ready
         if a.kind == OPTIMIZER_STEP:
             started = [self.sums_started.get((t, a.minibatch)) for t in self.sched]
             if any(t is None for t in started):

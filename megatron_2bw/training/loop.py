@@ -296,9 +296,14 @@ class Trainer:
                 "consumed_samples": self.run.batch_sizes.consumed(iteration)}
 
     def _microbatches(self, dataset, first_sample: int):
-        """This data-parallel rank's microbatches from `first_sample` on, in Megatron's order."""
-        return microbatches(dataset, self.run.train.micro_batch_size, first_sample, self.dp_rank,
-                            self.run.parallel.data_parallel)
+        """This data-parallel rank's microbatches from `first_sample` on, in Megatron's
+        order, on this rank's device (the dataset collates on CPU; on CUDA every tensor of
+        the batch, the token count of a per-token loss too, must live on the GPU)."""
+        device = self.env.device
+        for batch in microbatches(dataset, self.run.train.micro_batch_size, first_sample,
+                                  self.dp_rank, self.run.parallel.data_parallel):
+            yield {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                   for k, v in batch.items()}
 
     def _dp_mean(self, values: list[float], tokens: Optional[float] = None) -> list[float]:
         """The mean over data-parallel replicas; with a per-token loss (`tokens`: this

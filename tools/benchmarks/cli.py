@@ -4,7 +4,9 @@ torch.distributed.pipelining (gpipe, 1f1b, interleaved 1F1B, zero-bubble, ZBV, D
 Runs every configuration in one set of gloo processes (one per stage), then the engine
 overhead in this process; prints a table and the targets; `--json FILE` writes the
 records (see report.py), `--plot FILE.png` draws throughput and memory,
-`--markdown FILE` writes the table and targets.
+`--markdown FILE` writes the table and targets. `--simulate 2,4` predicts ours and
+torch's schedules at those depths from our flush's measured action times (simulated.py,
+peer_sim.py) and adds the 2bw/peer ratios at m = d to the tables, JSON and picture.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from .config import ENGINE_SCHEDULES, TORCH_SCHEDULES, BenchConfig
 from .report import (comparisons, format_breakdown, format_comparisons, format_table,
                      format_targets, not_run_record, overhead_record, pipeline_record, plot,
                      targets)
-from .simulated import format_simulated, simulated_records
+from .simulated import (format_peer_ratios, format_simulated, format_simulated_peers,
+                        peer_ratio_records, simulated_peer_records, simulated_records)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,27 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _name_list(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction strictly between 0 and 1, "
+                                         f"got {text!r}")
+    return value
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -76,9 +100,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--breakdown", action="store_true",
                    help="time each action kind of our executor (ms per minibatch per stage)")
     p.add_argument("--simulate", type=_int_list, default=(),
-                   help="depths d to predict our schedules at from the measured action "
-                   "times (e.g. 2,4: 2 is the check against the measurement); implies "
-                   "--breakdown")
+                   help="depths d to predict our schedules and torch's (--peers) at from "
+                   "the measured action times (e.g. 2,4: 2 is the check against the "
+                   "measurement); implies --breakdown")
+    p.add_argument("--p2p-ms", type=_milliseconds, default=None,
+                   help="cost of one transfer between ranks in the simulations, ours and "
+                   "torch's alike (default: our flush's measured send time per transfer, "
+                   "0 when none was measured)")
+    p.add_argument("--input-fraction", type=_fraction, default=0.5,
+                   help="share of a backward that the zero-bubble peers' input-gradient "
+                   "action takes in the simulation, the weight-gradient action the rest "
+                   "(not measured: an assumption; 0.4 and 0.6 are reported beside it)")
     p.add_argument("--overhead-microbatches", type=int, default=4,
                    help="m of the one-process overhead measurement (0: skip it)")
     p.add_argument("--overhead-rounds", type=int, default=8,
@@ -127,6 +159,30 @@ def run(cfg: BenchConfig, args: argparse.Namespace) -> list[dict]:
     return records
 
 
+def simulate(records: list[dict], cfg: BenchConfig, args: argparse.Namespace
+             ) -> list[dict]:
+    """Ours ("simulated"), torch's ("simulated-peer") and the 2bw/peer ratios at m = d
+    ("peer-ratio") at the --simulate depths, all from our flush's measured costs."""
+    ours = simulated_records(records, cfg.stages, args.simulate, cfg.microbatch_size,
+                             cfg.chunks, p2p_ms=args.p2p_ms)
+    peers = simulated_peer_records(records, cfg.stages, args.simulate, cfg.microbatch_size,
+                                   cfg.torch_schedules, cfg.chunks, p2p_ms=args.p2p_ms,
+                                   input_fraction=args.input_fraction, ours=ours)
+    ratios = (peer_ratio_records(records, ours, peers, cfg.stages, cfg.torch_schedules)
+              if ours else [])
+    return ours + peers + ratios
+
+
+def _simulated_tables(rows: list[dict]) -> list[str]:
+    """The markdown tables of `simulate`'s records (none without records)."""
+    ours = [r for r in rows if r["system"] == "simulated"]
+    peers = [r for r in rows if r["system"] == "simulated-peer"]
+    ratios = [r for r in rows if r["system"] == "peer-ratio"]
+    return ([format_simulated(ours)] if ours else []) + (
+        [format_simulated_peers(peers)] if peers else []) + (
+        [format_peer_ratios(ratios)] if ratios else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -140,13 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     records = run(cfg, args)
     checks = targets(records, cfg.stages)
     extra = comparisons(records, cfg.stages)
-    simulated = (simulated_records(records, cfg.stages, args.simulate, cfg.microbatch_size,
-                                   cfg.chunks) if args.simulate else [])
+    simulated = simulate(records, cfg, args) if args.simulate else []
     elapsed = time.monotonic() - start
     parts = ([] if args.overhead_only else [format_table(records)]) + [format_targets(checks)]
     parts += [format_comparisons(extra)] if extra else []
     parts += [format_breakdown(records)] if cfg.breakdown else []
-    parts += [format_simulated(simulated)] if simulated else []
+    parts += _simulated_tables(simulated)
     text = "\n\n".join(parts) + "\n"
     sys.stdout.write(f"\n{text}\nbenchmark finished in {elapsed:.0f} s\n")
     if args.json:
@@ -155,5 +210,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(text)
     if args.plot and any(r["system"] != "overhead" for r in records):
-        plot(records, args.plot)
+        plot(records, args.plot, simulated=simulated)
     return 1 if args.strict and not all(t["met"] for t in checks) else 0

@@ -1,11 +1,17 @@
 """Summarise what tools/gpu_check.sh measured into gpu_check.json and gpu_check.md.
 
-    PYTHONPATH=tools python -m benchmarks.gpu_summary --out DIR [--peak-tflops 790] [--dry-run]
+    PYTHONPATH=tools python -m benchmarks.gpu_summary --out DIR [--peak-tflops 790]
+        [--skip-iterations 5] [--model LABEL] [--dry-run] [--quiet]
 
-Reads, from DIR: steps.tsv (name, exit status, seconds of each step), gpt_metrics.jsonl
-(pretrain_gpt.py's --metrics-file), overhead.json (tools/benchmark_schedules.py --json)
-cuda_tests.txt (pytest's output) and device.txt. Missing pieces are reported as missing, so a step
-that failed or ran out of time still leaves a readable summary.
+Reads, from DIR: plan.tsv (name, time limit of each planned step), steps.tsv (name, exit
+status, seconds, limit of each step that ran), NAME.out (each step's output),
+gpt_SCHEDULE.jsonl (pretrain_gpt.py's --metrics-file, with benchmarks.gpu_stage's memory
+fields), overhead.json (benchmarks.gpu_overhead), cuda_tests.txt (pytest's output) and
+device.txt. Every planned step appears with its status: ok, failed, timed out, refused
+(the trainer's one-line refusal of a configuration, exit 2) or not run; a missing piece is
+reported as missing, so a step that failed or ran out of time still leaves a readable
+summary. gpu_check.sh rewrites the summary after every step, so even a run cut short
+leaves one.
 """
 from __future__ import annotations
 
@@ -21,46 +27,148 @@ logger = logging.getLogger(__name__)
 
 H200_BF16_DENSE_TFLOPS = 790.0
 PAPER_V100_TFLOPS = 45.0  # the paper's single-GPU speed on a 355M GPT (fp16, V100)
+TIMEOUT_CODES = (124, 137)  # timeout(1): limit reached, then killed after the grace period
+REFUSED_CODE = 2  # the trainer's exit status for a configuration it refuses (one line)
+# schedule label -> gpu_check.sh step name (each schedule's stage program at depth 1)
+SCHEDULE_STEPS = {"flush": "gpt_flush", "2bw": "gpt_2bw", "gpipe": "gpt_gpipe",
+                  "flush interleaved (2 chunks)": "gpt_flush_interleaved"}
+
+
+def _read_tsv(path: Path) -> list[list[str]]:
+    if not path.exists():
+        return []
+    return [line.split("\t") for line in path.read_text().splitlines() if line.strip()]
+
+
+def _reason(out: Path, name: str) -> str:
+    """The line that says why a step did not succeed: the trainer's `error:` line, else
+    the last exception line, else the output's last line."""
+    path = out / f"{name}.out"
+    lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines()
+             if ln.strip()] if path.exists() else []
+    for pick in (lambda ln: ln.startswith("error:"), lambda ln: "Error" in ln.split(":")[0]):
+        found = [ln for ln in lines if pick(ln)]
+        if found:
+            return found[-1]
+    return lines[-1] if lines else "no output"
+
+
+def _status(name: str, rc: int, seconds: float, limit: Optional[float], out: Path) -> dict:
+    """One step's status and, unless it succeeded, the reason in one line."""
+    if rc == 0:
+        return {"status": "ok", "reason": None}
+    if rc in TIMEOUT_CODES:
+        return {"status": "timed out", "reason": f"stopped after {seconds:.0f} s (limit "
+                f"{limit:.0f} s)" if limit is not None else f"stopped after {seconds:.0f} s"}
+    reason = _reason(out, name)
+    refused = rc == REFUSED_CODE and reason.startswith("error:")
+    return {"status": "refused" if refused else "failed", "reason": reason}
 
 
 def read_steps(out: Path) -> dict[str, dict]:
+    """Every planned step (plan.tsv) and every step that ran (steps.tsv), in order."""
     steps: dict[str, dict] = {}
-    path = out / "steps.tsv"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            name, rc, seconds = line.split("\t")
-            steps[name] = {"rc": int(rc), "seconds": float(seconds)}
+    for name, limit in _read_tsv(out / "plan.tsv"):
+        steps[name] = {"rc": None, "seconds": None, "limit_s": float(limit),
+                       "status": "not run", "reason": "the check ended before this step"}
+    for name, rc, seconds, *limit in _read_tsv(out / "steps.tsv"):
+        lim = float(limit[0]) if limit and limit[0] else steps.get(name, {}).get("limit_s")
+        steps[name] = {"rc": int(rc), "seconds": float(seconds), "limit_s": lim,
+                       **_status(name, int(rc), float(seconds), lim, out)}
     return steps
 
 
-def gpt_throughput(out: Path, peak: float, skip: int) -> Optional[dict]:
-    """Median achieved TFLOP/s over iterations after `skip` warm-up ones."""
-    path = out / "gpt_metrics.jsonl"
+def _records(path: Path) -> list[dict]:
+    """The training rows of a metrics file (empty when the file is absent)."""
     if not path.exists():
-        return None
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    records = [r for r in records if r.get("split", "train") == "train" and "tflops" in r]
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("split", "train") == "train" and "tflops" in r]
+
+
+def _median(rows: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def stage_program(path: Path, peak: float, skip: int) -> Optional[dict]:
+    """Throughput (medians over iterations after `skip` warm-up ones), MFU and memory of
+    one schedule's run; None without metrics."""
+    records = _records(path)
     timed = records[skip:] or records
     if not timed:
         return None
     tflops = statistics.median(r["tflops"] for r in timed)
+    last = records[-1]
     return {"iterations": len(records), "timed_iterations": len(timed),
-            "median_tflops": tflops, "fraction_of_peak": tflops / peak, "peak_tflops": peak,
+            "median_tflops": tflops, "mfu": tflops / peak,
             "vs_paper_v100_45_tflops": tflops / PAPER_V100_TFLOPS,
-            "median_iteration_time_s": statistics.median(r["iteration_time_s"] for r in timed),
-            "median_samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
-            "final_loss": records[-1]["loss"]}
+            "median_iteration_time_s": _median(timed, "iteration_time_s"),
+            "median_samples_per_s": _median(timed, "samples_per_s"),
+            "median_tokens_per_s": _median(timed, "tokens_per_s"),
+            "final_loss": last["loss"],
+            "weight_versions": last.get("weight_versions"),
+            "weight_bytes": last.get("weight_bytes"),
+            # between steps: weights, optimizer state, gradient buffers (no activations)
+            "cuda_allocated_bytes": _median(timed, "cuda_allocated_bytes"),
+            "cuda_max_allocated_bytes": last.get("cuda_max_allocated_bytes")}
+
+
+def schedules(out: Path, steps: dict[str, dict], peak: float, skip: int) -> dict[str, dict]:
+    """Each schedule's stage program: its step's status beside what its run measured."""
+    result = {}
+    for label, name in SCHEDULE_STEPS.items():
+        step = steps.get(name, {"status": "not run", "reason": "not planned", "rc": None})
+        result[label] = {"step": name, "status": step["status"], "reason": step["reason"],
+                         "measured": stage_program(out / f"{name}.jsonl", peak, skip)}
+    return result
+
+
+def _difference(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else a - b
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or not b else a / b
+
+
+def weight_version_memory(stages: dict[str, dict]) -> Optional[dict]:
+    """What 2BW's second weight version costs: 2bw minus flush at depth 1, where the two
+    differ only in it (same gradient buffers, one stashed microbatch each), against the
+    bytes of one version of the parameters. None unless both ran."""
+    flush, tbw = (stages[k]["measured"] for k in ("flush", "2bw"))
+    if not flush or not tbw or flush.get("weight_bytes") is None:
+        return None
+    param_bytes = flush["weight_bytes"] / flush["weight_versions"]
+    store = _difference(tbw.get("weight_bytes"), flush["weight_bytes"])
+    cuda = _difference(tbw["cuda_allocated_bytes"], flush["cuda_allocated_bytes"])
+    return {"param_bytes": param_bytes,
+            "weight_versions": {"flush": flush["weight_versions"],
+                                "2bw": tbw.get("weight_versions")},
+            "extra_version_weight_store_bytes": store,
+            "extra_version_weight_store_over_param_bytes": _ratio(store, param_bytes),
+            "extra_version_cuda_bytes": cuda,
+            "extra_version_cuda_over_param_bytes": _ratio(cuda, param_bytes),
+            "extra_version_cuda_over_flush_allocated": _ratio(cuda,
+                                                              flush["cuda_allocated_bytes"]),
+            "cuda_allocated_bytes": {"flush": flush["cuda_allocated_bytes"],
+                                     "2bw": tbw["cuda_allocated_bytes"]},
+            "cuda_max_allocated_bytes": {"flush": flush["cuda_max_allocated_bytes"],
+                                         "2bw": tbw["cuda_max_allocated_bytes"]}}
 
 
 def engine_overhead(out: Path) -> Optional[dict]:
+    """The executor against a plain megatron-core loop (benchmarks.gpu_overhead)."""
     path = out / "overhead.json"
     if not path.exists():
         return None
-    rec = next((r for r in json.loads(path.read_text()) if r["system"] == "overhead"), None)
+    rec = next((r for r in json.loads(path.read_text()) if r["system"] == "mcore_overhead"),
+               None)
     if rec is None:
         return None
-    keys = ("device", "microbatches", "engine_s_per_minibatch", "plain_s_per_minibatch",
-            "overhead")
+    keys = ("device", "microbatches", "micro_batch_size", "parameters",
+            "engine_s_per_minibatch", "plain_s_per_minibatch", "overhead",
+            "first_loss_engine", "first_loss_plain", "tf32")
     return {k: rec[k] for k in keys} | {"met_3_percent": rec["overhead"] <= 0.03}
 
 
@@ -78,47 +186,113 @@ def device_name(out: Path) -> str:
     return path.read_text().strip() if path.exists() else "unknown"
 
 
-def summarise(out: Path, peak: float, dry_run: bool, skip: int) -> dict:
-    return {"dry_run": dry_run, "device": device_name(out), "steps": read_steps(out),
-            "gpt": gpt_throughput(out, peak, skip), "engine_overhead": engine_overhead(out),
-            "cuda_tests": cuda_tests(out)}
+def summarise(out: Path, peak: float, dry_run: bool, skip: int, model: str) -> dict:
+    steps = read_steps(out)
+    stages = schedules(out, steps, peak, skip)
+    return {"dry_run": dry_run, "device": device_name(out), "model": model,
+            "peak_tflops": peak, "steps": steps, "schedules": stages,
+            "weight_version_memory": weight_version_memory(stages),
+            "engine_overhead": engine_overhead(out), "cuda_tests": cuda_tests(out)}
+
+
+def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
+    return "–" if value is None else format(value * scale, spec)
+
+
+def _bytes(value: Optional[float]) -> str:
+    """GiB on a GPU-sized model, MiB (or KiB) on the dry run's tiny one."""
+    if value is None:
+        return "–"
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+        if abs(value) >= size / 10:
+            return f"{value / size:.2f} {unit}"
+    return f"{value / 2 ** 10:.1f} KiB"
+
+
+def _steps_table(summary: dict) -> list[str]:
+    lines = ["| step | status | exit | seconds (limit) | why |", "|---|---|---|---|---|"]
+    for name, s in summary["steps"].items():
+        took = f"{_fmt(s['seconds'], '.0f')} ({_fmt(s['limit_s'], '.0f')})"
+        rc = "–" if s["rc"] is None else str(s["rc"])
+        why = (s["reason"] or "").replace("|", "\\|")
+        lines.append(f"| {name} | {s['status']} | {rc} | {took} | {why} |")
+    return lines
+
+
+def _schedules_table(summary: dict) -> list[str]:
+    lines = [f"## Stage programs at pipeline depth 1: {summary['model']}", "",
+             f"pretrain_gpt.py, one device; MFU against {summary['peak_tflops']:g} TFLOP/s. "
+             "Memory: the weight versions' bytes, the device's allocated bytes between "
+             "steps and its peak.", "",
+             "| schedule | status | TFLOP/s | MFU | samples/s | s/iteration | weight versions "
+             "| weights | allocated | peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, st in summary["schedules"].items():
+        m = st["measured"] or {}
+        lines.append(
+            f"| {label} | {st['status']} | {_fmt(m.get('median_tflops'), '.3g')} "
+            f"| {_fmt(m.get('mfu'), '.1f', 100)}{'%' if m else ''} "
+            f"| {_fmt(m.get('median_samples_per_s'), '.1f')} "
+            f"| {_fmt(m.get('median_iteration_time_s'), '.3f')} "
+            f"| {_fmt(m.get('weight_versions'), '.0f')} | {_bytes(m.get('weight_bytes'))} "
+            f"| {_bytes(m.get('cuda_allocated_bytes'))} "
+            f"| {_bytes(m.get('cuda_max_allocated_bytes'))} |")
+    return lines
+
+
+def _weight_version_line(summary: dict) -> str:
+    w = summary["weight_version_memory"]
+    if w is None:
+        return "One extra weight version: not measured (flush and 2bw must both run)."
+    line = (f"One extra weight version (2bw − flush): weight store "
+            f"{_bytes(w['extra_version_weight_store_bytes'])} = "
+            f"{_fmt(w['extra_version_weight_store_over_param_bytes'], '.2f')}x the "
+            f"{_bytes(w['param_bytes'])} of one version's parameters")
+    if w["extra_version_cuda_bytes"] is None:
+        return line + "; device allocator: not measured (no CUDA)."
+    return line + (f"; device allocator {_bytes(w['extra_version_cuda_bytes'])} = "
+                   f"{_fmt(w['extra_version_cuda_over_param_bytes'], '.2f')}x the parameters, "
+                   f"{_fmt(w['extra_version_cuda_over_flush_allocated'], '.1f', 100)}% of "
+                   "flush's allocated bytes between steps.")
+
+
+def _overhead_line(summary: dict) -> str:
+    ovh = summary["engine_overhead"]
+    if not ovh:
+        return "Executor overhead: no result (see gpu_check.log)."
+    return (f"Executor overhead against a plain megatron-core loop ({ovh['device']}, "
+            f"m={ovh['microbatches']}, {ovh['parameters']:,} fp32 parameters"
+            f"{', TF32' if ovh['tf32'] else ''}): {100 * ovh['overhead']:+.2f}% "
+            f"({1e3 * ovh['engine_s_per_minibatch']:.1f} vs "
+            f"{1e3 * ovh['plain_s_per_minibatch']:.1f} ms per minibatch; target at most 3%: "
+            f"{'met' if ovh['met_3_percent'] else 'missed'}); first losses "
+            f"{ovh['first_loss_engine']:.5f} vs {ovh['first_loss_plain']:.5f}.")
 
 
 def to_markdown(summary: dict) -> str:
-    lines = [f"# GPU check ({'dry run, ' if summary['dry_run'] else ''}{summary['device']})", "",
-             "| step | exit status | seconds |", "|---|---|---|"]
-    lines += [f"| {n} | {s['rc']} | {s['seconds']:.0f} |" for n, s in summary["steps"].items()]
-    gpt = summary["gpt"]
-    lines.append("")
-    if gpt:
-        lines.append(f"GPT through pretrain_gpt.py: {gpt['median_tflops']:.3g} TFLOP/s "
-                     f"(median of {gpt['timed_iterations']} iterations), "
-                     f"{100 * gpt['fraction_of_peak']:.1f}% of {gpt['peak_tflops']:g}; "
-                     f"{gpt['median_samples_per_s']:.1f} samples/s; the paper's V100: 45 TFLOP/s.")
-    else:
-        lines.append("GPT throughput: no metrics (see gpu_check.log).")
-    ovh = summary["engine_overhead"]
-    lines.append(f"Engine overhead ({ovh['device']}, m={ovh['microbatches']}): "
-                 f"{100 * ovh['overhead']:+.2f}% (target at most 3%: "
-                 f"{'met' if ovh['met_3_percent'] else 'missed'})." if ovh else
-                 "Engine overhead: no result (see gpu_check.log).")
-    lines.append(f"CUDA tests: {summary['cuda_tests'] or 'no result'}")
+    lines = [f"# GPU check ({'dry run, ' if summary['dry_run'] else ''}{summary['device']})",
+             "", *_steps_table(summary), "", *_schedules_table(summary), "",
+             _weight_version_line(summary), "", _overhead_line(summary), "",
+             f"CUDA tests: {summary['cuda_tests'] or 'no result'}"]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the gpu_check output directory")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     p.add_argument("--skip-iterations", type=int, default=5, help="warm-up iterations to skip")
+    p.add_argument("--model", default="GPT", help="what the stage programs trained (a label)")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="write the files, print nothing")
     args = p.parse_args(argv)
     out = Path(args.out)
-    summary = summarise(out, args.peak_tflops, args.dry_run, args.skip_iterations)
+    summary = summarise(out, args.peak_tflops, args.dry_run, args.skip_iterations, args.model)
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = to_markdown(summary)
     (out / "gpu_check.md").write_text(text)
-    sys.stdout.write(text)
+    if not args.quiet:
+        sys.stdout.write(text)
     return 0
 
 

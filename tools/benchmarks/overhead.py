@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -41,6 +42,12 @@ class OverheadResult:
     def overhead(self) -> float:
         """engine / plain - 1 (0.03 = 3% slower)."""
         return self.engine_s / self.plain_s - 1.0
+
+
+class Side(Protocol):
+    """One side of the comparison: `session(n)` trains n minibatches, returns their gaps."""
+
+    def session(self, n: int) -> list[float]: ...
 
 
 def _now(device: torch.device) -> float:
@@ -102,6 +109,22 @@ def _undisturbed(runs: list[tuple[list[float], float]], max_foreign: float) -> l
     return clean or [g for gaps, _ in runs for g in gaps]
 
 
+def alternate(engine: Side, plain: Side, warmup: int, rounds: int, session: int,
+              max_foreign: float) -> tuple[list[float], list[float]]:
+    """Warm both sides up, then alternate their sessions; each side's undisturbed gaps."""
+    engine.session(warmup)
+    plain.session(warmup)
+    probe = LoadProbe([os.getpid()])
+    runs: dict[str, list[tuple[list[float], float]]] = {"engine": [], "plain": []}
+    for r in range(rounds):
+        sides = [("engine", engine), ("plain", plain)]
+        for name, side in (sides if r % 2 == 0 else sides[::-1]):
+            probe.start()
+            gaps = side.session(session)
+            runs[name].append((gaps, probe.stop()))
+    return _undisturbed(runs["engine"], max_foreign), _undisturbed(runs["plain"], max_foreign)
+
+
 def measure_overhead(cfg: BenchConfig, m: int, device: torch.device, rounds: int = 8,
                      session: int = 5) -> OverheadResult:
     """Alternate engine and plain sessions of `session` minibatches, `rounds` times each.
@@ -112,18 +135,8 @@ def measure_overhead(cfg: BenchConfig, m: int, device: torch.device, rounds: int
     torch.set_num_threads(cfg.threads)
     pool = microbatch_pool(cfg, m, device)
     engine, plain = _EngineSide(cfg, m, device, pool), _PlainSide(cfg, m, device, pool)
-    engine.session(cfg.warmup)
-    plain.session(cfg.warmup)
-    probe = LoadProbe([os.getpid()])
-    runs: dict[str, list[tuple[list[float], float]]] = {"engine": [], "plain": []}
-    for r in range(rounds):
-        sides = [("engine", engine), ("plain", plain)]
-        for name, side in (sides if r % 2 == 0 else sides[::-1]):
-            probe.start()
-            gaps = side.session(session)
-            runs[name].append((gaps, probe.stop()))
-    engine_times, plain_times = (_undisturbed(runs[k], cfg.max_foreign_cores)
-                                 for k in ("engine", "plain"))
+    engine_times, plain_times = alternate(engine, plain, cfg.warmup, rounds, session,
+                                          cfg.max_foreign_cores)
     result = OverheadResult(m, str(device), statistics.median(engine_times),
                             statistics.median(plain_times), tuple(engine_times),
                             tuple(plain_times))

@@ -3,8 +3,9 @@
 A record is one configuration (system, schedule, m) with per-stage lists; the JSON file
 is a list of records: the pipeline ones, one with system "overhead", one per target
 with system "target" (name, value, threshold, met) and, with --megatron-updater, the
-2bw/flush ratios under the training updater (system "comparison"), so a reader needs no
-other file.
+2bw/flush ratios under the training updater (system "comparison") and, with --simulate,
+the predictions of simulated.py (systems "simulated", "simulated-peer", "peer-ratio"), so
+a reader needs no other file.
 """
 from __future__ import annotations
 
@@ -274,17 +275,12 @@ def format_targets(checks: list[dict]) -> str:
     return "\n".join([head] + rows)
 
 
-def plot(records: list[dict], path: str) -> None:
-    """Throughput, stage-0 peak activations and stage-0 weights + optimizer, per m."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = [r for r in records if r["system"] in (ENGINE, TORCH) and not r.get("not_run")]
+def _measured_panels(axes, runs: list[dict], below: bool = True) -> None:
+    """Throughput, stage-0 peak activations and stage-0 weights + optimizer, per m; the
+    legend below the figure (`below`) or inside the first panel."""
     labels = list(dict.fromkeys(r["label"] for r in runs))
     ms = sorted({r["microbatches"] for r in runs})
     width = 0.8 / len(labels)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = (("samples/s (median, min-max)", lambda r: r["samples_per_s"]),
               ("stage 0 peak saved activations (MiB)", lambda r: r["activation_bytes"][0] / 2**20),
               ("stage 0 weights + optimizer (MiB)",
@@ -304,9 +300,106 @@ def plot(records: list[dict], path: str) -> None:
         ax.set_xticks(range(len(ms)), [f"m={m}" for m in ms])
         ax.set_title(title, fontsize=10)
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=8)
-    fig.suptitle(f"{runs[0]['stages']} stages, {runs[0]['microbatch_size']} rows per microbatch")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    if below:
+        axes[0].figure.legend(handles, names, loc="lower center", ncol=min(len(names), 6),
+                              fontsize=8)
+    else:  # a second row of panels sits below
+        axes[0].legend(handles, names, fontsize=6, ncol=2)
+
+
+def _simulated_label(r: dict) -> str:
+    return f"{'ours' if r['system'] == 'simulated' else 'torch'} {r['schedule']}"
+
+
+def _simulated_throughput(ax, rows: list[dict], d: int) -> None:
+    """Simulated samples/s at depth d per m, ours and torch's side by side."""
+    runs = [r for r in rows if r["system"] in ("simulated", "simulated-peer")
+            and r["stages"] == d and not r.get("not_run")]
+    labels = list(dict.fromkeys(_simulated_label(r) for r in runs))
+    ms = sorted({r["microbatches"] for r in runs})
+    width = 0.8 / max(1, len(labels))
+    for j, label in enumerate(labels):
+        pts = [(i, r["samples_per_s"]) for i, m in enumerate(ms) for r in runs
+               if _simulated_label(r) == label and r["microbatches"] == m]
+        ax.bar([i + (j - (len(labels) - 1) / 2) * width for i, _ in pts],
+               [y for _, y in pts], width, label=label,
+               hatch="//" if label.startswith("torch") else None)
+    ax.set_xticks(range(len(ms)), [f"m={m}" for m in ms])
+    ax.set_title(f"simulated d={d}: samples/s (hatched: torch)", fontsize=10)
+    ax.legend(fontsize=6, ncol=2)
+
+
+def _ratio_panel(ax, ratios: list[dict]) -> None:
+    """2bw / peer at m = d: measured (with its spread) and simulated per depth; the line
+    at 1 separates where 2BW wins (above) from where the peer is ahead."""
+    depths = list(ratios[0]["simulated"]) if ratios else []
+    series = []
+    if ratios:
+        got = [r["measured"] for r in ratios]
+        series.append((f"measured d={ratios[0]['measured_stages']}",
+                       [g["value"] for g in got],
+                       [g["value"] - g["ratio_min"] if g["value"] is not None else 0 for g in got],
+                       [g["ratio_max"] - g["value"] if g["value"] is not None else 0 for g in got]))
+    series += [(f"simulated d={d}", [r["simulated"][d] for r in ratios], None, None)
+               for d in depths]
+    width = 0.8 / max(1, len(series))
+    for j, (label, values, low, high) in enumerate(series):
+        pts = [(i, v) for i, v in enumerate(values) if v is not None]
+        err = ([[low[i] for i, _ in pts], [high[i] for i, _ in pts]] if low else None)
+        ax.bar([i + (j - (len(series) - 1) / 2) * width for i, _ in pts],
+               [v for _, v in pts], width, label=label, yerr=err, capsize=2)
+    for i, r in enumerate(ratios):  # a peer with no bar at all says why
+        if r["measured"]["value"] is None and all(v is None for v in r["simulated"].values()):
+            ax.text(i, 0.05, "not run at m = d", rotation=90, fontsize=7, ha="center")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(ratios)), [r["peer"] for r in ratios], rotation=20, fontsize=8)
+    ax.set_title("2bw / torch peer throughput at m = d (>1: 2BW wins)", fontsize=10)
+    ax.legend(fontsize=7)
+
+
+def _memory_panel(ax, rows: list[dict], d: int) -> None:
+    """Peak stashed activations (max over ranks, one stage's microbatch = 1) and weight
+    copies per rank at depth d and m = 2d (where every schedule runs), else the largest m."""
+    runs = [r for r in rows if r["system"] in ("simulated", "simulated-peer")
+            and r["stages"] == d and not r.get("not_run")]
+    if not runs:
+        return
+    ms = {r["microbatches"] for r in runs}
+    m = 2 * d if 2 * d in ms else max(ms)  # DualPipeV needs m >= 2d
+    pick = {_simulated_label(r): r for r in runs if r["microbatches"] == m}
+    names = list(pick)
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [max(pick[n]["peak_stash_units"]) for n in names], 0.4,
+           label="peak stashed activations (stage-microbatch units, max rank)")
+    ax.bar([x + 0.2 for x in xs], [pick[n]["weight_versions"] for n in names], 0.4,
+           label="weight copies per rank")
+    ax.set_xticks(list(xs), names, rotation=35, fontsize=7, ha="right")
+    ax.set_title(f"simulated d={d}, m={m}: memory per rank", fontsize=10)
+    ax.legend(fontsize=7)
+
+
+def plot(records: list[dict], path: str, simulated: Optional[list[dict]] = None) -> None:
+    """Measured throughput and memory per m; with `simulated` records (--simulate) a
+    second row: the deepest simulated d's throughput, 2bw / peer at m = d, and memory."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in records if r["system"] in (ENGINE, TORCH) and not r.get("not_run")]
+    sims = [r for r in simulated or [] if r["system"] in ("simulated", "simulated-peer")]
+    rows = 2 if sims else 1
+    fig, grid = plt.subplots(rows, 3, figsize=(15, 4.2 * rows + (0.6 if sims else 0)),
+                             squeeze=False)
+    _measured_panels(grid[0], runs, below=not sims)
+    if sims:
+        deep = max(r["stages"] for r in sims)
+        _simulated_throughput(grid[1][0], sims, deep)
+        _ratio_panel(grid[1][1], [r for r in simulated if r["system"] == "peer-ratio"])
+        _memory_panel(grid[1][2], sims, deep)
+    fig.suptitle(f"{runs[0]['stages']} stages, {runs[0]['microbatch_size']} rows per microbatch"
+                 + ("; bottom: simulated from our flush's measured action times" if sims else ""))
+    fig.tight_layout(rect=(0, 0.08, 1, 1) if not sims else (0, 0, 1, 1),
+                     h_pad=6.0 if sims else None)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     logger.info("wrote %s", path)

@@ -1,25 +1,32 @@
-"""Our schedules at depths the machine cannot run faithfully, from our simulator.
+"""Our schedules and torch's peers at depths the machine cannot run faithfully, simulated.
 
 With 4 processes on 2 cores an idle stage frees a core and hides the bubble, so d = 4 is
-predicted, not measured: `megatron_2bw.schedules.simulate` runs each schedule on paper
-with the per-microbatch forward and backward times (and the optimizer step) measured in
-the d = 2 runs of our flush (`--breakdown` action times, F and B per stage, averaged over
+predicted, not measured: `megatron_2bw.schedules.simulate` runs each of our schedules on
+paper, and `peer_sim` runs torch.distributed.pipelining's own per-rank orders, both with
+the per-microbatch forward and backward times (and the optimizer step) measured in the
+d = 2 runs of our flush (`--breakdown` action times, F and B per stage, averaged over
 stages). Every stage of the deeper pipeline is taken to cost what a measured stage costs
-(blocks_per_stage blocks each, so the model grows with d), communication is free, and m
-keeps its multiple of d (m = 2, 4, 8 at d = 2 predicts m = 4, 8, 16 at d = 4). The same
+(blocks_per_stage blocks each, so the model grows with d), and m keeps its multiple of d
+(m = 2, 4, 8 at d = 2 predicts m = 4, 8, 16 at d = 4). A transfer between ranks costs a
+constant `p2p` (`--p2p-ms`; by default the time our flush spent per send, SF + SB over
+its transfers), the same for ours and the peers. The zero-bubble peers split a backward
+into input and weight gradients whose times were not measured: I = `input_fraction` of B
+(0.5 unless told), W the rest, with 0.4 and 0.6 beside it as the sensitivity. The same
 prediction at the measured depth, next to the measurement, is the check of the method.
 """
 from __future__ import annotations
 
 import logging
+import statistics
 from typing import Optional
 
-from .config import ENGINE, TORCH_UPDATER
+from .config import ENGINE, TORCH, TORCH_UPDATER
 
 logger = logging.getLogger(__name__)
 
 SIMULATED = ("gpipe", "flush", "2bw", "interleaved-flush")
 MINIBATCHES = 4  # simulated back to back; 2BW's time is the steady-state increment
+SENSITIVITY = (0.4, 0.6)  # input-gradient shares of a backward tried beside the assumption
 
 
 def _ms(per: dict, kind: str) -> float:
@@ -37,6 +44,21 @@ def measured_costs(record: dict) -> Optional[dict]:
     return {"forward": mean("F") / m, "backward": mean("B") / m, "step": mean("S")}
 
 
+def measured_p2p_s(record: dict) -> Optional[float]:
+    """Seconds per transfer our flush spent sending (SF and SB over its 2 m (d - 1)
+    transfers per minibatch), the default cost of a transfer; None without sends.
+
+    It is the sender's `isend` time, taken as the delay until the receiver may use the
+    tensor: the simulators charge a transfer as latency, not as the sender's busy time.
+    """
+    per_stage = record.get("action_ms_per_minibatch")
+    if not per_stage or len(per_stage) < 2:
+        return None
+    transfers = 2 * record["microbatches"] * (len(per_stage) - 1)
+    total = sum(_ms(p, "SF") + _ms(p, "SB") for p in per_stage)
+    return total / transfers / 1e3 if total > 0 else None
+
+
 def seconds_per_minibatch(schedule: str, d: int, m: int, costs: dict, chunks: int = 2
                           ) -> float:
     """Simulated seconds per minibatch of one of our schedules (steady state)."""
@@ -45,7 +67,9 @@ def seconds_per_minibatch(schedule: str, d: int, m: int, costs: dict, chunks: in
 
     name = "flush" if schedule == "interleaved-flush" else schedule
     v = chunks if schedule == "interleaved-flush" else 1
-    c = Costs(forward=costs["forward"], backward=costs["backward"], step=costs["step"])
+    # the measured runs step a plain torch Adam per stage (no model-wide sums to wait for)
+    c = Costs(forward=costs["forward"], backward=costs["backward"], step=costs["step"],
+              p2p=costs.get("p2p", 0.0), local_step=True)
 
     def makespan(n: int) -> float:
         return simulate(build_schedule(name, d, m, n, num_chunks=v, defer_step=False),
@@ -56,49 +80,223 @@ def seconds_per_minibatch(schedule: str, d: int, m: int, costs: dict, chunks: in
     return makespan(MINIBATCHES) / MINIBATCHES
 
 
+def our_memory(schedule: str, d: int, m: int, chunks: int = 2) -> dict:
+    """Peak stashed activations per stage in units of one stage's microbatch activations
+    (a chunk holds 1/v of them), read off the action order, and weight versions."""
+    from megatron_2bw.schedules import build_schedule
+    from megatron_2bw.schedules.simulate import peak_stashes
+
+    name = "flush" if schedule == "interleaved-flush" else schedule
+    v = chunks if schedule == "interleaved-flush" else 1
+    sched = build_schedule(name, d, m, 2, num_chunks=v, defer_step=False)
+    return {"peak_stash_units": [peak_stashes(sched[s]) / v for s in range(d)],
+            "weight_versions": sched.weight_versions}
+
+
+def _weight_bytes(base: dict, versions: int) -> Optional[float]:
+    """Weight bytes one rank holds: the measured flush's per-stage mean, per version."""
+    sizes = base.get("weight_bytes")
+    return versions * statistics.mean(sizes) if sizes else None
+
+
+def _flush_bases(records: list[dict]) -> list[dict]:
+    """Our measured flush records under the plain updater: the source of the costs."""
+    return [r for r in records if r["system"] == ENGINE and r["schedule"] == "flush"
+            and r.get("updater") == TORCH_UPDATER and not r.get("not_run")]
+
+
+def _with_p2p(base: dict, p2p_ms: Optional[float]) -> Optional[dict]:
+    """Measured costs of `base` plus the transfer cost (flag, else measured, else 0)."""
+    costs = measured_costs(base)
+    if costs is None:
+        return None
+    measured = measured_p2p_s(base)
+    if p2p_ms is not None:
+        costs["p2p"], costs["p2p_source"] = p2p_ms / 1e3, "--p2p-ms"
+    elif measured is not None:
+        costs["p2p"], costs["p2p_source"] = measured, "measured send time"
+    else:
+        costs["p2p"], costs["p2p_source"] = 0.0, "none measured"
+    return costs
+
+
+def _depth_pairs(base: dict, measured_depth: int, depths: tuple[int, ...]
+                 ) -> list[tuple[int, int]]:
+    """(d, m) pairs predicted from `base`: m keeps the measured multiple of d."""
+    multiple = base["microbatches"] / measured_depth
+    return [(d, round(multiple * d)) for d in depths
+            if round(multiple * d) >= 1 and round(multiple * d) == multiple * d]
+
+
+def _beside_measured(rec: dict, got: Optional[dict]) -> None:
+    if got:
+        rec["measured_samples_per_s"] = got["samples_per_s"]
+        rec["simulated_over_measured"] = rec["samples_per_s"] / got["samples_per_s"]
+
+
 def simulated_records(records: list[dict], measured_depth: int, depths: tuple[int, ...],
-                      microbatch_size: int, chunks: int = 2) -> list[dict]:
-    """System "simulated": one record per (schedule, d, m), with the measurement beside
-    the prediction where d is the measured depth."""
+                      microbatch_size: int, chunks: int = 2,
+                      p2p_ms: Optional[float] = None) -> list[dict]:
+    """System "simulated": one record per (schedule, d, m) of ours, with the measurement
+    beside the prediction where d is the measured depth."""
     out: list[dict] = []
     if not any(r["system"] == ENGINE and r["schedule"] == "flush" for r in records):
         logger.warning("--simulate needs our flush measured (its action times): skipped")
-    for base in records:
-        if not (base["system"] == ENGINE and base["schedule"] == "flush"
-                and base.get("updater") == TORCH_UPDATER and not base.get("not_run")):
-            continue
-        costs = measured_costs(base)
+    for base in _flush_bases(records):
+        costs = _with_p2p(base, p2p_ms)
         if costs is None:
-            logger.warning("no action times (run with --breakdown): nothing to simulate")
+            logger.warning("no action times (--breakdown times the rounds after the first; "
+                           "run with --rounds 2 or more): nothing to simulate")
             return []
-        multiple = base["microbatches"] / measured_depth
-        for d in depths:
-            m = round(multiple * d)
-            if m < 1 or m != multiple * d:
-                continue
+        for d, m in _depth_pairs(base, measured_depth, depths):
             for schedule in SIMULATED:
                 if (schedule == "2bw" and m < d) or (schedule == "interleaved-flush" and m % d):
                     continue
                 seconds = seconds_per_minibatch(schedule, d, m, costs, chunks)
+                memory = our_memory(schedule, d, m, chunks)
                 rec = {"system": "simulated", "schedule": schedule, "stages": d,
                        "microbatches": m, "samples_per_s": m * microbatch_size / seconds,
-                       "costs_s": costs, "from_measured_m": base["microbatches"]}
+                       "costs_s": costs, "from_measured_m": base["microbatches"], **memory,
+                       "weight_bytes_per_rank": _weight_bytes(base, memory["weight_versions"])}
                 if d == measured_depth:
-                    got = next((r for r in records if r["system"] == ENGINE
-                                and r["schedule"] == schedule and r["microbatches"] == m
-                                and r.get("updater") == TORCH_UPDATER
-                                and not r.get("defer_step") and not r.get("not_run")), None)
-                    if got:
-                        rec["measured_samples_per_s"] = got["samples_per_s"]
-                        rec["simulated_over_measured"] = rec["samples_per_s"] / got[
-                            "samples_per_s"]
+                    _beside_measured(rec, next((
+                        r for r in records if r["system"] == ENGINE
+                        and r["schedule"] == schedule and r["microbatches"] == m
+                        and r.get("updater") == TORCH_UPDATER
+                        and not r.get("defer_step") and not r.get("not_run")), None))
                 out.append(rec)
     return out
 
 
+def _peer_seconds(order, costs: dict, input_fraction: float) -> float:
+    from .peer_sim import PeerCosts, simulate_order
+
+    c = PeerCosts(costs["forward"], costs["backward"], input_fraction, costs["p2p"],
+                  costs["step"])
+    return simulate_order(order, c, MINIBATCHES).makespan / MINIBATCHES
+
+
+def _peer_record(schedule: str, d: int, m: int, base: dict, costs: dict, chunks: int,
+                 input_fraction: float, microbatch_size: int) -> dict:
+    """One simulated peer (d, m): throughput, bubble, memory; or why it cannot run."""
+    from .peer_sim import ZERO_BUBBLE, PeerCosts, chunks_of, simulate_order, torch_order
+
+    rec = {"system": "simulated-peer", "schedule": schedule, "stages": d, "microbatches": m,
+           "chunks": chunks_of(schedule, chunks), "from_measured_m": base["microbatches"],
+           "costs_s": costs, "input_fraction": input_fraction}
+    try:
+        order = torch_order(schedule, d, m, chunks)
+    except ValueError as err:
+        return {**rec, "not_run": str(err)}
+    seconds = _peer_seconds(order, costs, input_fraction)
+    once = simulate_order(order, PeerCosts(costs["forward"], costs["backward"],
+                                           input_fraction, costs["p2p"]))
+    rec.update(order_source=order.source, samples_per_s=m * microbatch_size / seconds,
+               bubble_ratio=once.bubble_ratio,
+               peak_stash_units=[once.peak_stash_units[r] for r in range(d)],
+               weight_versions=1, weight_bytes_per_rank=_weight_bytes(base, 1))
+    if schedule in ZERO_BUBBLE:
+        rec["samples_per_s_by_input_fraction"] = {
+            str(f): m * microbatch_size / _peer_seconds(order, costs, f) for f in SENSITIVITY}
+    return rec
+
+
+def simulated_peer_records(records: list[dict], measured_depth: int,
+                           depths: tuple[int, ...], microbatch_size: int,
+                           peers: tuple[str, ...], chunks: int = 2,
+                           p2p_ms: Optional[float] = None, input_fraction: float = 0.5,
+                           ours: Optional[list[dict]] = None) -> list[dict]:
+    """System "simulated-peer": torch's schedules at each (d, m) ours are predicted at,
+    from the same measured costs, with torch's measurement beside them at the measured
+    depth and our simulated 2bw over them (`twobw_over_this`)."""
+    out: list[dict] = []
+    for base in _flush_bases(records):
+        costs = _with_p2p(base, p2p_ms)
+        if costs is None:
+            return []
+        for d, m in _depth_pairs(base, measured_depth, depths):
+            twobw = next((r for r in ours or [] if r["schedule"] == "2bw"
+                          and r["stages"] == d and r["microbatches"] == m), None)
+            for schedule in peers:
+                rec = _peer_record(schedule, d, m, base, costs, chunks, input_fraction,
+                                   microbatch_size)
+                if rec.get("not_run"):
+                    out.append(rec)
+                    continue
+                if twobw:
+                    rec["twobw_over_this"] = twobw["samples_per_s"] / rec["samples_per_s"]
+                if d == measured_depth:
+                    _beside_measured(rec, next((
+                        r for r in records if r["system"] == TORCH
+                        and r["schedule"] == schedule and r["microbatches"] == m
+                        and not r.get("not_run")), None))
+                out.append(rec)
+    return out
+
+
+def _measured_ratio(records: list[dict], peer: str, d: int) -> Optional[dict]:
+    """Measured 2bw / peer at m = d: median of the per-round ratios and their spread."""
+    from .report import paired_ratios
+
+    def find(system: str, schedule: str) -> Optional[dict]:
+        return next((r for r in records if r["system"] == system
+                     and r["schedule"] == schedule and r["microbatches"] == d
+                     and r.get("updater", TORCH_UPDATER) == TORCH_UPDATER
+                     and not r.get("defer_step") and not r.get("not_run")), None)
+
+    twobw, theirs = find(ENGINE, "2bw"), find(TORCH, peer)
+    if not (twobw and theirs):
+        why = next((r["not_run"] for r in records if r["system"] == TORCH
+                    and r["schedule"] == peer and r["microbatches"] == d
+                    and r.get("not_run")), "not measured")
+        return {"value": None, "not_run": why}
+    ratios = paired_ratios(twobw, theirs)
+    return {"value": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "rounds": len(ratios)}
+
+
+def _memory_of(row: Optional[dict]) -> Optional[dict]:
+    if row is None or row.get("not_run"):
+        return None
+    return {"peak_stash_units_max": max(row["peak_stash_units"]),
+            "weight_versions": row["weight_versions"],
+            "weight_bytes_per_rank": row.get("weight_bytes_per_rank")}
+
+
+def peer_ratio_records(records: list[dict], ours: list[dict], peers_sim: list[dict],
+                       measured_depth: int, peers: tuple[str, ...]) -> list[dict]:
+    """System "peer-ratio": 2bw / peer throughput at m = d, measured at the measured
+    depth and simulated at every simulated depth, with both schedules' memory there."""
+    depths = sorted({r["stages"] for r in ours})
+    out = []
+    for peer in peers:
+        rec: dict = {"system": "peer-ratio", "name": f"2bw / torch {peer} m=d", "peer": peer,
+                     "measured_stages": measured_depth,
+                     "measured": _measured_ratio(records, peer, measured_depth),
+                     "simulated": {}, "memory": {}}
+        for d in depths:
+            twobw = next((r for r in ours if r["schedule"] == "2bw" and r["stages"] == d
+                          and r["microbatches"] == d), None)
+            theirs = next((r for r in peers_sim if r["schedule"] == peer and r["stages"] == d
+                           and r["microbatches"] == d), None)
+            rec["simulated"][str(d)] = (twobw["samples_per_s"] / theirs["samples_per_s"]
+                                        if twobw and theirs and not theirs.get("not_run")
+                                        else None)
+            rec["memory"][str(d)] = {"2bw": _memory_of(twobw), "peer": _memory_of(theirs)}
+            if theirs and theirs.get("not_run"):
+                rec.setdefault("simulated_not_run", {})[str(d)] = theirs["not_run"]
+        out.append(rec)
+    return out
+
+
+def _nan(value: Optional[float]) -> float:
+    return float("nan") if value is None else value
+
+
 def format_simulated(rows: list[dict]) -> str:
-    head = ("| simulated | d | m | samples/s | measured | simulated/measured | 2bw/this |\n"
-            "|---|---|---|---|---|---|---|")
+    head = ("| simulated | d | m | samples/s | measured | simulated/measured | 2bw/this "
+            "| peak stash (stage units, max rank) | weight copies |\n"
+            "|---|---|---|---|---|---|---|---|---|")
     lines = []
     for r in rows:
         twobw = next((x for x in rows if x["schedule"] == "2bw" and x["stages"] == r["stages"]
@@ -107,5 +305,57 @@ def format_simulated(rows: list[dict]) -> str:
                      f"{r['samples_per_s']:.1f} | "
                      f"{r.get('measured_samples_per_s', float('nan')):.1f} | "
                      f"{r.get('simulated_over_measured', float('nan')):.3f} | "
-                     f"{twobw['samples_per_s'] / r['samples_per_s'] if twobw else float('nan'):.3f} |")
+                     f"{twobw['samples_per_s'] / r['samples_per_s'] if twobw else float('nan'):.3f} | "
+                     f"{max(r.get('peak_stash_units') or [float('nan')]):.1f} | "
+                     f"{r.get('weight_versions', '-')} |")
+    return "\n".join([head] + lines)
+
+
+def format_simulated_peers(rows: list[dict]) -> str:
+    """Markdown: torch's schedules simulated from our measured costs."""
+    head = ("| simulated torch | d | m | samples/s | I=0.4B..0.6B | measured | "
+            "simulated/measured | 2bw/this | bubble | peak stash (stage units, max rank) "
+            "| weight copies |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = []
+    for r in rows:
+        if r.get("not_run"):
+            lines.append(f"| torch {r['schedule']} | {r['stages']} | {r['microbatches']} | "
+                         f"not run: {r['not_run']} | | | | | | | |")
+            continue
+        alt = r.get("samples_per_s_by_input_fraction")
+        spread = f"{min(alt.values()):.1f}-{max(alt.values()):.1f}" if alt else "-"
+        lines.append(f"| torch {r['schedule']} | {r['stages']} | {r['microbatches']} | "
+                     f"{r['samples_per_s']:.1f} | {spread} | "
+                     f"{r.get('measured_samples_per_s', float('nan')):.1f} | "
+                     f"{r.get('simulated_over_measured', float('nan')):.3f} | "
+                     f"{r.get('twobw_over_this', float('nan')):.3f} | "
+                     f"{r['bubble_ratio']:.3f} | {max(r['peak_stash_units']):.1f} | "
+                     f"{r['weight_versions']} |")
+    return "\n".join([head] + lines)
+
+
+def format_peer_ratios(rows: list[dict]) -> str:
+    """Markdown: 2bw / peer at m = d, measured and simulated, with the memory at the
+    deepest simulated d (stash: max over ranks, stage units; weights: copies)."""
+    if not rows:
+        return ""
+    depths = list(rows[0]["simulated"])
+    deep = depths[-1] if depths else None
+    head = (f"| 2bw / peer at m = d | measured d={rows[0]['measured_stages']} (median, spread, "
+            "rounds) | " + " | ".join(f"simulated d={d}" for d in depths)
+            + f" | peak stash 2bw / peer (d={deep}) | weight copies 2bw / peer |\n"
+            + "|---" * (4 + len(depths)) + "|")
+    lines = []
+    for r in rows:
+        got = r["measured"]
+        measured = (f"{got['value']:.3f} ({got['ratio_min']:.3f}-{got['ratio_max']:.3f}, "
+                    f"{got['rounds']})" if got["value"] is not None else got["not_run"])
+        sims = " | ".join(f"{_nan(r['simulated'][d]):.3f}" for d in depths)
+        mem = r["memory"].get(deep) or {}
+        ours, theirs = mem.get("2bw"), mem.get("peer")
+        stash = (f"{ours['peak_stash_units_max']:.1f} / {theirs['peak_stash_units_max']:.1f}"
+                 if ours and theirs else "-")
+        copies = (f"{ours['weight_versions']} / {theirs['weight_versions']}"
+                  if ours and theirs else "-")
+        lines.append(f"| torch {r['peer']} | {measured} | {sims} | {stash} | {copies} |")
     return "\n".join([head] + lines)

@@ -1,7 +1,8 @@
 """Step 1, calibrate: this machine as the planner's hardware JSON.
 
 Profile the model with the planner's own profiler (`python -m megatron_2bw.planner
-profile`, one process, one thread, fp32); then, in two worker processes (the two
+profile`, one thread per process, fp32: one process, and the layer split over the two
+processes by tensor parallelism, `--tensor-parallel-sizes 1,2`); then, in two worker processes (the two
 "devices", workers.py): gloo all-reduce and point-to-point times between them at message
 sizes from the loss's [s, b] all-reduces to the gradient buffer (the planner's
 `netprofile.time_links`), fitted to `t = alpha + bytes x beta` (`hardware.fit_link`:
@@ -47,6 +48,7 @@ def run_profile(setup: Setup, path: str, repeats: int = 5) -> float:
            str(setup.hidden_size), "--num-attention-heads", str(setup.num_attention_heads),
            "--seq-length", str(setup.seq_length), "--vocab-size", str(setup.vocab_size),
            "--micro-batch-sizes", ",".join(map(str, profile_sizes(setup))), "--dtype", "fp32",
+           "--tensor-parallel-sizes", f"1,{setup.num_procs}",
            "--repeats", str(repeats), "--output", path]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy0, start = cpu_busy_s(), time.monotonic()
