@@ -100,9 +100,9 @@ WP = ["--delay-compensation", "weight-prediction"]
     (2, PP2, EF),
     (2, PP2, WP + MUON),
     (4, PP2, EF + MUON),  # DP = 2
-    (4, PP2, WP + ["--delay-compensation-alpha", "0.5"]),  # DP = 2 (alpha unused by WP)
+    (2, PP2, WP + ["--delay-compensation-alpha", "0.5"]),  # alpha unused by WP
     (4, PP2 + ["--tensor-model-parallel-size", "2"], ["--muon-tp-mode", "duplicated"] + MUON),
-], ids=["pp2-adam-ef", "pp2-muon-wp", "dp2-pp2-muon-ef", "dp2-pp2-adam-wp", "tp2-pp2-muon"])
+], ids=["pp2-adam-ef", "pp2-muon-wp", "dp2-pp2-muon-ef", "pp2-adam-wp", "tp2-pp2-muon"])
 def test_2bw_compensated_equals_oracle(tmp_path, nproc, parallel, options) -> None:
     oracle = run_distributed(_oracle, 1, TINY + ITERS + options + ["--pipeline-schedule", "2bw"])[0]
     got = losses(launch("gpt", nproc, ITERS + parallel + options + ["--pipeline-schedule", "2bw"],
