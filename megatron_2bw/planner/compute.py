@@ -108,6 +108,17 @@ class ProfileEntry:
     output: PartTiming
 
 
+LOSS_ALLREDUCES = 3
+"""Forward all-reduces of megatron-core's vocab-parallel cross entropy (tp > 1): the
+max logit, the target logit and the sum of exponentials, [s, b] fp32 each."""
+
+_ALLREDUCES_INSIDE = {("layer", "forward_s"): (2, 0), ("layer", "backward_s"): (2, 0),
+                      ("layer", "recompute_backward_s"): (4, 0),
+                      ("output", "forward_s"): (0, LOSS_ALLREDUCES),
+                      ("output", "backward_s"): (1, 0)}
+"""(all-reduces of [s, b, h], of the loss's [s, b]) inside each timed piece at tp > 1."""
+
+
 @dataclass(frozen=True)
 class TensorParallelEntry:
     """The same pieces measured at tensor-parallel size k, in k processes, each timing
@@ -126,10 +137,7 @@ class TensorParallelEntry:
         does 2 in forward and 2 in backward (4 with full recomputation), the output side
         3 small ones in forward (the vocab-parallel loss) and 1 in backward."""
         measured = getattr(getattr(self, part), name)
-        count = {("layer", "forward_s"): (2, 0), ("layer", "backward_s"): (2, 0),
-                 ("layer", "recompute_backward_s"): (4, 0),
-                 ("output", "forward_s"): (0, 3), ("output", "backward_s"): (1, 0)}
-        big, small = count[(part, name)]
+        big, small = _ALLREDUCES_INSIDE[(part, name)]
         return max(0.0, measured - big * self.allreduce_s - small * self.loss_allreduce_s)
 
 

@@ -50,13 +50,9 @@ from functools import lru_cache
 from megatron_2bw.schedules import Costs, Schedule, build_schedule, simulate
 from megatron_2bw.schedules.actions import BACKWARD, FORWARD
 
-from .compute import LayerModel
+from .compute import LOSS_ALLREDUCES, LayerModel
 from .hardware import GB, Hardware
 from .placement import Layout, collective_bandwidth, p2p_bandwidth, ring_allreduce_s
-
-LOSS_ALLREDUCES = 3
-"""Forward all-reduces of megatron-core's vocab-parallel cross entropy (tp > 1): the
-max logit, the target logit and the sum of exponentials, [s, b] fp32 each."""
 from .spec import ModelSpec, ParallelConfig, Precision, Recompute, padded_vocab_size
 
 # 2BW never flushes: its iteration time is the steady state between two minibatches,

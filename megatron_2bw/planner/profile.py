@@ -158,36 +158,45 @@ def run_profile(*, model: str, hidden_size: int, ffn_hidden_size: int | None,
                 warmup: int = 2, tensor_parallel_sizes: tuple[int, ...] = (1,)) -> Profile:
     """Measure and return a `Profile` (see the module docstring)."""
     import torch
-    from megatron_2bw.models.compat import model_parallel_manual_seed
-    from megatron_2bw.models.config import ModelConfig, pad_vocab_size
-    from megatron_2bw.models.stages import build_stage
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
         dtype or ("fp16" if device.type == "cuda" else "fp32")]
-    with _single_process_megatron():
-        model_parallel_manual_seed(1234)
-        config = ModelConfig(model=model, num_layers=1, hidden_size=hidden_size,
-                             ffn_hidden_size=ffn_hidden_size,
-                             num_attention_heads=num_attention_heads, seq_length=seq_length,
-                             vocab_size=pad_vocab_size(vocab_size), params_dtype=torch_dtype,
-                             bert_binary_head=False)
-        stage = build_stage(config, 0, 1, device=device)
-        stage.train()
-        parts = _Parts(stage, config, device, repeats, warmup)
-        entries = tuple(parts.entry(b) for b in micro_batch_sizes)
-        params = parts.param_counts()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     spec = {"model": model, "hidden_size": hidden_size,
             "ffn_hidden_size": ffn_hidden_size or 4 * hidden_size,
             "num_attention_heads": num_attention_heads, "seq_length": seq_length,
             "vocab_size": vocab_size}
     shape = dict(spec, micro_batch_sizes=list(micro_batch_sizes), dtype=str(torch_dtype),
                  repeats=repeats, warmup=warmup)
+    with _single_process_megatron():
+        parts = one_layer_parts(shape, torch_dtype, device)
+        entries = tuple(parts.entry(b) for b in micro_batch_sizes)
+        params = parts.param_counts()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     split = {k: _profile_tensor_parallel(k, shape) for k in tensor_parallel_sizes if k > 1}
     return Profile(device=name, dtype_bytes=torch.finfo(torch_dtype).bits // 8, model=spec,
                    entries=entries, params=params, tensor_parallel=split)
+
+
+def one_layer_parts(shape: dict, dtype, device, tensor_parallel: int = 1) -> "_Parts":
+    """The timed pieces of a one-layer stage of `shape` (the profile's model fields, plus
+    `repeats` and `warmup`) at `tensor_parallel`, in train mode; megatron-core's
+    parallel_state must already be set up for that size."""
+    from megatron_2bw.models.compat import model_parallel_manual_seed
+    from megatron_2bw.models.config import ModelConfig, pad_vocab_size
+    from megatron_2bw.models.stages import build_stage
+
+    model_parallel_manual_seed(1234)
+    config = ModelConfig(model=shape["model"], num_layers=1, hidden_size=shape["hidden_size"],
+                         ffn_hidden_size=shape.get("ffn_hidden_size"),
+                         num_attention_heads=shape["num_attention_heads"],
+                         seq_length=shape["seq_length"],
+                         vocab_size=pad_vocab_size(shape["vocab_size"], 128, tensor_parallel),
+                         params_dtype=dtype, bert_binary_head=False)
+    stage = build_stage(config, 0, 1, device=device)
+    stage.train()
+    return _Parts(stage, config, device, shape.get("repeats", 3), shape.get("warmup", 2))
 
 
 def _profile_tensor_parallel(k: int, shape: dict) -> tuple:
@@ -208,9 +217,7 @@ def _tensor_parallel_worker(rank: int, k: int, tmp: str, shape: dict) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron_2bw.models.compat import apply_cpu_shims, model_parallel_manual_seed
-    from megatron_2bw.models.config import ModelConfig, pad_vocab_size
-    from megatron_2bw.models.stages import build_stage
+    from megatron_2bw.models.compat import apply_cpu_shims
     from .compute import TensorParallelEntry
     from .netprofile import time_allreduce
 
@@ -223,17 +230,8 @@ def _tensor_parallel_worker(rank: int, k: int, tmp: str, shape: dict) -> None:
     store = dist.FileStore(str(Path(tmp) / "store"), k)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=k)
     parallel_state.initialize_model_parallel(k, 1)
-    model_parallel_manual_seed(1234)
     dtype = getattr(torch, shape["dtype"].split(".")[-1])
-    config = ModelConfig(model=shape["model"], num_layers=1, hidden_size=shape["hidden_size"],
-                         ffn_hidden_size=shape["ffn_hidden_size"],
-                         num_attention_heads=shape["num_attention_heads"],
-                         seq_length=shape["seq_length"],
-                         vocab_size=pad_vocab_size(shape["vocab_size"], 128, k),
-                         params_dtype=dtype, bert_binary_head=False)
-    stage = build_stage(config, 0, 1, device=device)
-    stage.train()
-    parts = _Parts(stage, config, device, shape["repeats"], shape["warmup"])
+    parts = one_layer_parts(shape, dtype, device, k)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     entries = []
     for b in shape["micro_batch_sizes"]:
@@ -355,11 +353,6 @@ class _Parts:
             output += count(self.model.lm_head)
         return {"layer": count(self.layer), "embedding": count(self.model.embedding),
                 "output": output}
-
-
-# Public name of the timed pieces, for tools that time them elsewhere (the planner
-# validation's layer diagnostic, tools/planner_validation/calibrate.py).
-StageParts = _Parts
 
 
 class _SavedBytes:

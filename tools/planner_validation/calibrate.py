@@ -267,23 +267,17 @@ def layer_in_parallel(tensor_parallel: int, micro_batch_sizes: list[int], hidden
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron_2bw.models.compat import apply_cpu_shims, model_parallel_manual_seed
-    from megatron_2bw.models.config import ModelConfig, pad_vocab_size
-    from megatron_2bw.models.stages import build_stage
-    from megatron_2bw.planner.profile import StageParts
+    from megatron_2bw.models.compat import apply_cpu_shims
+    from megatron_2bw.planner.profile import one_layer_parts
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_parallel, 1)
     apply_cpu_shims("cpu")
-    model_parallel_manual_seed(1234)
-    config = ModelConfig(model="gpt", num_layers=1, hidden_size=hidden_size,
-                         num_attention_heads=num_attention_heads, seq_length=seq_length,
-                         vocab_size=pad_vocab_size(vocab_size, 128, tensor_parallel),
-                         params_dtype=torch.float32, bert_binary_head=False)
-    stage = build_stage(config, 0, 1, device=torch.device("cpu"))
-    stage.train()
-    parts = StageParts(stage, config, torch.device("cpu"), repeats, 2)
+    shape = {"model": "gpt", "hidden_size": hidden_size,
+             "num_attention_heads": num_attention_heads, "seq_length": seq_length,
+             "vocab_size": vocab_size, "repeats": repeats, "warmup": 2}
+    parts = one_layer_parts(shape, torch.float32, torch.device("cpu"), tensor_parallel)
     out = {}
     for b in micro_batch_sizes:
         e = parts.entry(b)
