@@ -60,6 +60,41 @@ def test_records_have_every_configuration_and_field(records) -> None:
         assert r["sessions"] == len(r["foreign_cores"]) == 2  # two rounds, no retries
         for key in ("peak_stashes", "weight_bytes", "optimizer_bytes", "activation_bytes"):
             assert len(r[key]) == 2 and all(v > 0 for v in r[key])
+        faults = r["page_faults_per_minibatch"]
+        assert len(faults) == 2 and all(f >= 0 for f in faults)
+
+
+_HEAP_PROBE = """
+import ctypes, sys
+sys.path.insert(0, "tools")
+from benchmarks.allocator import steady_malloc
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype, libc.malloc.restype = Info, ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+steady = sys.argv[1] == "steady" and steady_malloc()
+before = libc.mallinfo2()
+block = libc.malloc(8 << 20)
+ctypes.memset(block, 1, 8 << 20)
+during = libc.mallinfo2()
+libc.free(block)
+after = libc.mallinfo2()
+print(steady, during.hblkhd > before.hblkhd, after.arena < during.arena)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("mode", ["steady", "default"])
+def test_steady_malloc_keeps_freed_memory(mode: str) -> None:
+    """With steady_malloc an 8 MiB block comes from the heap and stays there once freed
+    (no fresh page faults for the next one); glibc's default maps it on its own and
+    unmaps it at free, which is what the benchmark switches off."""
+    out = _run([sys.executable, "-c", _HEAP_PROBE, mode]).stdout.split()
+    steady, mapped, trimmed = (word == "True" for word in out)
+    assert steady == (mode == "steady")
+    assert (mapped, trimmed) == ((False, False) if steady else (True, False))
 
 
 def test_peak_stashes(records) -> None:

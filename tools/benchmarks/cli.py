@@ -97,6 +97,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--megatron-updater", action="store_true",
                    help="also run flush and 2bw (plain and deferred step) with the training "
                    "updater, whose step all-reduces the gradient norm across stages")
+    p.add_argument("--steady-malloc", action="store_true",
+                   help="keep freed memory in the stage processes' heap, as a GPU's caching "
+                   "allocator keeps its blocks, instead of glibc's default of handing it "
+                   "back to the kernel and faulting it in again (page faults per minibatch "
+                   "are reported either way)")
     p.add_argument("--breakdown", action="store_true",
                    help="time each action kind of our executor (ms per minibatch per stage)")
     p.add_argument("--simulate", type=_int_list, default=(),
@@ -133,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        threads=args.threads, max_foreign_cores=args.max_foreign_cores,
                        retry_rounds=args.retry_rounds,
                        torch_baseline=not args.no_torch,
+                       steady_malloc=args.steady_malloc,
                        megatron_updater=args.megatron_updater,
                        breakdown=args.breakdown or bool(args.simulate),
                        chunks=args.chunks, engine_schedules=args.ours,

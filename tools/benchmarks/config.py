@@ -43,6 +43,7 @@ class BenchConfig:
     torch_baseline: bool = True           # also run torch.distributed.pipelining
     megatron_updater: bool = False        # also run flush/2bw with the training updater
     breakdown: bool = False               # time each action kind of our executor
+    steady_malloc: bool = False           # glibc never trims its heap (allocator.py)
     chunks: int = 2                       # model chunks per rank of the interleaved
     #                                       schedules (V-shaped ones always hold 2)
     engine_schedules: tuple[str, ...] = ENGINE_SCHEDULES  # ours to run

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .allocator import minor_faults, steady_malloc
 from .config import BenchConfig, RunSpec
 from .probe import LoadProbe
 from .systems import StageResult, make_runner
@@ -68,6 +69,7 @@ class _Rounds:
         self.sessions: list[list[list[float]]] = [[] for _ in specs]
         self.warmups: list[list[int]] = [[] for _ in specs]
         self.foreign: list[list[float]] = [[] for _ in specs]
+        self.faults: list[list[int]] = [[] for _ in specs]
         self.clean = [0] * len(specs)  # undisturbed timed minibatches so far
 
     def session(self, i: int, warm: int, timed: int, measure: int) -> None:
@@ -75,7 +77,9 @@ class _Rounds:
             return
         dist.barrier()
         self.probe.start()
+        faults = minor_faults()
         times = self.runners[i].session(warm + timed + 1, measure)
+        self.faults[i].append(minor_faults() - faults)
         dist.barrier()
         reading = [self.probe.stop()]
         dist.broadcast_object_list(reading, src=0)  # rank 0's reading counts everywhere
@@ -101,7 +105,7 @@ class _Rounds:
             for i in short:
                 self.session(i, 1, per_round, 0)
         return [StageResult(self.rank, self.sessions[i], self.warmups[i], self.foreign[i],
-                            **runner.memory()) if runner is not None else
+                            self.faults[i], **runner.memory()) if runner is not None else
                 StageResult(self.rank, [], [], [], not_run=self.not_run[i])
                 for i, runner in enumerate(self.runners)]
 
@@ -111,6 +115,8 @@ def _worker(rank: int, world: int, port: int, cfg: BenchConfig, specs: list[RunS
     logging.basicConfig(level=level, format="%(message)s")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cfg.threads)
+    if cfg.steady_malloc:
+        steady_malloc()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: object
     try:

@@ -58,6 +58,12 @@ def session_rates(cfg: BenchConfig, spec: RunSpec, stages: list[StageResult]
     return out
 
 
+def faults_per_minibatch(stage: StageResult) -> Optional[float]:
+    """Minor page faults per minibatch over all sessions of one stage (allocator.py)."""
+    minibatches = sum(len(times) for times in stage.sessions)
+    return sum(stage.faults) / minibatches if stage.faults and minibatches else None
+
+
 def not_run_record(cfg: BenchConfig, spec: RunSpec, reason: str) -> dict:
     """A configuration that could not run: why, in place of its measurements."""
     return {"system": spec.system, "schedule": spec.schedule, "label": spec.label,
@@ -91,6 +97,7 @@ def pipeline_record(cfg: BenchConfig, spec: RunSpec, stages: list[StageResult]) 
         "grad_bytes": [s.grad_bytes for s in stages],
         "optimizer_bytes": [s.optimizer_bytes for s in stages],
         "peak_live_versions": [s.peak_live_versions for s in stages],
+        "page_faults_per_minibatch": [faults_per_minibatch(s) for s in stages],
         "action_ms_per_minibatch": [s.action_ms_per_minibatch for s in stages]
         if stages[0].action_ms_per_minibatch else None,
     }
@@ -256,15 +263,24 @@ def _mib(values: list[int]) -> str:
 def format_table(records: list[dict]) -> str:
     """Markdown table of the pipeline records (MiB lists are per stage)."""
     head = ("| configuration | m | samples/s (median) | min | max | peak stashes "
-            "| activations MiB | weights MiB | optimizer MiB |\n|---|---|---|---|---|---|---|---|---|")
+            "| activations MiB | weights MiB | optimizer MiB | page faults / minibatch |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     rows = [f"| {r['label']} | {r['microbatches']} | "
             f"{r['samples_per_s']:.1f} | {r['samples_per_s_min']:.1f} | "
             f"{r['samples_per_s_max']:.1f} | {r['peak_stashes']} | "
             f"{_mib(r['activation_bytes'])} | {_mib(r['weight_bytes'])} | "
-            f"{_mib(r['optimizer_bytes'])} |" if not r.get("not_run") else
-            f"| {r['label']} | {r['microbatches']} | not run: {r['not_run']} | | | | | | |"
+            f"{_mib(r['optimizer_bytes'])} | {_faults(r.get('page_faults_per_minibatch'))} |"
+            if not r.get("not_run") else
+            f"| {r['label']} | {r['microbatches']} | not run: {r['not_run']} | | | | | | | |"
             for r in records if r["system"] in (ENGINE, TORCH)]
     return "\n".join([head] + rows)
+
+
+def _faults(per_stage: Optional[list]) -> str:
+    """Per-stage page faults per minibatch, "/"-joined like the MiB columns."""
+    if not per_stage or any(f is None for f in per_stage):
+        return "-"
+    return "/".join(f"{f:.0f}" for f in per_stage)
 
 
 def format_targets(checks: list[dict]) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -38,6 +38,7 @@ class StageResult:
     sessions: list[list[float]]    # per session, the clock after each step
     warmups: list[int]             # per session, the untimed leading minibatches
     foreign: list[float]           # per session, cores other processes kept busy
+    faults: list[int] = field(default_factory=list)  # per session, minor page faults
     peak_stashes: int = 0          # microbatches with saved activations (meter)
     engine_peak_stashes: int = -1  # the executor's own count (ours only)
     activation_bytes: int = 0      # peak live saved-tensor bytes (meter)
