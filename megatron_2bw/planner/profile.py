@@ -27,6 +27,7 @@ This is the one planner module that imports torch and megatron-core, lazily, fro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -67,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated; each k > 1 runs k processes (k GPUs on CUDA)")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"),
                    help="default fp16 on CUDA, fp32 on CPU")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per measurement in each round (median)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="passes over the microbatch sizes, one after the other; each time is "
+                   "the median over the passes, so a slow spell of the machine lands on "
+                   "every size once instead of on whichever size it was measuring")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     p.add_argument("--output", required=True, help="profile JSON to write")
     return p
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) < 1:
         build_parser().error("--micro-batch-sizes: need positive integers")
     tp_sizes = _tensor_parallel_sizes(args.tensor_parallel_sizes, args.num_attention_heads)
-    for flag in ("hidden_size", "num_attention_heads", "seq_length", "repeats"):
+    for flag in ("hidden_size", "num_attention_heads", "seq_length", "repeats", "rounds"):
         if getattr(args, flag) < 1:
             build_parser().error(f"--{flag.replace('_', '-')} must be positive")
     if args.hidden_size % args.num_attention_heads:
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                           seq_length=args.seq_length,
                           vocab_size=args.vocab_size or (50257 if args.model == "gpt" else 30522),
                           micro_batch_sizes=sizes, dtype=args.dtype, repeats=args.repeats,
-                          warmup=args.warmup, tensor_parallel_sizes=tp_sizes)
+                          warmup=args.warmup, tensor_parallel_sizes=tp_sizes,
+                          rounds=args.rounds)
     Path(args.output).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     for e in profile.entries:
         sys.stdout.write(f"b={e.micro_batch_size}: layer F {e.layer.forward_s * 1e3:.2f} ms, "
@@ -155,7 +162,8 @@ def _single_process_megatron() -> Iterator[None]:
 def run_profile(*, model: str, hidden_size: int, ffn_hidden_size: int | None,
                 num_attention_heads: int, seq_length: int, vocab_size: int,
                 micro_batch_sizes: list[int], dtype: str | None = None, repeats: int = 3,
-                warmup: int = 2, tensor_parallel_sizes: tuple[int, ...] = (1,)) -> Profile:
+                warmup: int = 2, tensor_parallel_sizes: tuple[int, ...] = (1,),
+                rounds: int = 1) -> Profile:
     """Measure and return a `Profile` (see the module docstring)."""
     import torch
 
@@ -168,10 +176,10 @@ def run_profile(*, model: str, hidden_size: int, ffn_hidden_size: int | None,
             "num_attention_heads": num_attention_heads, "seq_length": seq_length,
             "vocab_size": vocab_size}
     shape = dict(spec, micro_batch_sizes=list(micro_batch_sizes), dtype=str(torch_dtype),
-                 repeats=repeats, warmup=warmup)
+                 repeats=repeats, warmup=warmup, rounds=rounds)
     with _single_process_megatron():
         parts = one_layer_parts(shape, torch_dtype, device)
-        entries = tuple(parts.entry(b) for b in micro_batch_sizes)
+        entries = in_rounds(parts.entry, micro_batch_sizes, rounds, parts)
         params = parts.param_counts()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     split = {k: _profile_tensor_parallel(k, shape) for k in tensor_parallel_sizes if k > 1}
@@ -197,6 +205,29 @@ def one_layer_parts(shape: dict, dtype, device, tensor_parallel: int = 1) -> "_P
     stage = build_stage(config, 0, 1, device=device)
     stage.train()
     return _Parts(stage, config, device, shape.get("repeats", 3), shape.get("warmup", 2))
+
+
+def in_rounds(measure: Callable, sizes: list[int], rounds: int, parts: "_Parts") -> tuple:
+    """`measure(b)` for every size, `rounds` passes over the sizes in turn, combined by
+    `median_of`; after the first pass one warm-up run per measurement is enough."""
+    passes = []
+    for r in range(rounds):
+        if r == 1:
+            parts.warmup = min(parts.warmup, 1)
+        passes.append([measure(b) for b in sizes])
+    return tuple(median_of(list(per_size)) for per_size in zip(*passes))
+
+
+def median_of(items: list):
+    """Field by field median of equal dataclasses (nested ones too); ints (the
+    microbatch size) are taken from the first."""
+    first = items[0]
+    if isinstance(first, float):
+        return statistics.median(items)
+    if not dataclasses.is_dataclass(first):
+        return first
+    return type(first)(**{f.name: median_of([getattr(x, f.name) for x in items])
+                          for f in dataclasses.fields(first)})
 
 
 def _profile_tensor_parallel(k: int, shape: dict) -> tuple:
@@ -233,18 +264,19 @@ def _tensor_parallel_worker(rank: int, k: int, tmp: str, shape: dict) -> None:
     dtype = getattr(torch, shape["dtype"].split(".")[-1])
     parts = one_layer_parts(shape, dtype, device, k)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    entries = []
-    for b in shape["micro_batch_sizes"]:
+
+    def measure(b: int) -> TensorParallelEntry:
         e = parts.entry(b)
         act = torch.ones(shape["seq_length"] * b * shape["hidden_size"], dtype=dtype, device=device)
         loss = torch.ones(shape["seq_length"] * b, dtype=torch.float32, device=device)
         reps = max(3, shape["repeats"])
-        entries.append(TensorParallelEntry(b, e.layer, e.output, time_allreduce(act, reps, sync),
-                                           time_allreduce(loss, reps, sync)))
+        return TensorParallelEntry(b, e.layer, e.output, time_allreduce(act, reps, sync),
+                                   time_allreduce(loss, reps, sync))
+    entries = in_rounds(measure, shape["micro_batch_sizes"], shape.get("rounds", 1), parts)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     if rank == 0:
-        out = Profile("", 0, {}, (), {}, {k: tuple(entries)}).to_dict()
+        out = Profile("", 0, {}, (), {}, {k: entries}).to_dict()
         Path(tmp, "rank0.json").write_text(json.dumps(out))
 
 

@@ -179,6 +179,12 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
+EXACT_SEMANTICS_MARGIN = 0.01
+"""2BW is picked over the fastest plan with vanilla semantics (Flush, GPipe) only when it
+is predicted this much faster: its one-step weight delay and second weight copy buy
+nothing at equal speed (at PP = 1 the two schedules do the same work), and a gap smaller
+than this is inside the cost model's precision."""
+
 INTERLEAVED = "interleaved"
 """`plan_group`'s name for Flush with model chunks (Megatron-LM's interleaved 1F1B)."""
 
@@ -204,6 +210,7 @@ def search(cm: CostModel, space: SearchSpace, *, keep: int = 20,
     sized = [cm.evaluate(c, simulate_time=False) for c in configs]
     fitting = [e.config for e in sized if e.fits]
     ranked, pruned = _simulate_promising(cm, fitting, keep, exhaustive)
+    ranked = prefer_exact_semantics(ranked)
     best_time = ranked[0].iteration_time_s if ranked else float("inf")
     too_big = _fastest_too_big(cm, [e.config for e in sized if not e.fits], best_time)
     not_fitting = sorted((e for e in sized if not e.fits),
@@ -233,6 +240,16 @@ def _simulate_promising(cm: CostModel, configs: list[ParallelConfig], keep: int,
         group = plan_group(cfg)
         group_best[group] = min(group_best.get(group, float("inf")), est.iteration_time_s)
     return sorted(done, key=_rank_key), pruned
+
+
+def prefer_exact_semantics(ranked: list[Estimate],
+                           margin: float = EXACT_SEMANTICS_MARGIN) -> list[Estimate]:
+    """`ranked` (fastest first) with the fastest vanilla-semantics plan moved to the front
+    when the 2BW plans ahead of it are predicted less than `margin` faster."""
+    exact = next((i for i, e in enumerate(ranked) if e.config.schedule != "2bw"), None)
+    if not exact or ranked[exact].samples_per_s * (1 + margin) < ranked[0].samples_per_s:
+        return ranked
+    return [ranked[exact]] + ranked[:exact] + ranked[exact + 1:]
 
 
 def _rank_key(est: Estimate) -> tuple:

@@ -41,15 +41,16 @@ from .workers import ROOT, run_jobs, worker_env
 # ----------------------------------------------------------------------------------
 # In this process: the profile, the calibration jobs, the hardware
 # ----------------------------------------------------------------------------------
-def run_profile(setup: Setup, path: str, repeats: int = 5) -> float:
-    """Profile with the planner's profiler; returns the share of the CPUs other processes
-    used meanwhile (the profiler is one process of one thread)."""
+def run_profile(setup: Setup, path: str, repeats: int = 2, rounds: int = 3) -> float:
+    """Profile with the planner's profiler (`rounds` passes over the sizes, `repeats`
+    timed runs per size in each); returns the share of the CPUs other processes used
+    meanwhile (the profiler is one process of one thread)."""
     cmd = [sys.executable, "-m", "megatron_2bw.planner", "profile", "--hidden-size",
            str(setup.hidden_size), "--num-attention-heads", str(setup.num_attention_heads),
            "--seq-length", str(setup.seq_length), "--vocab-size", str(setup.vocab_size),
            "--micro-batch-sizes", ",".join(map(str, profile_sizes(setup))), "--dtype", "fp32",
            "--tensor-parallel-sizes", f"1,{setup.num_procs}",
-           "--repeats", str(repeats), "--output", path]
+           "--repeats", str(repeats), "--rounds", str(rounds), "--output", path]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy0, start = cpu_busy_s(), time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True)
