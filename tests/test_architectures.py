@@ -200,11 +200,16 @@ def arch_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_arch_flush_tp2_pp2_with_selective_recompute_equals_pp1(tmp_path, arch_reference):
-    got = losses(launch("gpt", 4, ITERS + ARCH + TP2_PP2 + ["--recompute-activations"],
+@pytest.mark.parametrize("chunks", [[], ["--num-layers-per-virtual-pipeline-stage", "1"]],
+                         ids=["plain", "interleaved"])
+def test_arch_flush_tp2_pp2_with_selective_recompute_equals_pp1(tmp_path, arch_reference,
+                                                                chunks):
+    """Also interleaved (v = 2, one layer per chunk): the chunks of a TP = 2 rank hold
+    tensor-parallel halves of their layers."""
+    got = losses(launch("gpt", 4, ITERS + ARCH + TP2_PP2 + ["--recompute-activations"] + chunks,
                         str(tmp_path / "m.jsonl")))
     err = max_rel(got, arch_reference)
-    print(f"flush TP2 x PP2, selective recompute: max relative loss error {err:.2e}")
+    print(f"flush TP2 x PP2 {chunks}, selective recompute: max relative loss error {err:.2e}")
     assert err < 1e-5
 
 

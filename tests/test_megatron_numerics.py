@@ -379,14 +379,17 @@ def _per_token_oracle(rank: int, world: int, argv: list[str], delayed: bool,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,nproc,parallel", [
-    ("flush", 4, ["--pipeline-model-parallel-size", "2"]),            # DP 2 x PP 2
+    ("flush", 4, ["--pipeline-model-parallel-size", "2",              # DP 2 x PP 2, v = 2
+                  "--num-layers-per-virtual-pipeline-stage", "1"]),
     ("2bw", 2, ["--pipeline-model-parallel-size", "2"]),
     ("2bw", 4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
-], ids=["flush-dp2-pp2", "2bw-pp2", "2bw-tp2-pp2"])
+], ids=["flush-dp2-pp2-interleaved", "2bw-pp2", "2bw-tp2-pp2"])
 def test_per_token_loss_equals_independent_loop(tmp_path, short_documents, schedule, nproc,
                                                 parallel) -> None:
-    """Loss and gradient are the global batch's per-token mean: pipelined flush equals the
-    synchronous loop, 2BW the delayed one, and the logged loss is the per-token mean."""
+    """Loss and gradient are the global batch's per-token mean: pipelined flush (here
+    interleaved, where each microbatch's tokens are counted at its chunk-0 forward and its
+    loss comes from the last rank's last chunk) equals the synchronous loop, 2BW the
+    delayed one, and the logged loss is the per-token mean."""
     from tests.entry_harness import max_rel
 
     argv = PER_TOKEN + short_documents + ["--calculate-per-token-loss"]
