@@ -733,6 +733,28 @@ def test_profile_rounds_take_the_median_per_size_across_passes():
         == PartTiming(2.0, 2.0)
 
 
+def test_median_profile_takes_each_measurement_across_profiles():
+    """Profiles taken at different times combine field by field, per microbatch size and
+    tensor-parallel size; profiles of other sizes are refused."""
+    from megatron_2bw.planner.compute import TensorParallelEntry
+    from megatron_2bw.planner.profile import median_profile
+
+    def profile(scale: float, sizes=(1, 2)) -> Profile:
+        part = [PartTiming(scale * b, 2 * scale * b, 0.0, 10.0 * b) for b in sizes]
+        entries = tuple(ProfileEntry(b, p, p, p) for b, p in zip(sizes, part))
+        split = {2: tuple(TensorParallelEntry(b, p, p, scale * 1e-3, 1e-4)
+                          for b, p in zip(sizes, part))}
+        return Profile("cpu", 4, {"hidden_size": 8}, entries, {"layer": 1}, split)
+    merged = median_profile([profile(1.0), profile(3.0), profile(1.2)])
+    assert [e.layer.forward_s for e in merged.entries] == [1.2, 2.4]
+    assert merged.entries[1].output.backward_s == pytest.approx(4.8)
+    assert merged.entries[1].layer.activation_bytes_float == 20.0
+    assert merged.tensor_parallel[2][0].allreduce_s == pytest.approx(1.2e-3)
+    assert merged.params == {"layer": 1} and merged.device == "cpu"
+    with pytest.raises(ValueError, match="same model"):
+        median_profile([profile(1.0), profile(1.0, sizes=(1, 4))])
+
+
 # ---------------------------------------------------------------- profiler (slow)
 
 

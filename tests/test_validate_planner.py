@@ -152,6 +152,27 @@ def test_measured_time_is_the_median_of_the_quiet_repeats(tmp_path):
     assert loaded.measured_time_s == 2.0 and loaded.runs == 1
 
 
+def test_pass_time_ratios_show_the_drift_from_pass_to_pass():
+    a, b = _row("a", 1.0, 2.0), _row("b", 1.0, 4.0)
+    a.attempts = [{"median_s": 2.2}, {"median_s": 2.0}, {"median_s": 1.8}]
+    b.attempts = [{"median_s": 4.0}, {"median_s": 4.4}, {"median_s": None}]
+    assert v.pass_time_ratios([a, b]) == pytest.approx([1.05, 1.05, 0.9])
+    s = v.summarize([a, b], "a")
+    assert s["pass_time_ratios"] == pytest.approx([1.05, 1.05, 0.9])
+    assert "pass by pass, the plans ran at 1.050, 1.050, 0.900" in v.summary_text(s)
+
+
+def test_update_predictions_keeps_the_measurements():
+    cfg = ParallelConfig("flush", 1, 1, 2, 8, 1, False)
+    row = v.rows_from_estimates([type("E", (), {"config": cfg, "iteration_time_s": 1.0,
+                                                "memory_bytes": 5.0, "fits": True})()])[0]
+    row.measured_time_s, row.status = 2.0, "ok"
+    v.update_predictions([row], [type("E", (), {"config": cfg, "iteration_time_s": 1.5,
+                                                "memory_bytes": 7.0, "fits": False})()])
+    assert (row.predicted_time_s, row.predicted_memory_bytes, row.fits) == (1.5, 7.0, False)
+    assert row.measured_time_s == 2.0 and row.time_error == pytest.approx(-0.25)
+
+
 def _parse(flags: list[str]):
     """The trainer's own parser (a flag it does not know fails the test)."""
     from megatron_2bw.training.arguments import parse_args
@@ -276,4 +297,11 @@ def test_dry_run_end_to_end(tmp_path):
     assert ran[0]["runs"] == 1 and data["calibration"]["allreduce_fit"]["latency_us"] >= 0
     assert ran[0]["measured_memory_bytes"] > 0 and ran[0]["measured_time_s"] > 0
     assert load_hardware(str(tmp_path / "work" / "hardware.json")).devices_per_node == 2
+    # profiled again before the one pass; the predictions are the two profiles' median
+    profiles = data["calibration"]["profiles"]
+    assert len(profiles) == 2 and len(data["calibration"]["profile_other_load"]) == 2
+    first, again = (json.loads(open(p).read())["entries"][0]["layer"]["forward_s"]
+                    for p in profiles)
+    median = json.loads((tmp_path / "work" / "profile.median.json").read_text())
+    assert median["entries"][0]["layer"]["forward_s"] == pytest.approx((first + again) / 2)
     assert "| plan |" in proc.stdout

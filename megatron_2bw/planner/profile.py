@@ -37,7 +37,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn, Sequence
 
 from .compute import PartTiming, Profile, ProfileEntry
 
@@ -228,6 +228,27 @@ def median_of(items: list):
         return first
     return type(first)(**{f.name: median_of([getattr(x, f.name) for x in items])
                           for f in dataclasses.fields(first)})
+
+
+def median_profile(profiles: Sequence[Profile]) -> Profile:
+    """Field by field median of profiles of one model taken at different times (each time
+    per microbatch size and tensor-parallel size), so that a profile spread over a long
+    job sees the machine as the job did; ValueError when they measured other sizes."""
+    first = profiles[0]
+    for other in profiles[1:]:
+        if (other.model != first.model or _sizes(other.entries) != _sizes(first.entries)
+                or {k: _sizes(e) for k, e in other.tensor_parallel.items()}
+                != {k: _sizes(e) for k, e in first.tensor_parallel.items()}):
+            raise ValueError("profiles to combine must measure the same model at the same "
+                             "microbatch and tensor-parallel sizes")
+    entries = tuple(median_of(list(es)) for es in zip(*(p.entries for p in profiles)))
+    split = {k: tuple(median_of(list(es)) for es in zip(*(p.tensor_parallel[k] for p in profiles)))
+             for k in first.tensor_parallel}
+    return dataclasses.replace(first, entries=entries, tensor_parallel=split)
+
+
+def _sizes(entries) -> list[int]:
+    return [e.micro_batch_size for e in entries]
 
 
 def _profile_tensor_parallel(k: int, shape: dict) -> tuple:

@@ -32,7 +32,8 @@ from .plans import (FP32, Setup, model_flags, null_setup, plan_flags, plan_key, 
                     profile_sizes)
 from .predictions import cost_model, predict  # noqa: F401
 from .proc import machine_busy_share, other_load, wait_for_quiet  # noqa: F401
-from .report import (MB, TARGETS, Row, markdown_table, rel_error, render,  # noqa: F401
+from .report import (MB, TARGETS, Row, markdown_table, pass_time_ratios, rel_error,  # noqa: F401
+                     render, update_predictions,
                      rows_from_estimates, rows_from_report, scatter_plot, summarize,
                      summary_text)
 from .run import validate  # noqa: F401

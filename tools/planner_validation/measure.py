@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron_2bw.planner.spec import ParallelConfig
 
@@ -54,10 +54,13 @@ def read_iteration_times(metrics_file: str) -> list[float]:
     return [float(r["iteration_time_s"]) for r in records]
 
 
-def measure_plans(setup: Setup, rows: list[Row], work: Path, log=print) -> None:
+def measure_plans(setup: Setup, rows: list[Row], work: Path, log=print,
+                  before_pass: Optional[Callable[[int], None]] = None) -> None:
     """Run each plan `setup.repeats` times, one pass over the plans per repeat; then up to
     `setup.retries` more passes over the plans with fewer quiet runs than that (runs
-    during which other processes took more than `setup.max_other_load` of the machine)."""
+    during which other processes took more than `setup.max_other_load` of the machine).
+    `before_pass(attempt)` runs before each pass, once the machine is quiet (run.py
+    profiles the layer there, so the calibration sees the machine the passes see)."""
     pending = list(rows)
     for attempt in range(setup.repeats + setup.retries):
         if not pending:
@@ -71,6 +74,8 @@ def measure_plans(setup: Setup, rows: list[Row], work: Path, log=print) -> None:
             jobs.append({"name": r.label, "kind": "pretrain", "timeout_s": setup.run_timeout_s,
                          "argv": plan_flags(setup, cfg, metrics), "metrics": metrics})
         wait_for_quiet(setup.max_other_load, setup.wait_quiet_s, log)
+        if before_pass is not None:
+            before_pass(attempt)
         results = run_jobs(jobs, str(work / f"pass.{attempt}"), setup.num_procs,
                            timeout_s=setup.run_timeout_s * (len(jobs) + 1))
         for row, job, res in zip(pending, jobs, results):

@@ -71,6 +71,15 @@ def rows_from_estimates(estimates: Iterable[Estimate]) -> list[Row]:
     return rows
 
 
+def update_predictions(rows: Sequence[Row], estimates: Iterable[Estimate]) -> None:
+    """Put the estimates' predictions into the rows of the same plans (measurements kept)."""
+    by_label = {e.config.label(): e for e in estimates}
+    for r in rows:
+        e = by_label[r.label]
+        r.predicted_time_s, r.predicted_memory_bytes, r.fits = \
+            e.iteration_time_s, e.memory_bytes, e.fits
+
+
 def summarize(rows: Sequence[Row], pick_label: Optional[str]) -> dict:
     """Error statistics and the pick's standing; `targets` says which are met."""
     measured = [r for r in rows if r.measured_time_s is not None]
@@ -95,6 +104,7 @@ def summarize(rows: Sequence[Row], pick_label: Optional[str]) -> dict:
         out.update({"median_abs_memory_error": statistics.median(m_err),
                     "worst_abs_memory_error": abs(worst_m.memory_error),
                     "worst_memory_plan": worst_m.label})
+    out["pass_time_ratios"] = pass_time_ratios(measured)
     pick = next((r for r in measured if r.label == pick_label), None)
     out["planner_pick"] = pick_label
     if pick is not None:
@@ -110,6 +120,17 @@ def summarize(rows: Sequence[Row], pick_label: Optional[str]) -> dict:
             "pick_vs_fastest": out.get("pick_vs_fastest", float("inf"))
             <= TARGETS["pick_vs_fastest"]}
     return out
+
+
+def pass_time_ratios(rows: Sequence[Row]) -> list[float]:
+    """For each pass over the plans, the median over plans of that pass's time over the
+    plan's measured time: how far the machine's speed drifted from pass to pass."""
+    ratios: dict[int, list[float]] = {}
+    for r in rows:
+        for i, a in enumerate(r.attempts):
+            if a.get("median_s") and r.measured_time_s:
+                ratios.setdefault(i, []).append(a["median_s"] / r.measured_time_s)
+    return [statistics.median(ratios[i]) for i in sorted(ratios)]
 
 
 def _pct(x: Optional[float]) -> str:
@@ -150,6 +171,10 @@ def summary_text(summary: dict) -> str:
              f"(target <= 10%), worst {summary['worst_abs_time_error'] * 100:.1f}% "
              f"({summary['worst_time_plan']}; target <= 25%), mean signed "
              f"{summary['mean_signed_time_error'] * 100:+.1f}%."]
+    if len(summary.get("pass_time_ratios", ())) > 1:
+        lines.append("Machine drift: pass by pass, the plans ran at "
+                     + ", ".join(f"{x:.3f}" for x in summary["pass_time_ratios"])
+                     + " of their measured (median) time.")
     if "median_abs_memory_error" in summary:
         lines.append(f"Memory: median |error| {summary['median_abs_memory_error'] * 100:.1f}%, "
                      f"worst {summary['worst_abs_memory_error'] * 100:.1f}% "

@@ -9,16 +9,25 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from .calibrate import hardware_from_calibration, profile_layer, run_calibration
+from megatron_2bw.planner.compute import load_profile
+from megatron_2bw.planner.profile import median_profile
+
+from .calibrate import hardware_from_calibration, profile_layer, run_calibration, run_profile
 from .measure import measure_plans
 from .plans import FP32, Setup
 from .predictions import cost_model, predict
-from .report import rows_from_estimates, summarize
+from .report import rows_from_estimates, summarize, update_predictions
 
 
 def validate(setup: Setup, workdir: str, *, dry_run: bool = False, only: Optional[str] = None,
              log=print) -> dict:
-    """Calibrate, predict, run, compare. Returns the JSON report."""
+    """Calibrate, predict, run, compare. Returns the JSON report.
+
+    A shared machine's speed drifts over the tens of minutes the runs take (the report's
+    `pass_time_ratios` show it pass by pass), so the layer is profiled again before every
+    pass over the plans and the predictions come from the median of all the profiles (`profile.median_profile`). They are still held out: every
+    profile is its own process, none reads a validated run. A dry run runs and reports the
+    pick of the first profile."""
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
@@ -27,19 +36,33 @@ def validate(setup: Setup, workdir: str, *, dry_run: bool = False, only: Optiona
     profile_path, profile_loads = profile_layer(setup, work, log)
     calib = run_calibration(setup, work, profile_loads, log)
     hw = hardware_from_calibration(calib, profile_path, setup)
-    hw_path = work / "hardware.json"
-    hw_path.write_text(json.dumps(hw.to_dict(), indent=2) + "\n")
     log(f"hardware: {json.dumps(hw.to_dict())}")
 
-    cm = cost_model(setup, profile_path, hw)
-    estimates, pick = predict(cm, setup.space())
+    estimates, pick = predict(cost_model(setup, profile_path, hw), setup.space())
     rows = rows_from_estimates(estimates)
     pick_label = pick.label() if pick else None
     to_run = [r for r in rows if r.label == pick_label] if dry_run else rows
     if only:
         to_run = [r for r in to_run if re.search(only, r.label)]
     log(f"{len(rows)} plans enumerated; running {len(to_run)} ...")
-    measure_plans(setup, to_run, work / "runs", log)
+    profiles = [profile_path]
+
+    def profile_again(attempt: int) -> None:
+        path = str(work / f"profile.pass{attempt}.json")
+        calib["profile_other_load"].append(run_profile(setup, path, rounds=1))
+        profiles.append(path)
+    measure_plans(setup, to_run, work / "runs", log, before_pass=profile_again)
+
+    final_path = str(work / "profile.median.json")
+    merged = median_profile([load_profile(p) for p in profiles])
+    Path(final_path).write_text(json.dumps(merged.to_dict(), indent=2) + "\n")
+    calib["profiles"] = profiles
+    hw = hardware_from_calibration(calib, final_path, setup)
+    (work / "hardware.json").write_text(json.dumps(hw.to_dict(), indent=2) + "\n")
+    estimates, pick = predict(cost_model(setup, final_path, hw), setup.space())
+    update_predictions(rows, estimates)
+    if not dry_run:  # a dry run reports the plan it ran: the first profile's pick
+        pick_label = pick.label() if pick else None
     summary = summarize(rows, pick_label)
     return {"setup": asdict(setup), "hardware": hw.to_dict(), "calibration": calib,
             "precision": asdict(FP32), "planner_pick": pick_label, "summary": summary,
