@@ -787,6 +787,28 @@ def test_profiler_measures_a_tiny_megatron_layer(tmp_path):
     assert 0 < layers.layer_forward_s(2, 2) <= split[1].layer.forward_s
 
 
+@pytest.mark.slow
+def test_profiler_measures_in_concurrent_processes(tmp_path):
+    """--concurrent-processes 2: the one-process pieces timed in two processes at once
+    (as two devices train at once); a count below 1 is a one-line error."""
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "-m", "megatron_2bw.planner", "profile", "--hidden-size", "64",
+           "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128",
+           "--micro-batch-sizes", "1,2", "--repeats", "1", "--warmup", "1",
+           "--concurrent-processes", "2", "--output", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    prof = load_profile(str(out))
+    model = ModelSpec("gpt", 2, 64, 4, 32, 128)
+    assert not prof.matches(model) and [e.micro_batch_size for e in prof.entries] == [1, 2]
+    assert all(e.layer.forward_s > 0 and e.embedding.backward_s > 0 and e.output.forward_s > 0
+               for e in prof.entries)
+    assert prof.params["layer"] == model.layer_params() and not prof.tensor_parallel
+    bad = subprocess.run(cmd[:-4] + ["--concurrent-processes", "0", "--output", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--concurrent-processes must be positive" in bad.stderr
+
+
 def test_tensor_parallel_profile_fits_unsplit_plus_split(tmp_path):
     """A layer forward of 2 s at tp = 1 measured at 1.6 s at tp = 2 (0.1 s of it its two
     all-reduces) is 1 s unsplit + 1 s split: 1.25 s of compute at tp 4, not the 0.5 s of

@@ -20,6 +20,10 @@ term timed beside them in the same processes, so that the planner can take the
 communication out and learn how much of a layer tensor parallelism does not split
 (LayerNorms, residuals, dropout, launches; `compute.amdahl_time`).
 
+`--concurrent-processes N` measures the one-process pieces in N processes at once, each
+timing its own copy: on a CPU the processes that train together share memory bandwidth
+and caches, which a lone process on an idle machine does not see.
+
 This is the one planner module that imports torch and megatron-core, lazily, from
 `main`; it starts a one-process group only because megatron-core's layers read
 `parallel_state`. Planning itself never imports it.
@@ -39,7 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Sequence
 
-from .compute import PartTiming, Profile, ProfileEntry
+from .compute import PartTiming, Profile, ProfileEntry, load_profile
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passes over the microbatch sizes, one after the other; each time is "
                    "the median over the passes, so a slow spell of the machine lands on "
                    "every size once instead of on whichever size it was measuring")
+    p.add_argument("--concurrent-processes", type=int, default=1, metavar="N",
+                   help="measure the one-process pieces in N processes at once, each "
+                   "timing its own copy, as the N devices of one node compute at once in "
+                   "training; on a CPU machine set it to the processes that train on it "
+                   "(their cores share memory bandwidth and caches); N GPUs on CUDA")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     p.add_argument("--output", required=True, help="profile JSON to write")
     return p
@@ -88,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) < 1:
         build_parser().error("--micro-batch-sizes: need positive integers")
     tp_sizes = _tensor_parallel_sizes(args.tensor_parallel_sizes, args.num_attention_heads)
-    for flag in ("hidden_size", "num_attention_heads", "seq_length", "repeats", "rounds"):
+    for flag in ("hidden_size", "num_attention_heads", "seq_length", "repeats", "rounds",
+                 "concurrent_processes"):
         if getattr(args, flag) < 1:
             build_parser().error(f"--{flag.replace('_', '-')} must be positive")
+    _check_gpus("--concurrent-processes", args.concurrent_processes)
     if args.hidden_size % args.num_attention_heads:
         build_parser().error(f"--hidden-size {args.hidden_size} must be divisible by "
                              f"--num-attention-heads {args.num_attention_heads}")
@@ -105,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                           vocab_size=args.vocab_size or (50257 if args.model == "gpt" else 30522),
                           micro_batch_sizes=sizes, dtype=args.dtype, repeats=args.repeats,
                           warmup=args.warmup, tensor_parallel_sizes=tp_sizes,
-                          rounds=args.rounds)
+                          rounds=args.rounds, concurrent=args.concurrent_processes)
     Path(args.output).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     for e in profile.entries:
         sys.stdout.write(f"b={e.micro_batch_size}: layer F {e.layer.forward_s * 1e3:.2f} ms, "
@@ -123,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tensor_parallel_sizes(text: str, heads: int) -> list[int]:
     """The sizes of --tensor-parallel-sizes, or a one-line error naming the flag."""
-    import torch
     try:
         sizes = sorted({int(x) for x in text.split(",") if x})
     except ValueError:
@@ -131,11 +141,17 @@ def _tensor_parallel_sizes(text: str, heads: int) -> list[int]:
     if not sizes or min(sizes) < 1 or any(heads % k for k in sizes):
         build_parser().error(f"--tensor-parallel-sizes {text}: need positive sizes that "
                              f"divide --num-attention-heads {heads}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus and max(sizes) > gpus:
-        build_parser().error(f"--tensor-parallel-sizes {text}: {max(sizes)} processes need "
-                             f"{max(sizes)} GPUs, this machine has {gpus}")
+    _check_gpus(f"--tensor-parallel-sizes {text}", max(sizes))
     return sizes
+
+
+def _check_gpus(flag: str, processes: int) -> None:
+    """On CUDA each process needs its own GPU: a one-line error naming the flag if not."""
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and processes > gpus:
+        build_parser().error(f"{flag}: {processes} processes need {processes} GPUs, this "
+                             f"machine has {gpus}")
 
 
 @contextmanager
@@ -163,8 +179,9 @@ def run_profile(*, model: str, hidden_size: int, ffn_hidden_size: int | None,
                 num_attention_heads: int, seq_length: int, vocab_size: int,
                 micro_batch_sizes: list[int], dtype: str | None = None, repeats: int = 3,
                 warmup: int = 2, tensor_parallel_sizes: tuple[int, ...] = (1,),
-                rounds: int = 1) -> Profile:
-    """Measure and return a `Profile` (see the module docstring)."""
+                rounds: int = 1, concurrent: int = 1) -> Profile:
+    """Measure and return a `Profile` (see the module docstring); `concurrent` > 1
+    measures the one-process pieces in that many processes at once."""
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -177,10 +194,13 @@ def run_profile(*, model: str, hidden_size: int, ffn_hidden_size: int | None,
             "vocab_size": vocab_size}
     shape = dict(spec, micro_batch_sizes=list(micro_batch_sizes), dtype=str(torch_dtype),
                  repeats=repeats, warmup=warmup, rounds=rounds)
-    with _single_process_megatron():
-        parts = one_layer_parts(shape, torch_dtype, device)
-        entries = in_rounds(parts.entry, micro_batch_sizes, rounds, parts)
-        params = parts.param_counts()
+    if concurrent > 1:
+        entries, params = _profile_concurrently(concurrent, shape)
+    else:
+        with _single_process_megatron():
+            parts = one_layer_parts(shape, torch_dtype, device)
+            entries = in_rounds(parts.entry, micro_batch_sizes, rounds, parts)
+            params = parts.param_counts()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     split = {k: _profile_tensor_parallel(k, shape) for k in tensor_parallel_sizes if k > 1}
     return Profile(device=name, dtype_bytes=torch.finfo(torch_dtype).bits // 8, model=spec,
@@ -254,24 +274,43 @@ def _sizes(entries) -> list[int]:
 def _profile_tensor_parallel(k: int, shape: dict) -> tuple:
     """The layer and output side at tensor-parallel size k, in k spawned processes; rank
     0's measurements (the ranks run in lockstep through their all-reduces)."""
-    import torch.multiprocessing as mp
     from .compute import tensor_parallel_entries
+    return tensor_parallel_entries(_in_processes(k, k, shape))[k]
+
+
+def _profile_concurrently(n: int, shape: dict) -> tuple[tuple, dict]:
+    """The one-process pieces measured in n spawned processes at once, each timing its
+    own copy (a barrier before each size), as n devices of one node compute at once in
+    training: on a CPU their cores share memory bandwidth and caches (and a virtual
+    machine's cores may share physical ones), so a lone process measures faster than
+    any of n busy ones (tools/validate_planner.py's `layer_diagnostics` show by how much).
+    Rank 0's entries and the parameter counts."""
+    with tempfile.TemporaryDirectory(prefix="m2bw-profile-n") as tmp:
+        path = Path(tmp) / "rank0.json"
+        path.write_text(json.dumps(_in_processes(n, 1, shape)))
+        profile = load_profile(str(path))
+    return profile.entries, profile.params
+
+
+def _in_processes(n: int, k: int, shape: dict) -> dict:
+    """Spawn n processes measuring at tensor-parallel size k (n = k, or k = 1); rank 0's
+    measurements as a profile JSON dict."""
+    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="m2bw-profile-tp") as tmp:
-        mp.start_processes(_tensor_parallel_worker, args=(k, tmp, shape), nprocs=k,
+        mp.start_processes(_profile_worker, args=(n, k, tmp, shape), nprocs=n,
                            join=True, start_method="spawn")
-        return tensor_parallel_entries(json.loads((Path(tmp) / "rank0.json").read_text()))[k]
+        return json.loads((Path(tmp) / "rank0.json").read_text())
 
 
-def _tensor_parallel_worker(rank: int, k: int, tmp: str, shape: dict) -> None:
-    """One of k processes: megatron-core at tp = k, the pieces timed, the all-reduces of
-    the sizes they communicate timed; rank 0 writes a profile holding only them."""
+def _profile_worker(rank: int, n: int, k: int, tmp: str, shape: dict) -> None:
+    """One of n processes: megatron-core at tp = k; at k = 1 the one-process pieces, at
+    k > 1 the split pieces and the all-reduces of the sizes they communicate; rank 0
+    writes a profile holding only them."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron_2bw.models.compat import apply_cpu_shims
-    from .compute import TensorParallelEntry
-    from .netprofile import time_allreduce
 
     warnings.filterwarnings("ignore", module=r"megatron\.")
     cuda = torch.cuda.is_available()
@@ -279,12 +318,35 @@ def _tensor_parallel_worker(rank: int, k: int, tmp: str, shape: dict) -> None:
     if cuda:
         torch.cuda.set_device(device)
     apply_cpu_shims()
-    store = dist.FileStore(str(Path(tmp) / "store"), k)
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=k)
+    store = dist.FileStore(str(Path(tmp) / "store"), n)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=n)
     parallel_state.initialize_model_parallel(k, 1)
     dtype = getattr(torch, shape["dtype"].split(".")[-1])
     parts = one_layer_parts(shape, dtype, device, k)
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    if k == 1:
+        def entry(b: int) -> ProfileEntry:
+            dist.barrier()
+            return parts.entry(b)
+        entries = in_rounds(entry, shape["micro_batch_sizes"], shape.get("rounds", 1), parts)
+        out = Profile("", 0, {}, entries, parts.param_counts()).to_dict()
+    else:
+        entries = in_rounds(_split_measure(parts, shape, dtype, device),
+                            shape["micro_batch_sizes"], shape.get("rounds", 1), parts)
+        out = Profile("", 0, {}, (), {}, {k: entries}).to_dict()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(tmp, "rank0.json").write_text(json.dumps(out))
+
+
+def _split_measure(parts: "_Parts", shape: dict, dtype, device) -> Callable:
+    """measure(b) at tensor-parallel size > 1: the pieces, and one [s, b, h] and one
+    [s, b] fp32 all-reduce timed beside them."""
+    import torch
+    from .compute import TensorParallelEntry
+    from .netprofile import time_allreduce
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def measure(b: int) -> TensorParallelEntry:
         e = parts.entry(b)
@@ -293,12 +355,7 @@ def _tensor_parallel_worker(rank: int, k: int, tmp: str, shape: dict) -> None:
         reps = max(3, shape["repeats"])
         return TensorParallelEntry(b, e.layer, e.output, time_allreduce(act, reps, sync),
                                    time_allreduce(loss, reps, sync))
-    entries = in_rounds(measure, shape["micro_batch_sizes"], shape.get("rounds", 1), parts)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    if rank == 0:
-        out = Profile("", 0, {}, (), {}, {k: entries}).to_dict()
-        Path(tmp, "rank0.json").write_text(json.dumps(out))
+    return measure
 
 
 class _Parts:

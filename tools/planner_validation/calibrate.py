@@ -1,9 +1,11 @@
 """Step 1, calibrate: this machine as the planner's hardware JSON.
 
 Profile the model with the planner's own profiler (`python -m megatron_2bw.planner
-profile`, one thread per process, fp32: one process, and the layer split over the two
-processes by tensor parallelism, `--tensor-parallel-sizes 1,2`); then, in two worker processes (the two
-"devices", workers.py): gloo all-reduce and point-to-point times between them at message
+profile`, one thread per process, fp32: the pieces in both processes at once, each timing
+its own copy as the two "devices" compute at once in the runs, `--concurrent-processes
+2`, and the layer split over the two processes by tensor parallelism,
+`--tensor-parallel-sizes 1,2`); run.py profiles again before every pass over the plans.
+Then, in two worker processes (the two "devices", workers.py): gloo all-reduce and point-to-point times between them at message
 sizes from the loss's [s, b] all-reduces to the gradient buffer (the planner's
 `netprofile.time_links`), fitted to `t = alpha + bytes x beta` (`hardware.fit_link`:
 the latency and bandwidth of the planner's alpha-beta model), the time of this project's
@@ -43,13 +45,14 @@ from .workers import ROOT, run_jobs, worker_env
 # ----------------------------------------------------------------------------------
 def run_profile(setup: Setup, path: str, repeats: int = 2, rounds: int = 3) -> float:
     """Profile with the planner's profiler (`rounds` passes over the sizes, `repeats`
-    timed runs per size in each); returns the share of the CPUs other processes used
-    meanwhile (the profiler is one process of one thread)."""
+    timed runs per size in each; the one-process pieces in `num_procs` processes at once,
+    as the runs compute); returns the share of the CPUs other processes used meanwhile."""
     cmd = [sys.executable, "-m", "megatron_2bw.planner", "profile", "--hidden-size",
            str(setup.hidden_size), "--num-attention-heads", str(setup.num_attention_heads),
            "--seq-length", str(setup.seq_length), "--vocab-size", str(setup.vocab_size),
            "--micro-batch-sizes", ",".join(map(str, profile_sizes(setup))), "--dtype", "fp32",
            "--tensor-parallel-sizes", f"1,{setup.num_procs}",
+           "--concurrent-processes", str(setup.num_procs),
            "--repeats", str(repeats), "--rounds", str(rounds), "--output", path]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy0, start = cpu_busy_s(), time.monotonic()

@@ -36,6 +36,7 @@ def validate(setup: Setup, workdir: str, *, dry_run: bool = False, only: Optiona
     profile_path, profile_loads = profile_layer(setup, work, log)
     calib = run_calibration(setup, work, profile_loads, log)
     hw = hardware_from_calibration(calib, profile_path, setup)
+    (work / "hardware.json").write_text(json.dumps(hw.to_dict(), indent=2) + "\n")
     log(f"hardware: {json.dumps(hw.to_dict())}")
 
     estimates, pick = predict(cost_model(setup, profile_path, hw), setup.space())
