@@ -162,6 +162,21 @@ def test_pass_time_ratios_show_the_drift_from_pass_to_pass():
     assert "pass by pass, the plans ran at 1.050, 1.050, 0.900" in v.summary_text(s)
 
 
+def test_errors_by_layout():
+    rows = [_row("a", 0.9, 1.0), _row("b", 1.2, 1.0), _row("c", 1.0, 1.0),
+            _row("d", 1.1, 1.0, tensor_parallel=2, data_parallel_width=1),
+            _row("e", 1.0, 2.0, pipeline_depth=2, data_parallel_width=1, virtual_stages=2)]
+    groups = v.errors_by_layout(rows)
+    assert list(groups) == ["tp1 pp1 dp2", "tp1 pp2 dp1 v2", "tp2 pp1 dp1"]
+    dp = groups["tp1 pp1 dp2"]
+    assert dp["plans"] == 3 and dp["median_abs"] == pytest.approx(0.1)
+    assert dp["signed_median"] == pytest.approx(0.0)
+    assert (dp["min"], dp["max"]) == pytest.approx((-0.1, 0.2))
+    assert groups["tp1 pp2 dp1 v2"]["signed_median"] == pytest.approx(-0.5)
+    text = v.summary_text(v.summarize(rows, "a"))
+    assert "tp1 pp1 dp2 (3): 10.0%, +0%, -10%..+20%" in text and "tp2 pp1 dp1 (1)" in text
+
+
 def test_update_predictions_keeps_the_measurements():
     cfg = ParallelConfig("flush", 1, 1, 2, 8, 1, False)
     row = v.rows_from_estimates([type("E", (), {"config": cfg, "iteration_time_s": 1.0,

@@ -32,9 +32,9 @@ from .plans import (FP32, Setup, model_flags, null_setup, plan_flags, plan_key, 
                     profile_sizes)
 from .predictions import cost_model, predict  # noqa: F401
 from .proc import machine_busy_share, other_load, wait_for_quiet  # noqa: F401
-from .report import (MB, TARGETS, Row, markdown_table, pass_time_ratios, rel_error,  # noqa: F401
-                     render, update_predictions,
-                     rows_from_estimates, rows_from_report, scatter_plot, summarize,
-                     summary_text)
+from .report import (MB, TARGETS, Row, errors_by_layout, markdown_table,  # noqa: F401
+                     pass_time_ratios, rel_error, render, rows_from_estimates,
+                     rows_from_report, scatter_plot, summarize, summary_text,
+                     update_predictions)
 from .run import validate  # noqa: F401
 from .workers import ALLOCATOR_ENV, ROOT, run_jobs  # noqa: F401

@@ -105,6 +105,7 @@ def summarize(rows: Sequence[Row], pick_label: Optional[str]) -> dict:
                     "worst_abs_memory_error": abs(worst_m.memory_error),
                     "worst_memory_plan": worst_m.label})
     out["pass_time_ratios"] = pass_time_ratios(measured)
+    out["time_error_by_layout"] = errors_by_layout(measured)
     pick = next((r for r in measured if r.label == pick_label), None)
     out["planner_pick"] = pick_label
     if pick is not None:
@@ -131,6 +132,24 @@ def pass_time_ratios(rows: Sequence[Row]) -> list[float]:
             if a.get("median_s") and r.measured_time_s:
                 ratios.setdefault(i, []).append(a["median_s"] / r.measured_time_s)
     return [statistics.median(ratios[i]) for i in sorted(ratios)]
+
+
+def layout_name(r: Row) -> str:
+    """"tp1 pp2 dp1", with " v2" for interleaved plans."""
+    c = r.config
+    v = c.get("virtual_stages", 1)
+    return (f"tp{c['tensor_parallel']} pp{c['pipeline_depth']} dp{c['data_parallel_width']}"
+            + (f" v{v}" if v > 1 else ""))
+
+
+def errors_by_layout(rows: Sequence[Row]) -> dict[str, dict]:
+    """Per layout: plans, median |time error|, signed median, smallest and largest."""
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(layout_name(r), []).append(r.time_error)
+    return {name: {"plans": len(e), "median_abs": statistics.median(abs(x) for x in e),
+                   "signed_median": statistics.median(e), "min": min(e), "max": max(e)}
+            for name, e in sorted(groups.items())}
 
 
 def _pct(x: Optional[float]) -> str:
@@ -171,6 +190,11 @@ def summary_text(summary: dict) -> str:
              f"(target <= 10%), worst {summary['worst_abs_time_error'] * 100:.1f}% "
              f"({summary['worst_time_plan']}; target <= 25%), mean signed "
              f"{summary['mean_signed_time_error'] * 100:+.1f}%."]
+    if summary.get("time_error_by_layout"):
+        lines.append("By layout (plans: median |error|, signed median, range): " + "; ".join(
+            f"{name} ({g['plans']}): {g['median_abs'] * 100:.1f}%, {_pct(g['signed_median'])}, "
+            f"{_pct(g['min'])}..{_pct(g['max'])}"
+            for name, g in summary["time_error_by_layout"].items()) + ".")
     if len(summary.get("pass_time_ratios", ())) > 1:
         lines.append("Machine drift: pass by pass, the plans ran at "
                      + ", ".join(f"{x:.3f}" for x in summary["pass_time_ratios"])
@@ -280,8 +304,8 @@ def rows_from_report(report: dict) -> list[Row]:
 
 def render(report: dict, markdown: Optional[str], plot: Optional[str]) -> str:
     rows = rows_from_report(report)
-    text = (markdown_table(rows, report["planner_pick"]) + "\n\n"
-            + summary_text(report["summary"]) + "\n")
+    summary = {**report["summary"], **summarize(rows, report["planner_pick"])}  # newer fields
+    text = (markdown_table(rows, report["planner_pick"]) + "\n\n" + summary_text(summary) + "\n")
     if markdown:
         Path(markdown).write_text(text)
     if plot and any(r.measured_time_s is not None for r in rows):
