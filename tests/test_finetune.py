@@ -13,7 +13,7 @@ import torch
 from tests.dist_harness import free_port, run_distributed
 from tests.entry_harness import ROOT, launch, max_rel
 
-PRETRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+PRETRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--micro-batch-size", "4", "--lr", "1e-3",
             "--train-iters", "4", "--eval-iters", "0", "--log-interval", "1", "--split", "1,0,0",
             "--tokenizer-type", "BertWordPieceLowerCase"]
@@ -157,17 +157,21 @@ def _oracle(rank: int, world: int, argv: list[str], delayed: bool) -> tuple[list
     return losses, correct
 
 
-@pytest.mark.parametrize("task,schedule", [("RACE", "flush"), ("PAIRS", "2bw")],
-                         ids=["race-flush-pp2", "pairs-2bw-pp2"])
-def test_finetune_equals_independent_loop(tmp_path, pretrained, task, schedule) -> None:
-    """Pipelined finetuning (PP 2) from a pretrained checkpoint: flush equals the
-    synchronous loop and 2BW the delayed one, step by step, and the validation accuracy
-    counts the same answers over the whole set (21 examples: 3 padding samples)."""
+@pytest.mark.parametrize("task,schedule,chunks", [("RACE", "flush", 2), ("PAIRS", "2bw", 1)],
+                         ids=["race-flush-pp2-v2", "pairs-2bw-pp2"])
+def test_finetune_equals_independent_loop(tmp_path, pretrained, task, schedule,
+                                          chunks) -> None:
+    """Pipelined finetuning (PP 2) from a pretrained checkpoint saved at PP 1: flush with
+    two model chunks per stage (interleaved, one layer each) equals the synchronous loop
+    and 2BW the delayed one, step by step, and the validation accuracy counts the same
+    answers over the whole set (21 examples: 3 padding samples)."""
     argv = _task_argv(task, pretrained)
     oracle, correct = run_distributed(_oracle, 1, argv, schedule == "2bw")[0]
     metrics, results = str(tmp_path / "m.jsonl"), str(tmp_path / "r.json")
-    proc = _finetune(2, argv + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                                schedule, "--metrics-file", metrics, "--results-json", results])
+    interleave = ["--num-layers-per-virtual-pipeline-stage", "1"] if chunks > 1 else []
+    proc = _finetune(2, argv + interleave + [
+        "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+        "--metrics-file", metrics, "--results-json", results])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(metrics) as f:
         got = [r["loss"] for r in map(json.loads, f) if r.get("split") == "train"]
@@ -176,6 +180,7 @@ def test_finetune_equals_independent_loop(tmp_path, pretrained, task, schedule) 
         result = next(iter(json.load(f)["results"].values()))
     assert (result["correct"], result["total"]) == (correct, 21)
     assert "task_head.dense.weight" in proc.stdout + proc.stderr  # the fresh head is said
+    assert ("interleaved, 2 chunks per rank" in proc.stdout + proc.stderr) == (chunks > 1)
 
 
 # ------------------------------------------------------------------------------ the parts

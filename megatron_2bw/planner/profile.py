@@ -262,7 +262,8 @@ def median_profile(profiles: Sequence[Profile]) -> Profile:
             raise ValueError("profiles to combine must measure the same model at the same "
                              "microbatch and tensor-parallel sizes")
     entries = tuple(median_of(list(es)) for es in zip(*(p.entries for p in profiles)))
-    split = {k: tuple(median_of(list(es)) for es in zip(*(p.tensor_parallel[k] for p in profiles)))
+    split = {k: tuple(median_of(list(es))
+                      for es in zip(*(p.tensor_parallel[k] for p in profiles)))
              for k in first.tensor_parallel}
     return dataclasses.replace(first, entries=entries, tensor_parallel=split)
 

@@ -5,18 +5,19 @@ profile`, one thread per process, fp32: the pieces in both processes at once, ea
 its own copy as the two "devices" compute at once in the runs, `--concurrent-processes
 2`, and the layer split over the two processes by tensor parallelism,
 `--tensor-parallel-sizes 1,2`); run.py profiles again before every pass over the plans.
-Then, in two worker processes (the two "devices", workers.py): gloo all-reduce and point-to-point times between them at message
-sizes from the loss's [s, b] all-reduces to the gradient buffer (the planner's
-`netprofile.time_links`), fitted to `t = alpha + bytes x beta` (`hardware.fit_link`:
-the latency and bandwidth of the planner's alpha-beta model), the time of this project's
+Then, in two worker processes (the two "devices", workers.py): gloo all-reduce and
+point-to-point times between them at message sizes from the loss's [s, b] all-reduces to
+the gradient buffer (the planner's `netprofile.time_links`), fitted to `t = alpha + bytes
+x beta` (`hardware.fit_link`: the latency and bandwidth of the planner's alpha-beta
+model), the time of this project's
 optimizer step (`MegatronUpdater`, AdamW) per parameter, and the memory a near-empty
 training run costs beyond an idle process. From these it writes a hardware JSON
 (`planner.hardware.Hardware`'s fields). None of it comes from the runs that are
 validated: those are held out.
 
 A diagnostic (`layer_in_parallel`, not used by the planner) times the profiled layer
-with both processes busy and split over them by tensor parallelism, to explain where the
-model and the runs part.
+with both processes busy and split over them by tensor parallelism, in the calibration's
+workers, to explain where the model and the runs part.
 
 The functions that run inside the workers import torch lazily.
 """

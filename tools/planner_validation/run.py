@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_2bw.planner.compute import load_profile
+from megatron_2bw.planner.hardware import Hardware
 from megatron_2bw.planner.profile import median_profile
 
 from .calibrate import hardware_from_calibration, profile_layer, run_calibration, run_profile
@@ -25,9 +26,10 @@ def validate(setup: Setup, workdir: str, *, dry_run: bool = False, only: Optiona
 
     A shared machine's speed drifts over the tens of minutes the runs take (the report's
     `pass_time_ratios` show it pass by pass), so the layer is profiled again before every
-    pass over the plans and the predictions come from the median of all the profiles (`profile.median_profile`). They are still held out: every
-    profile is its own process, none reads a validated run. A dry run runs and reports the
-    pick of the first profile."""
+    pass over the plans and the predictions come from the median of all the profiles
+    (`profile.median_profile`). They are still held out: every profile is its own
+    process, none reads a validated run. A dry run runs and reports the pick of the first
+    profile."""
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
@@ -35,10 +37,8 @@ def validate(setup: Setup, workdir: str, *, dry_run: bool = False, only: Optiona
 
     profile_path, profile_loads = profile_layer(setup, work, log)
     calib = run_calibration(setup, work, profile_loads, log)
-    hw = hardware_from_calibration(calib, profile_path, setup)
-    (work / "hardware.json").write_text(json.dumps(hw.to_dict(), indent=2) + "\n")
+    hw = _hardware(calib, profile_path, setup, work)
     log(f"hardware: {json.dumps(hw.to_dict())}")
-
     estimates, pick = predict(cost_model(setup, profile_path, hw), setup.space())
     rows = rows_from_estimates(estimates)
     pick_label = pick.label() if pick else None
@@ -46,28 +46,41 @@ def validate(setup: Setup, workdir: str, *, dry_run: bool = False, only: Optiona
     if only:
         to_run = [r for r in to_run if re.search(only, r.label)]
     log(f"{len(rows)} plans enumerated; running {len(to_run)} ...")
-    profiles = [profile_path]
+    calib["profiles"] = [profile_path]
+    measure_plans(setup, to_run, work / "runs", log,
+                  before_pass=lambda attempt: _profile_again(setup, work, attempt, calib))
 
-    def profile_again(attempt: int) -> None:
-        path = str(work / f"profile.pass{attempt}.json")
-        calib["profile_other_load"].append(run_profile(setup, path, rounds=1))
-        profiles.append(path)
-    measure_plans(setup, to_run, work / "runs", log, before_pass=profile_again)
-
-    final_path = str(work / "profile.median.json")
-    merged = median_profile([load_profile(p) for p in profiles])
-    Path(final_path).write_text(json.dumps(merged.to_dict(), indent=2) + "\n")
-    calib["profiles"] = profiles
-    hw = hardware_from_calibration(calib, final_path, setup)
-    (work / "hardware.json").write_text(json.dumps(hw.to_dict(), indent=2) + "\n")
+    final_path = _median_profile_file(calib["profiles"], work / "profile.median.json")
+    hw = _hardware(calib, final_path, setup, work)
     estimates, pick = predict(cost_model(setup, final_path, hw), setup.space())
     update_predictions(rows, estimates)
     if not dry_run:  # a dry run reports the plan it ran: the first profile's pick
         pick_label = pick.label() if pick else None
-    summary = summarize(rows, pick_label)
     return {"setup": asdict(setup), "hardware": hw.to_dict(), "calibration": calib,
-            "precision": asdict(FP32), "planner_pick": pick_label, "summary": summary,
+            "precision": asdict(FP32), "planner_pick": pick_label,
+            "summary": summarize(rows, pick_label),
             "rows": [r.to_dict() for r in rows], "dry_run": dry_run,
             "seconds": time.perf_counter() - started,
             "load_average": {"start": load_start, "end": os.getloadavg()},
             "workdir": str(work)}
+
+
+def _hardware(calib: dict, profile_path: str, setup: Setup, work: Path) -> Hardware:
+    """The hardware of the calibration and profile, also written to work/hardware.json."""
+    hw = hardware_from_calibration(calib, profile_path, setup)
+    (work / "hardware.json").write_text(json.dumps(hw.to_dict(), indent=2) + "\n")
+    return hw
+
+
+def _profile_again(setup: Setup, work: Path, attempt: int, calib: dict) -> None:
+    """One more round of the profile (before pass `attempt`), recorded in `calib`."""
+    path = str(work / f"profile.pass{attempt}.json")
+    calib["profile_other_load"].append(run_profile(setup, path, rounds=1))
+    calib["profiles"].append(path)
+
+
+def _median_profile_file(paths: list[str], out: Path) -> str:
+    """The median of the profiles at `paths`, written to `out`; its path."""
+    merged = median_profile([load_profile(p) for p in paths])
+    out.write_text(json.dumps(merged.to_dict(), indent=2) + "\n")
+    return str(out)
