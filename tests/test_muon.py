@@ -15,7 +15,8 @@ import torch
 
 from megatron_2bw.optim.muon import (
     COEFFICIENT_SETS, FP16_REFUSAL, MuonConfig, MuonDirection, MuonParamSpec, TensorParallel,
-    apply_megatron_update, check_not_fp16, muon_scale_factor, newton_schulz, qkv_split_rows)
+    apply_megatron_update, check_not_fp16, muon_scale_factor, newton_schulz, qkv_split_rows,
+    resolve_precision)
 
 QUINTIC = COEFFICIENT_SETS["quintic"]
 SIMPLE = COEFFICIENT_SETS["simple"][0]
@@ -173,11 +174,20 @@ def _sharded_directions(specs_full, grads_steps, cfg, size=2):
             out = d.direction([shard(g, s, rank) for g, s in zip(grads, specs_full)])
         results[rank] = out
 
+    # The ranks are threads here (processes in training), and torch's fp32 matmul
+    # precision is one global: a rank leaving its Newton-Schulz block would put the
+    # previous precision back while the other is still inside (a flaky mismatch). Holding
+    # the configured precision around the threads makes every set and reset the same value.
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(resolve_precision(cfg.fp32_matmul_prec))
     threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_float32_matmul_precision(previous)
     return results
 
 
