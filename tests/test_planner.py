@@ -784,7 +784,9 @@ def test_profiler_measures_a_tiny_megatron_layer(tmp_path):
     assert [e.micro_batch_size for e in split] == [1, 2]
     assert all(e.layer.forward_s > 0 and e.output.backward_s > 0 and e.allreduce_s > 0
                and e.loss_allreduce_s > 0 for e in split)
-    assert 0 < layers.layer_forward_s(2, 2) <= split[1].layer.forward_s
+    # the reader takes the separately timed all-reduces out; on a loaded machine they can
+    # exceed this tiny layer's whole time (then 0): the reader's math has its own test
+    assert 0 <= layers.layer_forward_s(2, 2) <= split[1].layer.forward_s
 
 
 @pytest.mark.slow
