@@ -201,18 +201,22 @@ def load_profile(path: str) -> Profile:
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise ValueError(f"{path} is not a {PROFILE_FORMAT} file")
     try:
-        entries = tuple(sorted((ProfileEntry(int(e["micro_batch_size"]),
-                                             PartTiming(**e["layer"]),
-                                             PartTiming(**e["embedding"]),
-                                             PartTiming(**e["output"]))
-                                for e in data["entries"]), key=lambda e: e.micro_batch_size))
-        profile = Profile(str(data["device"]), int(data["dtype_bytes"]), dict(data["model"]),
-                          entries, dict(data.get("params", {})), tensor_parallel_entries(data))
+        profile = profile_from_dict(data)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise ValueError(f"profile {path} is malformed: {err}") from None
-    if not entries:
+    if not profile.entries:
         raise ValueError(f"profile {path} has no measurements")
     return profile
+
+
+def profile_from_dict(data: dict) -> Profile:
+    """A `Profile` from its JSON dict (`Profile.to_dict`); KeyError etc. when malformed."""
+    entries = tuple(sorted((ProfileEntry(int(e["micro_batch_size"]), PartTiming(**e["layer"]),
+                                         PartTiming(**e["embedding"]),
+                                         PartTiming(**e["output"]))
+                            for e in data["entries"]), key=lambda e: e.micro_batch_size))
+    return Profile(str(data["device"]), int(data["dtype_bytes"]), dict(data["model"]),
+                   entries, dict(data.get("params", {})), tensor_parallel_entries(data))
 
 
 def amdahl_time(points: list[tuple[int, float]], tp: int) -> float:

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Sequence
 
-from .compute import PartTiming, Profile, ProfileEntry, load_profile
+from .compute import PartTiming, Profile, ProfileEntry, profile_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -286,10 +286,7 @@ def _profile_concurrently(n: int, shape: dict) -> tuple[tuple, dict]:
     machine's cores may share physical ones), so a lone process measures faster than
     any of n busy ones (tools/validate_planner.py's `layer_diagnostics` show by how much).
     Rank 0's entries and the parameter counts."""
-    with tempfile.TemporaryDirectory(prefix="m2bw-profile-n") as tmp:
-        path = Path(tmp) / "rank0.json"
-        path.write_text(json.dumps(_in_processes(n, 1, shape)))
-        profile = load_profile(str(path))
+    profile = profile_from_dict(_in_processes(n, 1, shape))
     return profile.entries, profile.params
 
 
