@@ -32,7 +32,9 @@ def _engine_worker(rank: int, world: int, d: int, m: int) -> dict:
         executor = PipelineExecutor(module, links, updater, weight_versions=schedule.weight_versions,
                                     grad_buffers=schedule.grad_buffers, dp_group=data_parallel_group())
         data = (microbatch(i, replica, w) for i in schedule.microbatches)
-        result = executor.run(schedule, data)
+        held: list[int] = []  # sent tensors still held after each step
+        result = executor.run(schedule, data,
+                              on_step=lambda k, _: held.append(executor.p2p.pending_sends))
         store = executor.weights
         final = store.module_for(store.newest)
         out[(name, defer)] = {
@@ -41,6 +43,7 @@ def _engine_worker(rank: int, world: int, d: int, m: int) -> dict:
             "peak_live_versions": store.peak_live,
             "weight_buffers": store.num_buffers,
             "peak_stashes": result.peak_stashes,
+            "held_sends": held,
         }
     ps.destroy_model_parallel()
     return out
@@ -71,6 +74,9 @@ def test_pipeline_equals_references(d: int, w: int, record_property) -> None:
             assert got["weight_buffers"] == (2 if name == "2bw" else 1)
             limit = m if name == "gpipe" else d - r["stage"]
             assert got["peak_stashes"] <= limit
+            # sends are freed as the schedule proves them arrived, not at the end of the
+            # run: what a stage holds stays within one minibatch's 2m, however long
+            assert max(got["held_sends"]) <= 2 * m, got["held_sends"]
         last = [r[(name, defer)]["losses"] for r in results if r["stage"] == d - 1]
         losses = torch.tensor([[l[k] for k in range(N_MINIBATCHES)] for l in last]).mean(0)
         err = max(err, _max_rel(losses, torch.tensor(ref_losses)))

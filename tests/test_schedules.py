@@ -381,3 +381,69 @@ def test_cli_draws_interleaved(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         schedule_cli(["--schedule", "flush", "--stages", "4", "--microbatches", "6",
                       "--num-virtual-stages-per-pipeline-rank", "2"])
+
+
+def _happens_before(schedule) -> dict:
+    """(stage, index) -> every (stage, index) that precedes it: program order on each
+    stage plus message edges (send -> its receive), matched in link order. Written
+    from the actions alone, not from `channels`, so it checks `send_completions`."""
+    from megatron_2bw.schedules.actions import RECV_KINDS, SEND_KINDS
+
+    d = schedule.num_stages
+    queues: dict = {}
+    for stage, actions in schedule.items():
+        for idx, a in enumerate(actions):
+            if a.kind in SEND_KINDS:
+                queues.setdefault((stage, a.peer(d)[0]), []).append((stage, idx))
+    preds: dict = {}
+    taken: dict = {}
+    for stage, actions in schedule.items():
+        for idx, a in enumerate(actions):
+            edges = [(stage, idx - 1)] if idx else []
+            if a.kind in RECV_KINDS:
+                link = (a.peer(d)[0], stage)
+                n = taken.get(link, 0)
+                taken[link] = n + 1
+                edges.append(queues[link][n])
+            preds[(stage, idx)] = edges
+    return preds
+
+
+def _reaches(preds: dict, start, goal) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(preds[node])
+    return False
+
+
+@pytest.mark.parametrize("name,d,m,n,v", [("flush", 2, 4, 3, 1), ("2bw", 3, 3, 4, 1),
+                                          ("gpipe", 2, 2, 3, 1), ("flush", 2, 4, 2, 2),
+                                          ("flush", 3, 6, 2, 2)])
+def test_sends_are_released_only_once_they_provably_arrived(name, d, m, n, v) -> None:
+    """Each send `send_completions` releases at a receive has its matching receive on
+    the peer happen before that receive (so waiting on it cannot block), and only the
+    last minibatch's sends are left for the end of the run (the run holds a bounded
+    number of sent tensors however long it is)."""
+    from megatron_2bw.schedules.actions import RECV_KINDS, SEND_KINDS
+    from megatron_2bw.schedules.channels import send_completions
+
+    schedule = build_schedule(name, d, m, n, num_chunks=v)
+    preds = _happens_before(schedule)
+    arrival = {preds_node[1 if len(preds_node) > 1 else 0]: node
+               for node, preds_node in preds.items()
+               if schedule[node[0]][node[1]].kind in RECV_KINDS}
+    for stage, actions in schedule.items():
+        released = send_completions(schedule, stage)
+        for recv, sends in released.items():
+            assert actions[recv].kind in RECV_KINDS
+            for send in sends:
+                assert actions[send].kind in SEND_KINDS and send < recv
+                assert _reaches(preds, (stage, recv), arrival[(stage, send)])
+        freed = {s for sends in released.values() for s in sends}
+        left = [a for i, a in enumerate(actions) if a.kind in SEND_KINDS and i not in freed]
+        assert all(a.microbatch // m == n - 1 for a in left), left

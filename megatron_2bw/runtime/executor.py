@@ -28,6 +28,7 @@ from torch import nn
 
 from ..schedules.actions import ActionKind as K
 from ..schedules.actions import Action, Schedule
+from ..schedules.channels import send_completions
 from .grad_sync import GradReduceConfig, GradReducer, TiedGradSync
 from .p2p import P2P, StageLinks
 from .versions import WeightStore
@@ -69,6 +70,7 @@ Key = tuple[int, int]  # (microbatch, model chunk)
 
 _COMPUTE = (K.FORWARD, K.BACKWARD)
 _RECEIVES = (K.RECV_FORWARD, K.RECV_BACKWARD)
+_SENDS = (K.SEND_FORWARD, K.SEND_BACKWARD)
 
 
 def receives_ahead(actions: Sequence[Action]) -> dict[int, list[Action]]:
@@ -123,7 +125,7 @@ class PipelineExecutor:
         self.updater = updater
         self._count_tokens = count_tokens
         self._train = True
-        self._handlers: dict[K, Callable[[Action], None]] = {
+        self._handlers: dict[K, Callable[[Action], Optional[int]]] = {
             K.FORWARD: self._forward, K.BACKWARD: self._backward,
             K.RECV_FORWARD: self._recv_forward, K.SEND_FORWARD: self._send_forward,
             K.RECV_BACKWARD: self._recv_backward, K.SEND_BACKWARD: self._send_backward,
@@ -139,18 +141,27 @@ class PipelineExecutor:
         self._check_declarations(schedule)
         self._reset(schedule, data)
         self._on_step = on_step
-        self._run_actions(schedule[self.links.stage])
+        self._run_actions(schedule)
         self.p2p.wait_all()
         return self._result
 
-    def _run_actions(self, actions: Sequence[Action]) -> None:
+    def _run_actions(self, schedule: Schedule) -> None:
         """Dispatch each action; before a forward or backward, post the receives that the
-        next compute action waits for (`receives_ahead`), so their transfers overlap it."""
+        next compute action waits for (`receives_ahead`), so their transfers overlap it;
+        after a receive, free the sends it proves arrived (`send_completions`: the run
+        holds a bounded number of sent tensors, however many minibatches it spans)."""
+        actions = schedule[self.links.stage]
         ahead = receives_ahead(actions)
+        arrived = send_completions(schedule, self.links.stage)
+        tickets: dict[int, int] = {}  # index of a send action -> its P2P ticket
         for i, action in enumerate(actions):
             for recv in ahead.get(i, ()):
                 self.p2p.post(self._peer(recv))
-            self._handlers[action.kind](action)
+            ticket = self._handlers[action.kind](action)
+            if action.kind in _SENDS:
+                tickets[i] = ticket
+            for sent in arrived.get(i, ()):
+                self.p2p.release(tickets.pop(sent))
 
     def _check_declarations(self, schedule: Schedule) -> None:
         held = (self.weights.num_buffers, self.weights.num_grad_buffers,
@@ -174,7 +185,7 @@ class PipelineExecutor:
             module.eval()
         try:
             with torch.no_grad():
-                self._run_actions(schedule[self.links.stage])
+                self._run_actions(schedule)
         finally:
             self._train = True
             for module in self.weights.modules:
@@ -311,14 +322,14 @@ class PipelineExecutor:
     def _recv_forward(self, a: Action) -> None:
         self._act_inbox[(a.microbatch, a.chunk)] = self.p2p.recv(self._peer(a), "an activation")
 
-    def _send_forward(self, a: Action) -> None:
-        self.p2p.send(self._act_outbox.pop((a.microbatch, a.chunk)), self._peer(a))
+    def _send_forward(self, a: Action) -> int:
+        return self.p2p.send(self._act_outbox.pop((a.microbatch, a.chunk)), self._peer(a))
 
     def _recv_backward(self, a: Action) -> None:
         self._grad_inbox[(a.microbatch, a.chunk)] = self.p2p.recv(self._peer(a), "a gradient")
 
-    def _send_backward(self, a: Action) -> None:
-        self.p2p.send(self._grad_outbox.pop((a.microbatch, a.chunk)), self._peer(a))
+    def _send_backward(self, a: Action) -> int:
+        return self.p2p.send(self._grad_outbox.pop((a.microbatch, a.chunk)), self._peer(a))
 
     # --- gradient reduction and the new weight version ------------------------------
     def _start_grad_allreduce(self, a: Action) -> None:

@@ -7,7 +7,8 @@ executor names the peer stage of every transfer (`Action.peer`); `send` / `recv`
 to its rank. Transfers are untagged: each link carries them in the order the schedule
 lists them, which the validator checks send by receive.
 
-Sends are asynchronous (`isend`) and kept alive until they complete; a receive is
+Sends are asynchronous (`isend`) and kept alive until the executor knows they arrived
+(`release`, at the receive the schedule says implies it) or the run ends; a receive is
 either posted ahead (`post`, an `irecv` the executor issues while the compute before it
 runs, so the transfer overlaps that compute instead of starting when the tensor is
 needed: gloo moves a message only once its receive is posted) and waited for at its
@@ -123,7 +124,9 @@ class P2P:
 
     def __init__(self, links: StageLinks):
         self.links = links
-        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+        # ticket -> (handle, tensor, destination rank): sends not yet known to be done
+        self._pending: dict[int, tuple[dist.Work, torch.Tensor, int]] = {}
+        self._tickets = 0
         self._posted: dict[int, deque[tuple[dist.Work, torch.Tensor]]] = {}
         self.bytes_sent = 0
 
@@ -165,21 +168,38 @@ class P2P:
         from neighbouring stage `stage`; blocks."""
         return self._recv(self.links.rank_of(stage), kind)
 
-    def send(self, tensor: torch.Tensor, stage: int) -> None:
-        """Send a boundary tensor to neighbouring stage `stage` (asynchronously)."""
-        self._send(tensor, self.links.rank_of(stage))
+    def send(self, tensor: torch.Tensor, stage: int) -> int:
+        """Send a boundary tensor to neighbouring stage `stage` (asynchronously); the
+        ticket names the send to `release`."""
+        return self._send(tensor, self.links.rank_of(stage))
 
-    def _send(self, tensor: torch.Tensor, dst: Optional[int]) -> None:
+    def _send(self, tensor: torch.Tensor, dst: Optional[int]) -> int:
         if dst is None:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to send to")
         tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, dst=dst), tensor, dst))
+        self._tickets += 1
+        self._pending[self._tickets] = (dist.isend(tensor, dst=dst), tensor, dst)
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        self._reap()
+        return self._tickets
 
-    def _reap(self) -> None:
-        """Forget completed sends so their buffers can be freed."""
-        self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
+    @property
+    def pending_sends(self) -> int:
+        """Sends whose tensors this stage still holds (not yet known to have arrived)."""
+        return len(self._pending)
+
+    def release(self, ticket: int) -> None:
+        """Wait for a send known to have arrived (`schedules.send_completions`), so its
+        tensor can be freed now rather than at the end of the run. (Polling the handle
+        instead would free nothing on gloo: its sends report completion only once
+        waited for.)"""
+        self._wait_send(*self._pending.pop(ticket))
+
+    def _wait_send(self, work: dist.Work, tensor: torch.Tensor, dst: int) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise peer_failure(err, self._peer(dst), f"stage {self.links.stage}'s "
+                                                     f"send") from err
 
     def recv_activation(self) -> torch.Tensor:
         return self._recv(self.links.prev_rank)
@@ -187,21 +207,17 @@ class P2P:
     def recv_gradient(self) -> torch.Tensor:
         return self._recv(self.links.next_rank)
 
-    def send_activation(self, tensor: torch.Tensor) -> None:
-        self._send(tensor, self.links.next_rank)
+    def send_activation(self, tensor: torch.Tensor) -> int:
+        return self._send(tensor, self.links.next_rank)
 
-    def send_gradient(self, tensor: torch.Tensor) -> None:
-        self._send(tensor, self.links.prev_rank)
+    def send_gradient(self, tensor: torch.Tensor) -> int:
+        return self._send(tensor, self.links.prev_rank)
 
     def wait_all(self) -> None:
         if any(self._posted.values()):
             raise RuntimeError(f"stage {self.links.stage}: receives posted ahead were never "
                                f"waited for (the executor's posting and its receive actions "
                                f"disagree)")
-        for work, _, dst in self._pending:
-            try:
-                work.wait()
-            except RuntimeError as err:
-                raise peer_failure(err, self._peer(dst), f"stage {self.links.stage}'s "
-                                                         f"send") from err
-        self._pending = []
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            self._wait_send(*entry)

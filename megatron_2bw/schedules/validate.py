@@ -5,9 +5,9 @@ offending action marked, so a broken schedule is read, not debugged.
 """
 from __future__ import annotations
 
-from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
-                      SEND_BACKWARD, SEND_FORWARD, START_GRAD_ALLREDUCE, START_GRAD_NORM,
+from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, START_GRAD_ALLREDUCE, START_GRAD_NORM,
                       START_TIED_ALLREDUCE, Action, Schedule, receive_for, send_for)
+from .channels import messages
 from .render import format_order
 from .simulate import DeadlockError, peak_live_versions, simulate
 
@@ -72,30 +72,6 @@ def _check_links(schedule: Schedule) -> None:
                 _fail(schedule, f"stage {stage}: {a} has no {send} after it", {stage: idx})
 
 
-_SEND_OF_RECV = {RECV_FORWARD: SEND_FORWARD, RECV_BACKWARD: SEND_BACKWARD}
-Message = tuple[str, int, int, int]  # (send kind, microbatch, receiving chunk, action index)
-
-
-def _messages(schedule: Schedule) -> tuple[dict[tuple[int, int], list[Message]], ...]:
-    """Per (source stage, destination stage): the messages sent and those received, each
-    in program order."""
-    sent: dict[tuple[int, int], list[Message]] = {}
-    received: dict[tuple[int, int], list[Message]] = {}
-    for stage, actions in schedule.items():
-        for idx, a in enumerate(actions):
-            other = a.peer(schedule.num_stages)
-            if other is None:
-                continue
-            peer_stage, peer_chunk = other
-            if a.kind in _SEND_OF_RECV:
-                received.setdefault((peer_stage, stage), []).append(
-                    (_SEND_OF_RECV[a.kind], a.microbatch, a.chunk, idx))
-            else:
-                sent.setdefault((stage, peer_stage), []).append(
-                    (a.kind, a.microbatch, peer_chunk, idx))
-    return sent, received
-
-
 def _check_channels(schedule: Schedule) -> None:
     """Sends and receives match one to one and in the same order between every two stages.
 
@@ -104,7 +80,7 @@ def _check_channels(schedule: Schedule) -> None:
     chunks, activations and wrap-around gradients share a direction, and equal order is
     what makes each receive get the tensor it expects.
     """
-    sent, received = _messages(schedule)
+    sent, received = messages(schedule)
     for src, dst in sorted(set(sent) | set(received)):
         sends, recvs = sent.get((src, dst), []), received.get((src, dst), [])
         if [m[:3] for m in sends] == [m[:3] for m in recvs]:

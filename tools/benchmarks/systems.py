@@ -111,12 +111,13 @@ class EngineRunner:
         """
         handlers = self.executor._handlers
         for kind, handler in list(handlers.items()):
-            def timed(action, handler=handler, kind=kind) -> None:
+            def timed(action, handler=handler, kind=kind):  # a send returns its ticket
                 start = time.perf_counter()
-                handler(action)
+                result = handler(action)
                 if self.profiling:
                     self.action_seconds[kind] = (self.action_seconds.get(kind, 0.0)
                                                  + time.perf_counter() - start)
+                return result
             handlers[kind] = timed
         self.profiling = False
 

@@ -1,0 +1,78 @@
+"""The messages between two stages, and when a sender knows one has arrived.
+
+Point-to-point transfers carry no tag: the messages from one stage to another are
+matched first in, first out, whatever they carry (`messages` lists them in program
+order; the validator checks that sends and receives agree).
+
+`send_completions` answers a question the executor cannot ask the backend: when may a
+stage let go of a tensor it sent? gloo's send handle reports completion only after it
+has been waited for, so polling it never frees anything, and a stage that waits only
+at the end of a run keeps every tensor it sent during that run (up to a thousand
+minibatches in training). Waiting on a send early could block, since a send completes
+only once the peer has posted its receive. The schedule knows better: once a stage
+receives a message that its peer sent *after* receiving ours, ours has arrived, and
+waiting on it then returns at once. Causality, not timing, so it holds on every backend.
+"""
+from __future__ import annotations
+
+from .actions import RECV_BACKWARD, RECV_FORWARD, SEND_BACKWARD, SEND_FORWARD, Action, Schedule
+
+_SEND_OF_RECV = {RECV_FORWARD: SEND_FORWARD, RECV_BACKWARD: SEND_BACKWARD}
+Message = tuple[str, int, int, int]  # (send kind, microbatch, receiving chunk, action index)
+Link = tuple[int, int]               # (source stage, destination stage)
+
+
+def messages(schedule: Schedule) -> tuple[dict[Link, list[Message]], dict[Link, list[Message]]]:
+    """Per (source stage, destination stage): the messages sent and those received, each
+    in program order."""
+    sent: dict[Link, list[Message]] = {}
+    received: dict[Link, list[Message]] = {}
+    for stage, actions in schedule.items():
+        for idx, a in enumerate(actions):
+            other = a.peer(schedule.num_stages)
+            if other is None:
+                continue
+            peer_stage, peer_chunk = other
+            if a.kind in _SEND_OF_RECV:
+                received.setdefault((peer_stage, stage), []).append(
+                    (_SEND_OF_RECV[a.kind], a.microbatch, a.chunk, idx))
+            else:
+                sent.setdefault((stage, peer_stage), []).append(
+                    (a.kind, a.microbatch, peer_chunk, idx))
+    return sent, received
+
+
+def _next_send_to(actions: list[Action], dst: int, num_stages: int) -> list[int]:
+    """For each index i: the index of the first send to stage `dst` after i (or -1)."""
+    out, upcoming = [-1] * len(actions), -1
+    for idx in range(len(actions) - 1, -1, -1):
+        out[idx] = upcoming
+        a = actions[idx]
+        if a.kind in (SEND_FORWARD, SEND_BACKWARD) and a.peer(num_stages)[0] == dst:
+            upcoming = idx
+    return out
+
+
+def send_completions(schedule: Schedule, stage: int) -> dict[int, list[int]]:
+    """{index of a receive on `stage`: indices of `stage`'s sends known to have arrived
+    once that receive returns}.
+
+    A send to stage q is known to have arrived at the first receive from q of a message
+    q sent after its matching receive (q waits for each message at its receive action,
+    in program order). Sends with no such later message (the tail of a run) are left
+    out: the executor waits for those at the end of the run, as before.
+    """
+    sent, received = messages(schedule)
+    done: dict[int, list[int]] = {}
+    for (src, dst), ours in sent.items():
+        if src != stage or dst not in schedule:
+            continue
+        theirs = received.get((src, dst), [])
+        after = _next_send_to(schedule[dst], stage, schedule.num_stages)
+        back_sends = {m[3]: n for n, m in enumerate(sent.get((dst, stage), []))}
+        back_recvs = received.get((dst, stage), [])
+        for n, message in enumerate(ours[:len(theirs)]):
+            reply = after[theirs[n][3]]
+            if reply >= 0 and back_sends[reply] < len(back_recvs):
+                done.setdefault(back_recvs[back_sends[reply]][3], []).append(message[3])
+    return done
