@@ -73,20 +73,26 @@ _RECEIVES = (K.RECV_FORWARD, K.RECV_BACKWARD)
 _SENDS = (K.SEND_FORWARD, K.SEND_BACKWARD)
 
 
-def receives_ahead(actions: Sequence[Action]) -> dict[int, list[Action]]:
-    """{index of a forward or backward: the receive actions between it and the next
-    forward or backward}, in list order: the executor posts them before running that
-    compute action. Receives before the first compute action are not posted ahead.
-    Posting in list order keeps every link's order, which is what untagged messages
-    match by."""
+def receives_ahead(actions: Sequence[Action], lookahead: int = 1) -> dict[int, list[Action]]:
+    """{index of a forward or backward: the receive actions the executor posts before
+    running it}. Each receive is posted `lookahead` compute actions before the one that
+    needs it (1: just before the compute that precedes its action; receives before the
+    first compute action wait at their own action).
+
+    Posting early matters on gloo: a message moves only once its receive is posted, and
+    when it waits for one, its transfer costs gloo's I/O threads more wake-ups, on the
+    cores the compute uses. Posts keep list order, hence every link's order, which is
+    what untagged messages match by."""
     ahead: dict[int, list[Action]] = {}
-    current: Optional[int] = None
+    computes: list[int] = []
     for i, action in enumerate(actions):
         if action.kind in _COMPUTE:
-            current = i
-        elif action.kind in _RECEIVES and current is not None:
-            ahead.setdefault(current, []).append(action)
+            computes.append(i)
+        elif action.kind in _RECEIVES and computes:
+            ahead.setdefault(computes[max(0, len(computes) - lookahead)], []).append(action)
     return ahead
+
+
 TokenCount = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 
@@ -116,6 +122,10 @@ class PipelineExecutor:
                              "`chunks`")
         self.links = links
         self.num_chunks = num_chunks
+        # how many compute actions ahead receives are posted: one without chunks; with
+        # v chunks 2v - 1, enough to post before the peer sends (measured, see
+        # docs/performance.md "Posting receives ahead")
+        self.receive_lookahead = 2 * num_chunks - 1
         self.weights = WeightStore(module, weight_versions, grad_buffers, first_version,
                                    make_copy, grad_dtype=grads.dtype)
         self.weights.loss_scale_of[first_version] = updater.loss_scale
@@ -146,12 +156,12 @@ class PipelineExecutor:
         return self._result
 
     def _run_actions(self, schedule: Schedule) -> None:
-        """Dispatch each action; before a forward or backward, post the receives that the
-        next compute action waits for (`receives_ahead`), so their transfers overlap it;
+        """Dispatch each action; before a forward or backward, post the receives due a few
+        compute actions later (`receives_ahead`), so their transfers overlap compute;
         after a receive, free the sends it proves arrived (`send_completions`: the run
         holds a bounded number of sent tensors, however many minibatches it spans)."""
         actions = schedule[self.links.stage]
-        ahead = receives_ahead(actions)
+        ahead = receives_ahead(actions, self.receive_lookahead)
         arrived = send_completions(schedule, self.links.stage)
         tickets: dict[int, int] = {}  # index of a send action -> its P2P ticket
         for i, action in enumerate(actions):
