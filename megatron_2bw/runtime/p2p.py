@@ -9,8 +9,8 @@ lists them, which the validator checks send by receive.
 
 Sends are asynchronous (`isend`) and kept alive until the executor knows they arrived
 (`release`, at the receive the schedule says implies it) or the run ends; a receive is
-either posted ahead (`post`, an `irecv` the executor issues while the compute before it
-runs, so the transfer overlaps that compute instead of starting when the tensor is
+either posted ahead (`post`, an `irecv` the executor issues a few compute actions
+earlier, so the transfer overlaps compute instead of starting when the tensor is
 needed: gloo moves a message only once its receive is posted) and waited for at its
 action, or posted and waited for at once. Posting keeps the schedule's order on every
 link, so untagged messages still match; with that order checked by the validator this
