@@ -142,7 +142,8 @@ def test_peer_schedules_smoke(tmp_path) -> None:
           "2", "--warmup", "1", "--iterations", "3", "--rounds", "3", "--hidden", "16",
           "--blocks-per-stage", "2", "--microbatch-size", "8", "--overhead-microbatches", "0",
           "--retry-rounds", "0", "--ours", "flush,2bw,interleaved-flush",
-          "--peers", "interleaved-1f1b,dualpipev", "--simulate", "2,4", "--json", str(out)])
+          "--peers", "interleaved-1f1b,dualpipev", "--simulate", "2,4", "--json", str(out),
+          "--receive-lookahead", "2"])
     records = json.loads(out.read_text())
     ours = _one(records, "megatron_2bw", "interleaved-flush")
     theirs = _one(records, "torch.distributed.pipelining", "interleaved-1f1b")
@@ -399,3 +400,10 @@ def test_simulated_peer_records_and_picture(tmp_path) -> None:
     assert "| torch zbv | 4 | 4 |" in text and "2bw / peer at m = d" in text
     plot(records, str(tmp_path / "p.png"), simulated=rows)
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_receive_lookahead_refuses_negative(capsys) -> None:
+    from benchmarks import cli  # tools/ is on sys.path (conftest.py)
+
+    assert cli.main(["--receive-lookahead", "-1"]) == 2
+    assert "receive_lookahead must be 0" in capsys.readouterr().err

@@ -94,6 +94,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    f"{','.join(TORCH_SCHEDULES)})")
     p.add_argument("--chunks", type=int, default=d.chunks,
                    help="model chunks per rank of the interleaved schedules (V-shaped: 2)")
+    p.add_argument("--receive-lookahead", type=int, default=d.receive_lookahead,
+                   help="post our receives this many compute actions ahead (default 0: the "
+                   "executor's own choice, 2v - 1 with v model chunks)")
     p.add_argument("--megatron-updater", action="store_true",
                    help="also run flush and 2bw (plain and deferred step) with the training "
                    "updater, whose step all-reduces the gradient norm across stages")
@@ -139,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        retry_rounds=args.retry_rounds,
                        torch_baseline=not args.no_torch,
                        steady_malloc=args.steady_malloc,
+                       receive_lookahead=args.receive_lookahead,
                        megatron_updater=args.megatron_updater,
                        breakdown=args.breakdown or bool(args.simulate),
                        chunks=args.chunks, engine_schedules=args.ours,

@@ -44,6 +44,8 @@ class BenchConfig:
     megatron_updater: bool = False        # also run flush/2bw with the training updater
     breakdown: bool = False               # time each action kind of our executor
     steady_malloc: bool = False           # glibc never trims its heap (allocator.py)
+    receive_lookahead: int = 0            # our receives posted this many compute actions
+    #                                       ahead; 0: the executor's choice
     chunks: int = 2                       # model chunks per rank of the interleaved
     #                                       schedules (V-shaped ones always hold 2)
     engine_schedules: tuple[str, ...] = ENGINE_SCHEDULES  # ours to run
@@ -59,6 +61,9 @@ class BenchConfig:
                              f"rounds={self.rounds}")
         if not self.microbatches or min(self.microbatches) < 1:
             raise ValueError(f"microbatches must be positive, got {self.microbatches}")
+        if self.receive_lookahead < 0:
+            raise ValueError(f"receive_lookahead must be 0 (the executor's choice) or "
+                             f"more, got {self.receive_lookahead}")
         if self.chunks < 2:
             raise ValueError(f"chunks must be at least 2, got {self.chunks}")
         for given, known in ((self.engine_schedules, ENGINE_SCHEDULES),

@@ -95,6 +95,8 @@ class EngineRunner:
         self.executor = PipelineExecutor(module, links, self.updater, weight_versions=versions,
                                          grad_buffers=2 if spec.defer_step else 1,
                                          make_copy=make_stage, num_chunks=v)
+        if cfg.receive_lookahead:
+            self.executor.receive_lookahead = cfg.receive_lookahead
         self.meter.exclude(p for params in self.executor.weights.params for p in params)
         self.data = itertools.cycle(microbatch_pool(cfg, spec.microbatches, device))
         self.next_minibatch, self.peak_stashes = 0, 0
