@@ -407,3 +407,19 @@ def test_receive_lookahead_refuses_negative(capsys) -> None:
 
     assert cli.main(["--receive-lookahead", "-1"]) == 2
     assert "receive_lookahead must be 0" in capsys.readouterr().err
+
+
+def test_results_survive_a_teardown_abort(tmp_path) -> None:
+    """A stage process that aborts after writing its results (seen rarely with gloo at
+    teardown) costs a warning, not the run; one that dies before writing them fails it."""
+    import pickle
+
+    from benchmarks.launch import _results  # tools/ is on sys.path (conftest.py)
+
+    died = RuntimeError("process 1 terminated with signal SIGABRT")
+    for rank in range(2):
+        (tmp_path / f"{rank}.pkl").write_bytes(pickle.dumps([rank]))
+    assert _results(str(tmp_path), 2, died) == [[0], [1]]
+    (tmp_path / "1.pkl").unlink()
+    with pytest.raises(RuntimeError, match="SIGABRT"):
+        _results(str(tmp_path), 2, died)

@@ -124,9 +124,28 @@ def _worker(rank: int, world: int, port: int, cfg: BenchConfig, specs: list[RunS
         dist.barrier()
     except BaseException:  # hand the traceback to the parent
         results = RuntimeError(f"rank {rank} failed:\n{traceback.format_exc()}")
-    with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+    path = os.path.join(outdir, f"{rank}.pkl")
+    with open(path + ".part", "wb") as f:
         pickle.dump(results, f)
+    os.replace(path + ".part", path)  # whole or absent, whatever happens next
     dist.destroy_process_group()
+
+
+def _results(outdir: str, world: int, died: Exception | None) -> list:
+    """Every rank's pickled results. A process that died after writing its file (an
+    abort in the backend's teardown, seen rarely with gloo) costs nothing but a
+    warning; one that died before re-raises its exit error."""
+    paths = [os.path.join(outdir, f"{rank}.pkl") for rank in range(world)]
+    if died is not None:
+        if not all(os.path.exists(p) for p in paths):
+            raise died
+        logger.warning("a benchmark process died after writing its results (%s); "
+                       "using them", died)
+    per_rank = []
+    for path in paths:
+        with open(path, "rb") as f:
+            per_rank.append(pickle.load(f))
+    return per_rank
 
 
 def run_pipelines(cfg: BenchConfig, specs: list[RunSpec], timeout: float = 900
@@ -137,16 +156,16 @@ def run_pipelines(cfg: BenchConfig, specs: list[RunSpec], timeout: float = 900
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(_worker, args=(world, _free_port(), cfg, specs, outdir, level),
                                  nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(1):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                raise TimeoutError(f"benchmark processes did not finish in {timeout} s")
-        per_rank = []
-        for rank in range(world):
-            with open(os.path.join(outdir, f"{rank}.pkl"), "rb") as f:
-                per_rank.append(pickle.load(f))
+        deadline, died = time.monotonic() + timeout, None
+        try:
+            while not ctx.join(1):
+                if time.monotonic() > deadline:
+                    for proc in ctx.processes:
+                        proc.kill()
+                    raise TimeoutError(f"benchmark processes did not finish in {timeout} s")
+        except mp.ProcessExitedException as err:
+            died = err
+        per_rank = _results(outdir, world, died)
     for r in per_rank:
         if isinstance(r, Exception):
             raise r
