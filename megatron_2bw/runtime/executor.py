@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedules.actions import ActionKind as K
-from ..schedules.actions import Action, Schedule
+from ..schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Schedule
 from ..schedules.channels import send_completions
 from .grad_sync import GradReduceConfig, GradReducer, TiedGradSync
 from .p2p import P2P, StageLinks
@@ -68,10 +68,6 @@ class RunResult:
 StepCallback = Callable[[int, RunResult], None]
 Key = tuple[int, int]  # (microbatch, model chunk)
 
-_COMPUTE = (K.FORWARD, K.BACKWARD)
-_RECEIVES = (K.RECV_FORWARD, K.RECV_BACKWARD)
-_SENDS = (K.SEND_FORWARD, K.SEND_BACKWARD)
-
 
 def receives_ahead(actions: Sequence[Action], lookahead: int = 1) -> dict[int, list[Action]]:
     """{index of a forward or backward: the receive actions the executor posts before
@@ -86,9 +82,9 @@ def receives_ahead(actions: Sequence[Action], lookahead: int = 1) -> dict[int, l
     ahead: dict[int, list[Action]] = {}
     computes: list[int] = []
     for i, action in enumerate(actions):
-        if action.kind in _COMPUTE:
+        if action.kind in COMPUTE_KINDS:
             computes.append(i)
-        elif action.kind in _RECEIVES and computes:
+        elif action.kind in RECV_KINDS and computes:
             ahead.setdefault(computes[max(0, len(computes) - lookahead)], []).append(action)
     return ahead
 
@@ -168,7 +164,7 @@ class PipelineExecutor:
             for recv in ahead.get(i, ()):
                 self.p2p.post(self._peer(recv))
             ticket = self._handlers[action.kind](action)
-            if action.kind in _SENDS:
+            if action.kind in SEND_KINDS:
                 tickets[i] = ticket
             for sent in arrived.get(i, ()):
                 self.p2p.release(tickets.pop(sent))

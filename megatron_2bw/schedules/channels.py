@@ -15,7 +15,8 @@ waiting on it then returns at once. Causality, not timing, so it holds on every 
 """
 from __future__ import annotations
 
-from .actions import RECV_BACKWARD, RECV_FORWARD, SEND_BACKWARD, SEND_FORWARD, Action, Schedule
+from .actions import (RECV_BACKWARD, RECV_FORWARD, SEND_BACKWARD, SEND_FORWARD, SEND_KINDS,
+                      Action, Schedule)
 
 _SEND_OF_RECV = {RECV_FORWARD: SEND_FORWARD, RECV_BACKWARD: SEND_BACKWARD}
 Message = tuple[str, int, int, int]  # (send kind, microbatch, receiving chunk, action index)
@@ -48,7 +49,7 @@ def _next_send_to(actions: list[Action], dst: int, num_stages: int) -> list[int]
     for idx in range(len(actions) - 1, -1, -1):
         out[idx] = upcoming
         a = actions[idx]
-        if a.kind in (SEND_FORWARD, SEND_BACKWARD) and a.peer(num_stages)[0] == dst:
+        if a.kind in SEND_KINDS and a.peer(num_stages)[0] == dst:
             upcoming = idx
     return out
 
