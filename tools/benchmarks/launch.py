@@ -8,10 +8,12 @@ a session during which other processes used the CPU is set aside and re-run (pro
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -113,6 +115,7 @@ class _Rounds:
 def _worker(rank: int, world: int, port: int, cfg: BenchConfig, specs: list[RunSpec],
             outdir: str, level: int) -> None:
     logging.basicConfig(level=level, format="%(message)s")
+    faulthandler.enable(all_threads=True)  # a crash names the Python line it came from
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cfg.threads)
     if cfg.steady_malloc:
@@ -129,6 +132,19 @@ def _worker(rank: int, world: int, port: int, cfg: BenchConfig, specs: list[RunS
         pickle.dump(results, f)
     os.replace(path + ".part", path)  # whole or absent, whatever happens next
     dist.destroy_process_group()
+    _exit_without_finalizing()
+
+
+def _exit_without_finalizing() -> None:
+    """End a stage process once its results are on disk, skipping interpreter
+    finalization. There, a backend thread (gloo's) that drops the last reference to a
+    tensor Python once owned needs the GIL, and Python 3.11 ends such a thread by
+    unwinding it through C++ frames: std::terminate, SIGABRT ("terminate called without
+    an active exception"), rarely, after a run that succeeded. Nothing left matters."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _results(outdir: str, world: int, died: Exception | None) -> list:
