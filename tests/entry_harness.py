@@ -1,4 +1,5 @@
-"""Run pretrain_gpt.py / pretrain_bert.py under torchrun and read their metrics."""
+"""Run pretrain_gpt.py / pretrain_bert.py (forked from the zygote, or under torchrun) and
+read their metrics."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,8 +8,10 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 
 from tests.dist_harness import free_port
+from tests.zygote import Zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,18 +25,47 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def launch(model: str, nproc: int, extra: list[str], metrics: str, timeout: int = 240,
            base: list[str] = TINY, split: str = "train") -> list[dict]:
-    """Run one training job; return its per-iteration records of `split`."""
+    """Run one training job; return its per-iteration records of `split`. The ranks are
+    forked from the session's zygote (tests/zygote.py); M2BW_TEST_LAUNCHER=torchrun
+    runs them under torchrun instead."""
+    argv = [*base, "--metrics-file", metrics, *extra]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if os.environ.get("M2BW_TEST_LAUNCHER") == "torchrun":
+        _torchrun(model, nproc, argv, env, timeout)
+    else:
+        _forked(model, nproc, argv, env, timeout, os.path.dirname(os.path.abspath(metrics)))
+    with open(metrics) as f:
+        return [r for r in map(json.loads, f) if r.get("split", "train") == split]
+
+
+def _torchrun(model: str, nproc: int, argv: list[str], env: dict, timeout: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), os.path.join(ROOT, f"pretrain_{model}.py"),
-           *base, "--metrics-file", metrics, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+           "--master-port", str(free_port()), os.path.join(ROOT, f"pretrain_{model}.py"), *argv]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=timeout)
     if proc.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
-    with open(metrics) as f:
-        return [r for r in map(json.loads, f) if r.get("split", "train") == split]
+
+
+def _forked(model: str, nproc: int, argv: list[str], env: dict, timeout: int,
+            logdir: str) -> None:
+    job = uuid.uuid4().hex[:8]
+    logs = [os.path.join(logdir, f"job-{job}.rank{r}.log") for r in range(nproc)]
+    reply = Zygote.run(model, nproc, argv, env, free_port(), logs, timeout)
+    if any(reply["codes"]):
+        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{_tail(p)}"
+                          for r, (c, p) in enumerate(zip(reply["codes"], logs)))
+        raise AssertionError(f"pretrain_{model}.py {' '.join(argv)} failed"
+                             f"{' (killed at the timeout)' if reply['killed'] else ''}:\n{tails}")
+
+
+def _tail(path: str, chars: int = 4000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return "(no log)"
 
 
 def complete_records(path: str, split: str = "train") -> list[dict]:
