@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -33,6 +34,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: 
     if not isinstance(result, Exception):
         dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalization with gloo's threads alive (a rare SIGABRT)
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300) -> list[Any]:
