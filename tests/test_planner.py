@@ -564,6 +564,8 @@ def test_memory_not_speed_decides_when_the_fastest_does_not_fit():
     assert not tight.evaluate(fastest.config).fits
     assert chosen.best.fits and chosen.best.samples_per_s < fastest.samples_per_s
     assert chosen.too_big and chosen.too_big[0].samples_per_s > chosen.best.samples_per_s
+    fastest_fitting = max(e.samples_per_s for e in chosen.ranked)
+    assert all(big.samples_per_s > fastest_fitting for big in chosen.too_big)
     assert "does not fit (memory)" in explain(tight, chosen)
 
 
@@ -729,6 +731,7 @@ def test_profile_rounds_take_the_median_per_size_across_passes():
     assert [e.layer.forward_s for e in entries] == [1.0, 2.0]
     assert entries[1].output.backward_s == 4.0 and entries[1].layer.activation_bytes_float == 200.0
     assert [w for _, _, w in calls] == [2, 2, 1, 1, 1, 1]
+    assert parts.warmup == 2  # restored for whoever measures next
     assert median_of([PartTiming(1.0, 5.0), PartTiming(3.0, 1.0), PartTiming(2.0, 2.0)]) \
         == PartTiming(2.0, 2.0)
 

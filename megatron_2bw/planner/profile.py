@@ -229,12 +229,15 @@ def one_layer_parts(shape: dict, dtype, device, tensor_parallel: int = 1) -> "_P
 
 def in_rounds(measure: Callable, sizes: list[int], rounds: int, parts: "_Parts") -> tuple:
     """`measure(b)` for every size, `rounds` passes over the sizes in turn, combined by
-    `median_of`; after the first pass one warm-up run per measurement is enough."""
-    passes = []
-    for r in range(rounds):
-        if r == 1:
-            parts.warmup = min(parts.warmup, 1)
-        passes.append([measure(b) for b in sizes])
+    `median_of`; after the first pass one warm-up run per measurement is enough
+    (`parts.warmup` is lowered for the later passes and restored)."""
+    passes, warmup = [], parts.warmup
+    try:
+        for r in range(rounds):
+            parts.warmup = warmup if r == 0 else min(warmup, 1)
+            passes.append([measure(b) for b in sizes])
+    finally:
+        parts.warmup = warmup
     return tuple(median_of(list(per_size)) for per_size in zip(*passes))
 
 
