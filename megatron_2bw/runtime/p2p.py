@@ -45,6 +45,9 @@ class StageLinks:
     boundary_dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     wrap: bool = False  # a ring (model chunks): stage 0 and the last stage are neighbours
+    # (source rank, destination rank) -> the group carrying that direction (topology.
+    # link_groups: one stream per direction on NCCL); a missing link uses the default group
+    groups: dict = field(default_factory=dict)
 
     @property
     def is_first(self) -> bool:
@@ -130,6 +133,13 @@ class P2P:
         self._posted: dict[int, deque[tuple[dist.Work, torch.Tensor]]] = {}
         self.bytes_sent = 0
 
+    def _group(self, peer: int, sending: bool) -> Optional[dist.ProcessGroup]:
+        """The group of the link's direction (None: the default group)."""
+        if not self.links.groups:
+            return None
+        me = dist.get_rank()
+        return self.links.groups.get((me, peer) if sending else (peer, me))
+
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.links.boundary_shape, dtype=self.links.boundary_dtype,
                            device=self.links.device)
@@ -140,7 +150,8 @@ class P2P:
         if src is None:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to receive from")
         buf = self._buffer()
-        self._posted.setdefault(src, deque()).append((dist.irecv(buf, src=src), buf))
+        work = dist.irecv(buf, src=src, group=self._group(src, sending=False))
+        self._posted.setdefault(src, deque()).append((work, buf))
 
     def _recv(self, src: Optional[int], kind: Optional[str] = None) -> torch.Tensor:
         if src is None:
@@ -152,7 +163,7 @@ class P2P:
                 work.wait()
             else:
                 buf = self._buffer()
-                dist.recv(buf, src=src)
+                dist.recv(buf, src=src, group=self._group(src, sending=False))
         except RuntimeError as err:
             kind = kind or ("an activation" if src == self.links.prev_rank else "a gradient")
             raise peer_failure(err, self._peer(src), f"stage {self.links.stage}'s receive "
@@ -178,7 +189,8 @@ class P2P:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to send to")
         tensor = tensor.detach().contiguous()
         self._tickets += 1
-        self._pending[self._tickets] = (dist.isend(tensor, dst=dst), tensor, dst)
+        work = dist.isend(tensor, dst=dst, group=self._group(dst, sending=True))
+        self._pending[self._tickets] = (work, tensor, dst)
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return self._tickets
 

@@ -7,9 +7,10 @@ tensor-parallel rank of the neighbouring stages.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from .p2p import StageLinks
+from .p2p import StageLinks, group_timeout
 
 
 def stage_links(boundary_shape: tuple[int, ...], boundary_dtype: torch.dtype,
@@ -23,7 +24,47 @@ def stage_links(boundary_shape: tuple[int, ...], boundary_dtype: torch.dtype,
     next_rank = (ps.get_pipeline_model_parallel_next_rank()
                  if stage < num_stages - 1 or ring else None)
     return StageLinks(stage, num_stages, prev_rank, next_rank, tuple(boundary_shape),
-                      boundary_dtype, device, wrap=ring)
+                      boundary_dtype, device, wrap=ring, groups=link_groups(ring))
+
+
+def link_groups(ring: bool) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """{(source rank, destination rank): the group that carries that direction of one of
+    this rank's pipeline links}; empty without a pipeline.
+
+    NCCL runs every transfer between two ranks of a group on one stream, in the order
+    they were posted, and a large send completes only once its receive runs. Stage s
+    posts "send activation k+1, receive gradient k" while stage s+1 posts "send gradient
+    k, receive activation k+1" (1F1B's steady state, or any receive posted ahead), so on
+    one stream each waits for the other: a hang. With a group per direction each stream
+    carries one direction's messages, posted by both ends in the link's order (the
+    validator checks it), so they match pair by pair whatever the order of sends and
+    receives. gloo needs none of this; it gets the same groups, so the code tested here
+    is the code a GPU run takes. Collective: every rank creates every pipeline's groups,
+    in one order."""
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return {}
+    mine = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    pipelines: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pipelines, tuple(mine))
+    me, groups, timeout = dist.get_rank(), {}, group_timeout()  # the world's: the flag's
+    for src, dst in directed_links(sorted(set(pipelines)), ring):
+        group = dist.new_group([src, dst], timeout=timeout)
+        if me in (src, dst):
+            groups[(src, dst)] = group
+    return groups
+
+
+def directed_links(pipelines: list[tuple[int, ...]], ring: bool) -> list[tuple[int, int]]:
+    """Both directions of every link between neighbouring stages of each pipeline (the
+    ranks in stage order), and of the link from the last stage to the first in a ring."""
+    links = []
+    for ranks in pipelines:
+        pairs = list(zip(ranks, ranks[1:]))
+        if ring and len(ranks) > 2:
+            pairs.append((ranks[-1], ranks[0]))
+        for a, b in pairs:
+            links += [(a, b), (b, a)]
+    return links
 
 
 def data_parallel_group():
