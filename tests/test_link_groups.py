@@ -14,7 +14,7 @@ from tests.dist_harness import run_distributed
 
 
 def test_directed_links_cover_both_directions_and_the_ring() -> None:
-    from megatron_2bw.runtime.topology import directed_links
+    from megatron_2bw.runtime.p2p import directed_links
     assert directed_links([(0, 2), (1, 3)], ring=False) == [(0, 2), (2, 0), (1, 3), (3, 1)]
     # a ring of two stages has one link; of three, three
     assert directed_links([(0, 1)], ring=True) == [(0, 1), (1, 0)]

@@ -76,6 +76,31 @@ class StageLinks:
         return stage % self.num_stages if self.wrap else stage
 
 
+def make_link_groups(pipelines: list[tuple[int, ...]], ring: bool
+                     ) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """`topology.link_groups` for pipelines given as their ranks in stage order (the same list on
+    every rank); the groups keep the default group's timeout (--distributed-timeout-minutes)."""
+    me, groups, timeout = dist.get_rank(), {}, group_timeout()
+    for src, dst in directed_links(pipelines, ring):
+        group = dist.new_group([src, dst], timeout=timeout)
+        if me in (src, dst):
+            groups[(src, dst)] = group
+    return groups
+
+
+def directed_links(pipelines: list[tuple[int, ...]], ring: bool) -> list[tuple[int, int]]:
+    """Both directions of every link between neighbouring stages of each pipeline (the
+    ranks in stage order), and of the link from the last stage to the first in a ring."""
+    links = []
+    for ranks in pipelines:
+        pairs = list(zip(ranks, ranks[1:]))
+        if ring and len(ranks) > 2:
+            pairs.append((ranks[-1], ranks[0]))
+        for a, b in pairs:
+            links += [(a, b), (b, a)]
+    return links
+
+
 class PeerTimeout(RuntimeError):
     """Another rank did not answer within --distributed-timeout-minutes (`timed_out`), or
     its connection broke; the message names it (or, for a collective, its group)."""

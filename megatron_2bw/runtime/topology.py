@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from .p2p import StageLinks, group_timeout
+from .p2p import StageLinks, make_link_groups
 
 
 def stage_links(boundary_shape: tuple[int, ...], boundary_dtype: torch.dtype,
@@ -46,25 +46,7 @@ def link_groups(ring: bool) -> dict[tuple[int, int], dist.ProcessGroup]:
     mine = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     pipelines: list = [None] * dist.get_world_size()
     dist.all_gather_object(pipelines, tuple(mine))
-    me, groups, timeout = dist.get_rank(), {}, group_timeout()  # the world's: the flag's
-    for src, dst in directed_links(sorted(set(pipelines)), ring):
-        group = dist.new_group([src, dst], timeout=timeout)
-        if me in (src, dst):
-            groups[(src, dst)] = group
-    return groups
-
-
-def directed_links(pipelines: list[tuple[int, ...]], ring: bool) -> list[tuple[int, int]]:
-    """Both directions of every link between neighbouring stages of each pipeline (the
-    ranks in stage order), and of the link from the last stage to the first in a ring."""
-    links = []
-    for ranks in pipelines:
-        pairs = list(zip(ranks, ranks[1:]))
-        if ring and len(ranks) > 2:
-            pairs.append((ranks[-1], ranks[0]))
-        for a, b in pairs:
-            links += [(a, b), (b, a)]
-    return links
+    return make_link_groups(sorted(set(pipelines)), ring)
 
 
 def data_parallel_group():

@@ -57,6 +57,19 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+_LINK_GROUPS: dict[tuple[int, bool], dict] = {}
+
+
+def _link_groups(world: int, ring: bool) -> dict:
+    """The trainer's per-direction link groups (`topology.link_groups`) for the one
+    pipeline of the benchmark, made once per process (every rank builds the same
+    runners in the same order, so every rank gets here alike)."""
+    from megatron_2bw.runtime.p2p import make_link_groups
+    if world > 1 and (world, ring) not in _LINK_GROUPS:
+        _LINK_GROUPS[(world, ring)] = make_link_groups([tuple(range(world))], ring)
+    return _LINK_GROUPS.get((world, ring), {})
+
+
 class EngineRunner:
     """Our PipelineExecutor; one `run` per session (flush and gpipe flush inside it).
 
@@ -90,7 +103,8 @@ class EngineRunner:
         ring = v > 1 and world > 1
         links = StageLinks(rank, world, (rank - 1) % world if ring or not first else None,
                            (rank + 1) % world if ring or not last else None,
-                           (cfg.microbatch_size, cfg.hidden), torch.float32, device, wrap=ring)
+                           (cfg.microbatch_size, cfg.hidden), torch.float32, device, wrap=ring,
+                           groups=_link_groups(world, ring))
         versions = 2 if spec.schedule == "2bw" else 1
         self.executor = PipelineExecutor(module, links, self.updater, weight_versions=versions,
                                          grad_buffers=2 if spec.defer_step else 1,
