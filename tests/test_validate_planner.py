@@ -320,3 +320,44 @@ def test_dry_run_end_to_end(tmp_path):
     median = json.loads((tmp_path / "work" / "profile.median.json").read_text())
     assert median["entries"][0]["layer"]["forward_s"] == pytest.approx((first + again) / 2)
     assert "| plan |" in proc.stdout
+
+
+def test_finalists_are_the_fastest_measured_plans_and_the_pick():
+    rows = [_row("a", 1.0, 3.0), _row("b", 1.0, 1.0), _row("c", 1.0, None),
+            _row("d", 1.0, 2.0), _row("e", 1.0, 4.0)]
+    assert [r.label for r in v.finalists(rows, "e", 2)] == ["b", "d", "e"]
+    assert [r.label for r in v.finalists(rows, "d", 2)] == ["b", "d"]
+    assert [r.label for r in v.finalists(rows, "c", 9)] == ["b", "d", "a", "e"]
+
+
+def test_head_to_head_runs_alternate_and_join_each_plans_median(tmp_path, monkeypatch):
+    """confirm_plans: `repeats` more runs of each finalist, the order rotated per pass;
+    each plan's time becomes the median of all its runs; the drift line ignores them."""
+    import planner_validation.measure as measure
+    setup = v.Setup(warmup=1, repeats=3, wait_quiet_s=0.0)
+    speed = {"a": 1.0, "b": 2.0}
+    orders = []
+
+    def fake_run_jobs(jobs, workdir, num_procs, timeout_s):
+        orders.append([j["name"] for j in jobs])
+        for j in jobs:
+            t = speed[j["name"]] * (1 + 0.1 * len(orders))
+            with open(j["metrics"], "w") as f:
+                f.writelines(json.dumps({"iteration": k + 1, "iteration_time_s": x}) + "\n"
+                             for k, x in enumerate([9.0, t, t, 0.1]))
+        rank = {"status": "ok", "added_bytes": 1e6, "cpu_s": 1.0}
+        return [[dict(rank, machine_busy_s=2.0, job_wall_s=5.0), rank] for _ in jobs]
+
+    monkeypatch.setattr(measure, "run_jobs", fake_run_jobs)
+    a, b = _row("a", 1.0, None), _row("b", 2.0, None, micro_batch_size=2, num_microbatches=4)
+    a.attempts = [{"median_s": 1.0, "status": "ok", "other_load": 0.0,
+                   "memory_by_rank_bytes": [1e6], "iteration_times_s": [], "cpu_s_by_rank": []}]
+    v.confirm_plans(setup, [a, b], tmp_path, log=lambda msg: None)
+    assert orders == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert [x.get("confirm", False) for x in a.attempts] == [False, True, True, True]
+    assert a.runs == 4 and a.measured_time_s == pytest.approx((1.1 + 1.2) / 2)
+    assert b.runs == 3 and b.measured_time_s == pytest.approx(2.0 * 1.2)
+    s = v.summarize([a, b], "b")
+    assert s["head_to_head"] == ["a", "b"]
+    assert s["pass_time_ratios"] == pytest.approx([1.0 / a.measured_time_s])
+    assert "Head to head: 2 plans" in v.summary_text(s)

@@ -14,7 +14,8 @@
    body with the plan's flags and `--mock-data`) in a child forked from one of two warm
    workers (`workers.py`), `repeats` times (one pass over the plans each): the median of
    the runs' median iteration times and the peak memory the run added, with runs during
-   which other processes loaded the machine (`proc.py`) replaced by more passes.
+   which other processes loaded the machine (`proc.py`) replaced by more passes; then the
+   fastest measured plans and the planner's pick run again head to head.
 4. **Compare** (`report.py`). Relative errors, the planner's pick against the fastest
    measured plan, a markdown table, a scatter plot, JSON.
 
@@ -26,8 +27,8 @@ the comparison and formatting code is pure and unit-tested. The workers run as
 from .calibrate import (calibrate_bandwidth, calibration_jobs, run_calibration,  # noqa: F401
                         hardware_from_calibration, link_fits, profile_layer, run_profile)
 from .cli import build_parser, main  # noqa: F401
-from .measure import (measure_plans, needs_another_run, read_iteration_times,  # noqa: F401
-                      record_attempt, steady_median)
+from .measure import (confirm_plans, finalists, measure_plans,  # noqa: F401
+                      needs_another_run, read_iteration_times, record_attempt, steady_median)
 from .plans import (FP32, Setup, model_flags, null_setup, plan_flags, plan_key,  # noqa: F401
                     profile_sizes)
 from .predictions import cost_model, predict  # noqa: F401

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retries", type=int, default=d.retries,
                    help="extra passes over plans with fewer than --repeats runs under little "
                         "load from other processes")
+    p.add_argument("--head-to-head", type=int, default=d.head_to_head, metavar="K",
+                   help="after the passes, run the K fastest measured plans and the "
+                        "planner's pick --repeats more times, alternating (0: none)")
     p.add_argument("--virtual-stages", type=_ints, default=d.virtual_stages,
                    help="model chunks per stage searched for flush (interleaved 1F1B), "
                         "comma-separated; 1 leaves interleaving out")
@@ -78,12 +81,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                       vocab_size=args.vocab_size, global_batch_size=args.global_batch_size,
                       iterations=args.iterations, warmup=args.warmup, repeats=args.repeats,
-                      retries=args.retries,
+                      retries=args.retries, head_to_head=args.head_to_head,
                       virtual_stages=args.virtual_stages,
                       max_other_load=args.max_other_load, wait_quiet_s=args.wait_quiet)
         if setup.repeats < 1 or not setup.virtual_stages or min(setup.virtual_stages) < 1:
             sys.stderr.write("tools/validate_planner.py: error: --repeats and --virtual-stages "
                              "must be positive integers\n")
+            return 2
+        if setup.head_to_head < 0:
+            sys.stderr.write("tools/validate_planner.py: error: --head-to-head must be 0 or "
+                             "more\n")
             return 2
         if setup.iterations < setup.warmup + 2:
             sys.stderr.write("tools/validate_planner.py: error: --iterations must be at least "

@@ -13,7 +13,9 @@ slow spell of the machine touches every plan alike) and its measured time is the
 of its runs' medians. The machine may be shared: each run records the share of the CPUs
 other processes took (`other_load`); runs above `max_other_load` count only while a plan
 has no quieter run, and up to `setup.retries` more passes rerun the plans with fewer
-than `repeats` quiet runs. Nothing here feeds the planner: its calibration (profile,
+than `repeats` quiet runs. Head to head (`confirm_plans`): after the passes the fastest
+measured plans and the planner's pick run `repeats` more times, alternating, and their
+times become the median of all their runs. Nothing here feeds the planner: its calibration (profile,
 collectives, optimizer step) comes from other runs (`calibrate.py`), so the validation
 runs are held out.
 """
@@ -65,21 +67,10 @@ def measure_plans(setup: Setup, rows: list[Row], work: Path, log=print,
     for attempt in range(setup.repeats + setup.retries):
         if not pending:
             break
-        jobs = []
-        for r in pending:
-            cfg = ParallelConfig(**r.config)
-            metrics = str(work / f"metrics.{attempt}" / f"{plan_key(cfg)}.jsonl")
-            Path(metrics).parent.mkdir(parents=True, exist_ok=True)
-            Path(metrics).unlink(missing_ok=True)
-            jobs.append({"name": r.label, "kind": "pretrain", "timeout_s": setup.run_timeout_s,
-                         "argv": plan_flags(setup, cfg, metrics), "metrics": metrics})
         wait_for_quiet(setup.max_other_load, setup.wait_quiet_s, log)
         if before_pass is not None:
             before_pass(attempt)
-        results = run_jobs(jobs, str(work / f"pass.{attempt}"), setup.num_procs,
-                           timeout_s=setup.run_timeout_s * (len(jobs) + 1))
-        for row, job, res in zip(pending, jobs, results):
-            record_attempt(row, job["metrics"], res, setup)
+        _run_pass(setup, pending, work, str(attempt))
         if attempt + 1 < setup.repeats:  # the next repeat: every plan that has not failed
             pending = [r for r in rows if all(a["status"] == "ok" for a in r.attempts)]
             log(f"pass {attempt + 1} of {setup.repeats} done")
@@ -90,6 +81,50 @@ def measure_plans(setup: Setup, rows: list[Row], work: Path, log=print,
         log(f"pass {attempt + 1}: {len(pending)} plans have fewer than {setup.repeats} runs "
             f"during which other processes took at most {setup.max_other_load:.0%} of the "
             "CPUs; running them again ...")
+
+
+def _run_pass(setup: Setup, rows: Sequence[Row], work: Path, name: str,
+              confirm: bool = False) -> None:
+    """One run of each plan in `rows`, in that order, folded into the rows."""
+    jobs = []
+    for r in rows:
+        cfg = ParallelConfig(**r.config)
+        metrics = str(work / f"metrics.{name}" / f"{plan_key(cfg)}.jsonl")
+        Path(metrics).parent.mkdir(parents=True, exist_ok=True)
+        Path(metrics).unlink(missing_ok=True)
+        jobs.append({"name": r.label, "kind": "pretrain", "timeout_s": setup.run_timeout_s,
+                     "argv": plan_flags(setup, cfg, metrics), "metrics": metrics})
+    results = run_jobs(jobs, str(work / f"pass.{name}"), setup.num_procs,
+                       timeout_s=setup.run_timeout_s * (len(jobs) + 1))
+    for row, job, res in zip(rows, jobs, results):
+        record_attempt(row, job["metrics"], res, setup, confirm=confirm)
+
+
+def finalists(rows: Sequence[Row], pick_label: Optional[str], count: int) -> list[Row]:
+    """The `count` fastest measured plans, and the planner's pick if it is not among them."""
+    measured = sorted((r for r in rows if r.measured_time_s is not None),
+                      key=lambda r: r.measured_time_s)
+    out = measured[:count]
+    out += [r for r in measured[count:] if r.label == pick_label]
+    return out
+
+
+def confirm_plans(setup: Setup, rows: Sequence[Row], work: Path, log=print) -> None:
+    """Head to head: `setup.repeats` more runs of each of `rows`, one pass over them per
+    run with the order rotated, so that they share the machine's slow and fast spells.
+
+    Why: a plan's runs spread by 8-20% (max - min over its 3 runs) on this shared
+    machine, while the fastest dozen plans lie within about 10% of each other; the
+    fastest of 72 noisy medians is then partly luck (the lowest draw wins), and the pick
+    is compared with it. Running the finalists again, alternating, measures the
+    comparison that decides the pick target. Only measurements are added: nothing here
+    reaches the planner's predictions."""
+    rows = list(rows)
+    for k in range(setup.repeats):
+        wait_for_quiet(setup.max_other_load, setup.wait_quiet_s, log)
+        turn = k % len(rows)
+        _run_pass(setup, rows[turn:] + rows[:turn], work, f"confirm{k}", confirm=True)
+        log(f"head to head: pass {k + 1} of {setup.repeats} done")
 
 
 def _quiet(attempt: dict, setup: Setup) -> bool:
@@ -104,10 +139,12 @@ def needs_another_run(row: Row, setup: Setup) -> bool:
     return sum(_quiet(a, setup) for a in row.attempts) < setup.repeats
 
 
-def record_attempt(row: Row, metrics: str, results: Sequence[dict], setup: Setup) -> None:
+def record_attempt(row: Row, metrics: str, results: Sequence[dict], setup: Setup,
+                   confirm: bool = False) -> None:
     """Fold one run of `row`'s plan in, then re-derive the plan's measurement from its
     good runs: the median time and memory of its quiet runs (`max_other_load`), or of its
-    least-loaded run while none is quiet."""
+    least-loaded run while none is quiet. `confirm` marks a head-to-head run
+    (`confirm_plans`), which the pass-by-pass drift leaves out."""
     statuses = {r.get("status", "?") for r in results}
     status = "ok" if statuses == {"ok"} else ",".join(sorted(statuses - {"ok"}))
     if status == "ok" and not Path(metrics).exists():
@@ -119,7 +156,8 @@ def record_attempt(row: Row, metrics: str, results: Sequence[dict], setup: Setup
     row.attempts.append({"median_s": median, "other_load": other_load(results),
                          "status": status, "iteration_times_s": times,
                          "memory_by_rank_bytes": [r.get("added_bytes", 0.0) for r in results],
-                         "cpu_s_by_rank": [r.get("cpu_s", 0.0) for r in results]})
+                         "cpu_s_by_rank": [r.get("cpu_s", 0.0) for r in results],
+                         "confirm": confirm})
     good = [a for a in row.attempts if a["status"] == "ok"]
     if not good:
         row.status = status

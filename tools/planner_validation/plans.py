@@ -42,6 +42,9 @@ class Setup:
     retries: int = 1
     """Extra passes over the plans with fewer than `repeats` runs under little load from
     other processes."""
+    head_to_head: int = 6
+    """After the passes, this many of the fastest measured plans and the planner's pick
+    run `repeats` more times, alternating (`measure.confirm_plans`); 0: none."""
     max_other_load: float = 0.10
     """Share of the machine's CPU time other processes may take during a kept run."""
     wait_quiet_s: float = 0.0

@@ -105,6 +105,8 @@ def summarize(rows: Sequence[Row], pick_label: Optional[str]) -> dict:
                     "worst_abs_memory_error": abs(worst_m.memory_error),
                     "worst_memory_plan": worst_m.label})
     out["pass_time_ratios"] = pass_time_ratios(measured)
+    out["head_to_head"] = [r.label for r in sorted(measured, key=lambda r: r.measured_time_s)
+                           if any(a.get("confirm") for a in r.attempts)]
     out["time_error_by_layout"] = errors_by_layout(measured)
     pick = next((r for r in measured if r.label == pick_label), None)
     out["planner_pick"] = pick_label
@@ -125,10 +127,12 @@ def summarize(rows: Sequence[Row], pick_label: Optional[str]) -> dict:
 
 def pass_time_ratios(rows: Sequence[Row]) -> list[float]:
     """For each pass over the plans, the median over plans of that pass's time over the
-    plan's measured time: how far the machine's speed drifted from pass to pass."""
+    plan's measured time: how far the machine's speed drifted from pass to pass (the
+    head-to-head runs of a few plans are not a pass)."""
     ratios: dict[int, list[float]] = {}
     for r in rows:
-        for i, a in enumerate(r.attempts):
+        passes = [a for a in r.attempts if not a.get("confirm")]
+        for i, a in enumerate(passes):
             if a.get("median_s") and r.measured_time_s:
                 ratios.setdefault(i, []).append(a["median_s"] / r.measured_time_s)
     return [statistics.median(ratios[i]) for i in sorted(ratios)]
@@ -199,6 +203,10 @@ def summary_text(summary: dict) -> str:
         lines.append("Machine drift: pass by pass, the plans ran at "
                      + ", ".join(f"{x:.3f}" for x in summary["pass_time_ratios"])
                      + " of their measured (median) time.")
+    if summary.get("head_to_head"):
+        lines.append(f"Head to head: {len(summary['head_to_head'])} plans (the fastest "
+                     "measured and the pick) ran again, alternating; their times are the "
+                     "median of all their runs.")
     if "median_abs_memory_error" in summary:
         lines.append(f"Memory: median |error| {summary['median_abs_memory_error'] * 100:.1f}%, "
                      f"worst {summary['worst_abs_memory_error'] * 100:.1f}% "

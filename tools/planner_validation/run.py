@@ -14,7 +14,7 @@ from megatron_2bw.planner.hardware import Hardware
 from megatron_2bw.planner.profile import median_profile
 
 from .calibrate import hardware_from_calibration, profile_layer, run_calibration, run_profile
-from .measure import measure_plans
+from .measure import confirm_plans, finalists, measure_plans
 from .plans import FP32, Setup
 from .predictions import cost_model, predict
 from .report import rows_from_estimates, summarize, update_predictions
@@ -56,6 +56,7 @@ def validate(setup: Setup, workdir: str, *, dry_run: bool = False, only: Optiona
     update_predictions(rows, estimates)
     if not dry_run:  # a dry run reports the plan it ran: the first profile's pick
         pick_label = pick.label() if pick else None
+        _head_to_head(setup, rows, pick_label, work, log)
     return {"setup": asdict(setup), "hardware": hw.to_dict(), "calibration": calib,
             "precision": asdict(FP32), "planner_pick": pick_label,
             "summary": summarize(rows, pick_label),
@@ -63,6 +64,17 @@ def validate(setup: Setup, workdir: str, *, dry_run: bool = False, only: Optiona
             "seconds": time.perf_counter() - started,
             "load_average": {"start": load_start, "end": os.getloadavg()},
             "workdir": str(work)}
+
+
+def _head_to_head(setup: Setup, rows: list, pick_label: Optional[str], work: Path,
+                  log) -> None:
+    """The fastest measured plans and the pick, run again alternating (after the final
+    prediction, so the pick is the one reported); `measure.confirm_plans` says why."""
+    ahead = finalists(rows, pick_label, setup.head_to_head) if setup.head_to_head else []
+    if ahead:
+        log(f"head to head: {len(ahead)} plans (the {setup.head_to_head} fastest measured "
+            f"and the pick), {setup.repeats} more runs each ...")
+        confirm_plans(setup, ahead, work / "runs", log)
 
 
 def _hardware(calib: dict, profile_path: str, setup: Setup, work: Path) -> Hardware:
@@ -73,9 +85,12 @@ def _hardware(calib: dict, profile_path: str, setup: Setup, work: Path) -> Hardw
 
 
 def _profile_again(setup: Setup, work: Path, attempt: int, calib: dict) -> None:
-    """One more round of the profile (before pass `attempt`), recorded in `calib`."""
+    """The profile again, as many rounds as the first (before pass `attempt`), recorded in
+    `calib`. One round (repeats 2) was tried: its b = 1 and b = 2 layer times spread over
+    20-30 ms per sample where the first profile's three rounds gave 20-21 ms, and two of
+    three such profiles outvoted it in the median (validation runs 6 and 7)."""
     path = str(work / f"profile.pass{attempt}.json")
-    calib["profile_other_load"].append(run_profile(setup, path, rounds=1))
+    calib["profile_other_load"].append(run_profile(setup, path))
     calib["profiles"].append(path)
 
 
