@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -13,6 +12,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_2bw.runtime.process import exit_now
 
 
 def free_port() -> int:
@@ -34,9 +35,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: 
     if not isinstance(result, Exception):
         dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter finalization with gloo's threads alive (a rare SIGABRT)
+    exit_now(0)  # no interpreter finalization with gloo's threads alive (a rare SIGABRT)
 
 
 def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 300) -> list[Any]:

@@ -55,9 +55,8 @@ def _child(request: dict, rank: int) -> None:
     except BaseException:  # noqa: BLE001 - the traceback goes to the rank's log
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        from megatron_2bw.runtime.process import exit_now  # preloaded
+        exit_now(code)
 
 
 def _reap(pids: list[int], codes: dict[int, int]) -> None:

@@ -157,13 +157,14 @@ class P2P:
         self._tickets = 0
         self._posted: dict[int, deque[tuple[dist.Work, torch.Tensor]]] = {}
         self.bytes_sent = 0
+        # this rank's directions, resolved once (not per transfer): peer -> group
+        me = dist.get_rank() if links.groups else None
+        self._groups = {True: {dst: g for (src, dst), g in links.groups.items() if src == me},
+                        False: {src: g for (src, dst), g in links.groups.items() if dst == me}}
 
     def _group(self, peer: int, sending: bool) -> Optional[dist.ProcessGroup]:
         """The group of the link's direction (None: the default group)."""
-        if not self.links.groups:
-            return None
-        me = dist.get_rank()
-        return self.links.groups.get((me, peer) if sending else (peer, me))
+        return self._groups[sending].get(peer)
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.links.boundary_shape, dtype=self.links.boundary_dtype,

@@ -202,9 +202,8 @@ def _leave(store, status: int = EXIT_USER_ERROR) -> int:
         _counter(store, _ENDED, 1)
         if dist.get_rank() == 0 and hosts_store:
             _wait_for_peers(store, world)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # skip atexit and destructors that may wait on gone peers
+    from ..runtime.process import exit_now
+    exit_now(status)  # skip atexit and destructors that may wait on gone peers
 
 
 def _wait_for_peers(store, world: int) -> None:

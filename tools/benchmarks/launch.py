@@ -13,7 +13,6 @@ import logging
 import os
 import pickle
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -21,6 +20,8 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_2bw.runtime.process import exit_now
 
 from .allocator import minor_faults, steady_malloc
 from .config import BenchConfig, RunSpec
@@ -132,19 +133,7 @@ def _worker(rank: int, world: int, port: int, cfg: BenchConfig, specs: list[RunS
         pickle.dump(results, f)
     os.replace(path + ".part", path)  # whole or absent, whatever happens next
     dist.destroy_process_group()
-    _exit_without_finalizing()
-
-
-def _exit_without_finalizing() -> None:
-    """End a stage process once its results are on disk, skipping interpreter
-    finalization. There, a backend thread (gloo's) that drops the last reference to a
-    tensor Python once owned needs the GIL, and Python 3.11 ends such a thread by
-    unwinding it through C++ frames: std::terminate, SIGABRT ("terminate called without
-    an active exception"), rarely, after a run that succeeded. Nothing left matters."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)  # results are on disk; no interpreter finalization (runtime/process.py)
 
 
 def _results(outdir: str, world: int, died: Exception | None) -> list:
