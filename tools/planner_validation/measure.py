@@ -15,9 +15,9 @@ other processes took (`other_load`); runs above `max_other_load` count only whil
 has no quieter run, and up to `setup.retries` more passes rerun the plans with fewer
 than `repeats` quiet runs. Head to head (`confirm_plans`): after the passes the fastest
 measured plans and the planner's pick run `repeats` more times, alternating, and their
-times become the median of all their runs. Nothing here feeds the planner: its calibration (profile,
-collectives, optimizer step) comes from other runs (`calibrate.py`), so the validation
-runs are held out.
+times become the median of all their runs. Nothing here feeds the planner: its
+calibration (profile, collectives, optimizer step) comes from other runs
+(`calibrate.py`), so the validation runs are held out.
 """
 from __future__ import annotations
 
