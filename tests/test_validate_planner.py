@@ -360,4 +360,27 @@ def test_head_to_head_runs_alternate_and_join_each_plans_median(tmp_path, monkey
     s = v.summarize([a, b], "b")
     assert s["head_to_head"] == ["a", "b"]
     assert s["pass_time_ratios"] == pytest.approx([1.0 / a.measured_time_s])
+    # from the passes alone (a's one run, 1.0 s; b has none) the pick b was not ranked
+    assert "pick_vs_fastest_passes" not in s and "run_spread" not in s
     assert "Head to head: 2 plans" in v.summary_text(s)
+    b.attempts.insert(0, dict(a.attempts[0], median_s=0.9))
+    b.attempts.insert(1, dict(a.attempts[0], median_s=1.8))
+    s = v.summarize([a, b], "b")
+    assert s["pick_vs_fastest_passes"] == pytest.approx(1.35 / 1.0 - 1.0)
+    assert s["pick_rank_passes"] == 2 and s["run_spread"] == pytest.approx(0.9 / 1.35)
+    assert "the pick stood at +35.0% (rank 2)" in v.summary_text(s)
+
+
+def test_show_profiles_prints_each_profiles_layer_times(tmp_path):
+    setup = v.Setup()
+    path = tmp_path / "profile.json"
+    _write_profile(path, setup)  # forward + backward 30 ms per sample at every size
+    text = v.profile_lines([str(path)])
+    assert text == f"{path}: ms per sample b1 30.0 b2 30.0 b4 30.0 b8 30.0 b16 30.0"
+    data = json.loads(path.read_text())
+    data["tensor_parallel"] = {"2": [dict(data["entries"][0], allreduce_s=0.001)]}
+    path.write_text(json.dumps(data))
+    assert v.profile_lines([str(path)]).endswith("b16 30.0 | tp2: b1 30")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "validate_planner.py"),
+                           "--show-profiles", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "| tp2: b1 30" in proc.stdout

@@ -35,7 +35,7 @@ from .predictions import cost_model, predict  # noqa: F401
 from .proc import machine_busy_share, other_load, wait_for_quiet  # noqa: F401
 from .report import (MB, TARGETS, Row, errors_by_layout, markdown_table,  # noqa: F401
                      pass_time_ratios, rel_error, render, rows_from_estimates,
-                     rows_from_report, scatter_plot, summarize, summary_text,
+                     profile_lines, rows_from_report, scatter_plot, summarize, summary_text,
                      update_predictions)
 from .run import validate  # noqa: F401
 from .workers import ALLOCATOR_ENV, ROOT, run_jobs  # noqa: F401

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from .plans import Setup
-from .report import render
+from .report import profile_lines, render
 from .run import validate
 
 
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the table and summary")
     p.add_argument("--plot", metavar="FILE.png", help="write the predicted-vs-measured plot")
+    p.add_argument("--show-profiles", nargs="+", metavar="PROFILE.json",
+                   help="do not run anything: print each profile's layer times (per sample; "
+                        "per layer at TP > 1), e.g. the ones a run kept in its --workdir")
     p.add_argument("--from-json", metavar="FILE",
                    help="do not run anything: re-render --markdown/--plot from a report")
     return p
@@ -74,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.show_profiles:
+        print(profile_lines(args.show_profiles))
+        return 0
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
     else:

@@ -5,6 +5,7 @@ Pure (matplotlib is imported by `scatter_plot` only) and unit-tested.
 """
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -105,8 +106,7 @@ def summarize(rows: Sequence[Row], pick_label: Optional[str]) -> dict:
                     "worst_abs_memory_error": abs(worst_m.memory_error),
                     "worst_memory_plan": worst_m.label})
     out["pass_time_ratios"] = pass_time_ratios(measured)
-    out["head_to_head"] = [r.label for r in sorted(measured, key=lambda r: r.measured_time_s)
-                           if any(a.get("confirm") for a in r.attempts)]
+    out.update(measurement_noise(measured, pick_label))
     out["time_error_by_layout"] = errors_by_layout(measured)
     pick = next((r for r in measured if r.label == pick_label), None)
     out["planner_pick"] = pick_label
@@ -136,6 +136,29 @@ def pass_time_ratios(rows: Sequence[Row]) -> list[float]:
             if a.get("median_s") and r.measured_time_s:
                 ratios.setdefault(i, []).append(a["median_s"] / r.measured_time_s)
     return [statistics.median(ratios[i]) for i in sorted(ratios)]
+
+
+def _pass_times(r: Row) -> list[float]:
+    """The times of a plan's runs in the passes (head-to-head runs left out)."""
+    return [a["median_s"] for a in r.attempts if a.get("median_s") and not a.get("confirm")]
+
+
+def measurement_noise(rows: Sequence[Row], pick_label: Optional[str]) -> dict:
+    """How noisy the measurements were: `run_spread`, the median over plans of (max - min)
+    / median of each plan's pass runs; which plans ran head to head; and, if any did, the
+    pick's standing from the passes alone (`pick_vs_fastest_passes`, `pick_rank_passes`)."""
+    times = {r.label: _pass_times(r) for r in rows}
+    spreads = [(max(t) - min(t)) / statistics.median(t) for t in times.values() if len(t) > 1]
+    out: dict = {"head_to_head": [r.label for r in sorted(rows, key=lambda r: r.measured_time_s)
+                                  if any(a.get("confirm") for a in r.attempts)]}
+    if spreads:
+        out["run_spread"] = statistics.median(spreads)
+    passes = {k: statistics.median(t) for k, t in times.items() if t}
+    if out["head_to_head"] and pick_label in passes:
+        pick = passes[pick_label]
+        out["pick_vs_fastest_passes"] = pick / min(passes.values()) - 1.0
+        out["pick_rank_passes"] = 1 + sum(t < pick for t in passes.values())
+    return out
 
 
 def layout_name(r: Row) -> str:
@@ -203,10 +226,18 @@ def summary_text(summary: dict) -> str:
         lines.append("Machine drift: pass by pass, the plans ran at "
                      + ", ".join(f"{x:.3f}" for x in summary["pass_time_ratios"])
                      + " of their measured (median) time.")
+    if "run_spread" in summary:
+        lines.append(f"Run spread: a plan's runs in the passes differ by "
+                     f"{summary['run_spread'] * 100:.0f}% (max - min over median; median "
+                     "over plans).")
     if summary.get("head_to_head"):
+        before = (f" From the passes alone the pick stood at "
+                  f"{summary['pick_vs_fastest_passes'] * 100:+.1f}% (rank "
+                  f"{summary['pick_rank_passes']})." if "pick_vs_fastest_passes" in summary
+                  else "")
         lines.append(f"Head to head: {len(summary['head_to_head'])} plans (the fastest "
                      "measured and the pick) ran again, alternating; their times are the "
-                     "median of all their runs.")
+                     "median of all their runs." + before)
     if "median_abs_memory_error" in summary:
         lines.append(f"Memory: median |error| {summary['median_abs_memory_error'] * 100:.1f}%, "
                      f"worst {summary['worst_abs_memory_error'] * 100:.1f}% "
@@ -323,3 +354,22 @@ def render(report: dict, markdown: Optional[str], plot: Optional[str]) -> str:
             f"batch {s['global_batch_size']}, {s['num_procs']} CPU processes (fp32)"))
     return text
 
+
+def profile_lines(paths: Sequence[str]) -> str:
+    """One line per profile JSON: a layer's forward + backward per sample at each profiled
+    microbatch size, and at each tensor-parallel size the whole layer's time (its
+    all-reduces included); how the profiles behind a validation run compare."""
+    lines = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        parts = [f"b{e['micro_batch_size']} {_layer_ms(e) / e['micro_batch_size']:.1f}"
+                 for e in data["entries"]]
+        for k, entries in sorted(data.get("tensor_parallel", {}).items()):
+            parts.append(f"| tp{k}: " + " ".join(f"b{e['micro_batch_size']} {_layer_ms(e):.0f}"
+                                                   for e in entries))
+        lines.append(f"{path}: ms per sample " + " ".join(parts))
+    return "\n".join(lines)
+
+
+def _layer_ms(entry: dict) -> float:
+    return 1e3 * (entry["layer"]["forward_s"] + entry["layer"]["backward_s"])
