@@ -125,6 +125,7 @@ def worker_main(rank: int, world: int, workdir: str) -> int:
     """Import the heavy modules once, then fork one child per job (see `run_jobs`)."""
     import torch  # noqa: F401  (imported before fork on purpose)
     import megatron.core  # noqa: F401
+    from megatron_2bw.runtime.process import exit_now
     from megatron_2bw.training import entry, loop  # noqa: F401
 
     work = Path(workdir)
@@ -139,7 +140,7 @@ def worker_main(rank: int, world: int, workdir: str) -> int:
                 _child(job, rank, world, port, work / f"log.{i}.{rank}.txt", result_file)
                 code = 0
             finally:
-                os._exit(code)
+                exit_now(code)  # the child's logs flushed, no finalization
         _wait_child(pid, job, result_file)
     return 0
 
