@@ -39,76 +39,12 @@ LOG="$OUT_DIR/gpu_check.log"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-log() { echo "[gpu_check $(date +%T)] $*" | tee -a "$LOG"; }
-
-record() {  # record NAME RC START_SECONDS LIMIT_S
-  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$((SECONDS - $3))" "$4" >> "$OUT_DIR/steps.tsv"
-  log "step $1: exit $2 after $((SECONDS - $3)) s"
-  summarise --quiet
-}
-
-step() {  # step NAME LIMIT_S COMMAND...: run with a time limit; output in NAME.out and the log
-  local name=$1 limit=$2 start=$SECONDS rc
-  shift 2
-  log "step $name (limit ${limit} s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.out" 2>&1
-  rc=$?
-  cat "$OUT_DIR/$name.out" >> "$LOG"
-  record "$name" "$rc" "$start" "$limit"
-  return "$rc"
-}
+source "$ROOT/tools/gpu_common.sh"
 
 summarise() {  # gpu_check.json and gpu_check.md from what is there so far
   PYTHONPATH="$ROOT/tools:$PYTHONPATH" "${PY:-python3}" -m benchmarks.gpu_summary \
     --out "$OUT_DIR" --skip-iterations "$SKIP" --model "$MODEL_LABEL" \
     $( ((DRY_RUN)) && echo --dry-run ) "$@"
-}
-
-has_cuda() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
-               >/dev/null 2>&1; }
-
-pick_python() {
-  if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
-  if (( DRY_RUN )) && [[ -x .venv/bin/python ]]; then echo "$ROOT/.venv/bin/python"; return; fi
-  for candidate in python3 "$ROOT/.venv/bin/python"; do
-    if command -v "$candidate" >/dev/null && has_cuda "$candidate"; then
-      echo "$candidate"; return
-    fi
-  done
-  if [[ -x .venv/bin/python ]]; then echo "$ROOT/.venv/bin/python"; else echo python3; fi
-}
-
-describe() {  # succeeds when $PY has what the check needs; notes the versions and device
-  "$PY" - "$OUT_DIR/device.txt" >> "$LOG" 2>&1 <<'PYEOF'
-import sys
-import matplotlib, megatron.core, numpy, torch
-name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-print(f"python {sys.executable} torch {torch.__version__} megatron-core "
-      f"{megatron.core.__version__} device {name}")
-open(sys.argv[1], "w").write(name + "\n")
-PYEOF
-}
-
-install() {  # sets PY; installs only what the chosen interpreter lacks
-  PY="$(pick_python)"
-  if describe; then
-    log "install: $PY already has torch and megatron-core"
-    return 0
-  elif compgen -G ".whl/*.whl" >/dev/null; then  # no network: wheels carried in .whl/
-    log "install: carried wheels from .whl/"
-    timeout "${LIMITS[0]}" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/megatron2bw-site .whl/*.whl >> "$LOG" 2>&1 || return 1
-    export PYTHONPATH="$PYTHONPATH:/tmp/megatron2bw-site"
-  elif has_cuda "$PY"; then
-    log "install: megatron-core and the rest of requirements.txt into $PY (keeping its torch)"
-    grep -v '^torch==' requirements.txt > /tmp/megatron2bw-req.txt
-    timeout "${LIMITS[0]}" "$PY" -m pip install -q -r /tmp/megatron2bw-req.txt >> "$LOG" 2>&1 || return 1
-  else
-    log "install: make install (virtual environment .venv)"
-    timeout "${LIMITS[0]}" make install >> "$LOG" 2>&1 || return 1
-    PY="$ROOT/.venv/bin/python"
-  fi
-  describe
 }
 
 if (( DRY_RUN )); then
@@ -138,7 +74,7 @@ printf '%s\t%s\n' gpt_flush_interleaved 30 overhead "${LIMITS[2]}" cuda_tests "$
 
 log "gpu_check ($( ((DRY_RUN)) && echo dry run || echo full )), results in $OUT_DIR"
 start=$SECONDS
-install; record install $? "$start" "${LIMITS[0]}"
+install "${LIMITS[0]}"; record install $? "$start" "${LIMITS[0]}"
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOG" 2>&1
 fi
