@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-fast demo clean
+.PHONY: install test test-fast test-gpu demo clean
 
 $(STAMP): requirements.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow" tests
+
+# the GPU subset (CUDA tests and one multi-process test per launcher path); on a GPU
+# machine without network tools/gpu_check.sh runs it with the machine's own python
+test-gpu: install
+	$(PY) -m pytest -q -ra -m gpu tests
 
 demo: install
 	$(PY) tools/demo.py

@@ -1,9 +1,13 @@
 """Puts tools/ on sys.path, as running a tools/ script does, so the tests import the tool
-packages `planner_validation` and `benchmarks`; and the session's small real corpus."""
+packages `planner_validation` and `benchmarks`; and the session's small real corpus.
+tests/devices.py, imported first, keeps every test process on the CPU unless the test
+asks for CUDA (so the suite runs alike on a GPU machine)."""
 import os
 import sys
 
 import pytest
+
+import tests.devices  # noqa: F401  (before any test starts a process)
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 if TOOLS not in sys.path:

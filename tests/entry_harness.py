@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 
+from tests.devices import cuda_env
 from tests.dist_harness import free_port
 from tests.zygote import Zygote
 
@@ -24,13 +25,18 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def launch(model: str, nproc: int, extra: list[str], metrics: str, timeout: int = 240,
-           base: list[str] = TINY, split: str = "train") -> list[dict]:
+           base: list[str] = TINY, split: str = "train", env: Optional[dict] = None,
+           device: str = "cpu") -> list[dict]:
     """Run one training job; return its per-iteration records of `split`. The ranks are
     forked from the session's zygote (tests/zygote.py); M2BW_TEST_LAUNCHER=torchrun
-    runs them under torchrun instead."""
+    runs them under torchrun instead. `env`: extra environment variables of the ranks.
+    device="cuda": the ranks see the machine's GPUs and start fresh under torchrun
+    (CUDA cannot run in a child forked from an initialised parent; tests/devices.py)."""
     argv = [*base, "--metrics-file", metrics, *extra]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if os.environ.get("M2BW_TEST_LAUNCHER") == "torchrun":
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    if device == "cuda":
+        _torchrun(model, nproc, argv, {**cuda_env(), **env}, timeout)
+    elif os.environ.get("M2BW_TEST_LAUNCHER") == "torchrun":
         _torchrun(model, nproc, argv, env, timeout)
     else:
         _forked(model, nproc, argv, env, timeout, os.path.dirname(os.path.abspath(metrics)))

@@ -15,14 +15,15 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megatron_2bw"
 
 # layer -> the layers it may import (besides itself)
 ALLOWED = {
+    "comm": set(),  # how every layer talks to a process group: below all of them
     "schedules": set(),
     "vocab": set(),
-    "optim": set(),
-    "models": {"vocab"},
+    "optim": {"comm"},
+    "models": {"vocab", "comm"},
     "data": {"vocab"},
-    "runtime": {"schedules"},
-    "planner": {"schedules", "vocab", "models"},
-    "training": {"runtime", "models", "data", "optim", "schedules", "vocab"},
+    "runtime": {"schedules", "comm"},
+    "planner": {"schedules", "vocab", "models", "comm"},
+    "training": {"runtime", "models", "data", "optim", "schedules", "vocab", "comm"},
     "hf": {"training", "models", "data", "vocab"},  # the optional transformers tools
     # tools/evaluate.py: a checkpoint (through hf's loader) or an HF directory, scored
     "evaluation": {"hf", "training", "models", "data", "vocab"},

@@ -20,6 +20,7 @@ def _records(tmp_path, launcher: str, monkeypatch) -> list[dict]:
     return launch("gpt", 2, JOB, str(tmp_path / f"{launcher}.jsonl"))
 
 
+@pytest.mark.gpu  # both launcher paths on a GPU machine: ranks stay on the CPU (tests/devices.py)
 def test_forked_ranks_train_as_under_torchrun(tmp_path, monkeypatch) -> None:
     forked = _records(tmp_path, "zygote", monkeypatch)
     real = _records(tmp_path, "torchrun", monkeypatch)

@@ -5,9 +5,10 @@
   (stages.py), deterministically initialized from split-independent global
   parameter names (init.py).
 - `apply_cpu_shims`, `model_parallel_manual_seed`: the megatron-core CPU compatibility
-  layer (compat.py).
+  layer (compat.py); `apply_exercise_shims`: groups of one driven anyway (the GPU check).
 """
-from megatron_2bw.models.compat import apply_cpu_shims, model_parallel_manual_seed
+from megatron_2bw.models.compat import (apply_cpu_shims, apply_exercise_shims,
+                                        model_parallel_manual_seed)
 from megatron_2bw.models.config import ModelConfig, pad_vocab_size
 from megatron_2bw.models.stages import PipelineStage, build_stage, global_parameter_names
 
@@ -15,6 +16,7 @@ __all__ = [
     "ModelConfig",
     "PipelineStage",
     "apply_cpu_shims",
+    "apply_exercise_shims",
     "build_stage",
     "global_parameter_names",
     "model_parallel_manual_seed",

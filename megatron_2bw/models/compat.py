@@ -28,6 +28,8 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as transformer_utils
 
+from .. import comm
+
 logger = logging.getLogger(__name__)
 
 _APPLIED = False
@@ -62,6 +64,31 @@ def apply_cpu_shims(device: Optional[str] = None) -> bool:
     _APPLIED = True
     logger.info("megatron-core CPU shims applied")
     return True
+
+
+def apply_exercise_shims() -> bool:
+    """With MEGATRON_2BW_EXERCISE_COLLECTIVES=1 (the GPU check's mode), make megatron-core's
+    tensor-parallel all-reduce run over a group of one too, on CPU or CUDA.
+
+    Why: `mappings._reduce` (the row-parallel layers' forward, the column-parallel
+    layers' input-gradient backward) returns at once for a group of one, so a one-GPU run
+    would never hand NCCL the activations these layers reduce at TP > 1. The sum over one
+    member changes nothing. Idempotent; returns whether the shim is active.
+    """
+    if not comm.exercising():
+        return False
+    if not getattr(mappings._reduce, "_exercise_shim", False):
+        mappings._reduce = _reduce_every_size
+    return True
+
+
+def _reduce_every_size(input_: torch.Tensor, group) -> torch.Tensor:
+    """`mappings._reduce` without its short cut for a group of one."""
+    comm.all_reduce(input_.contiguous(), group)
+    return input_
+
+
+_reduce_every_size._exercise_shim = True
 
 
 def model_parallel_manual_seed(seed: int) -> None:
@@ -187,7 +214,7 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     Why: the local softmax builds the causal mask itself when GPT passes
     `attention_mask=None`, and upstream creates it with `device="cuda"`.
     """
-    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool, device="cpu"), diagonal=1)
 
 
 # --- rotary embeddings --------------------------------------------------------------
@@ -220,12 +247,9 @@ def _cpu_gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
     fused QKV output (`get_query_key_value_tensors`); upstream allocates the gathered
     buffer on `torch.cuda.current_device()`.
     """
-    world = group.size()
-    if world == 1:
+    if group.size() == 1:
         return input_
-    parts = [torch.empty_like(input_) for _ in range(world)]
-    torch.distributed.all_gather(parts, input_.contiguous(), group=group)
-    return torch.cat(parts, dim=-1).contiguous()
+    return comm.gather_concat(input_, -1, group).contiguous()
 
 
 def _cpu_reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
@@ -238,9 +262,8 @@ def _cpu_reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Ten
     if world == 1:
         return input_
     total = input_.contiguous().clone()
-    torch.distributed.all_reduce(total, group=group)
-    rank = torch.distributed.get_rank(group)
-    return total.chunk(world, dim=-1)[rank].contiguous()
+    comm.all_reduce(total, group)
+    return total.chunk(world, dim=-1)[comm.rank(group)].contiguous()
 
 
 # --- tied embeddings ----------------------------------------------------------------
@@ -268,7 +291,7 @@ def _wrap_setup_embeddings() -> None:
             self.embd_group = group
         if _needs_embedding_sync(self) and self._is_in_embd_group():
             weight = self.shared_embedding_or_output_weight()
-            torch.distributed.all_reduce(weight.data, group=group)
+            comm.all_reduce(weight.data, group)
 
     setup_embeddings_and_output_layer._cpu_shim = True
     module_class = language_module.LanguageModule

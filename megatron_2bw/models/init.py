@@ -114,12 +114,12 @@ def tp_shard(full: torch.Tensor, dim: int, stride: int, tp_rank: int, tp_size: i
 def _draw(rule: tuple, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The full fp32 tensor for a rule; normals come from a generator private to the param."""
     kind, std = rule
-    if kind == "ones":
-        return torch.ones(shape)
+    if kind == "ones":  # drawn on the CPU, the same on every machine; copied to the device
+        return torch.ones(shape, device="cpu")
     if kind == "zeros":
-        return torch.zeros(shape)
+        return torch.zeros(shape, device="cpu")
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
 
 @torch.no_grad()

@@ -122,7 +122,9 @@ class TensorParallel:
     """This rank's place in the tensor-parallel group, and how to all-gather a shard.
 
     ``gather(shard, dim)`` returns the concatenation of all ranks' shards along ``dim`` in rank
-    order (see :func:`make_tp_gather`); it is needed only by ``tp_mode='duplicated'``.
+    order (the trainer passes `comm.gather_concat` over the tensor-parallel group); it is
+    needed only by ``tp_mode='duplicated'``, and with it Muon gathers at every size (a group
+    of one when the trainer exercises collectives).
     """
 
     rank: int = 0
@@ -246,18 +248,6 @@ def newton_schulz(G: Tensor, steps: int, coefficient_type: str = "quintic", eps:
     return X.mT if transpose else X
 
 
-def make_tp_gather(group) -> Gather:
-    """A ``gather(shard, dim)`` over a torch.distributed process group (imported lazily)."""
-    import torch.distributed as dist
-
-    def gather(shard: Tensor, dim: int) -> Tensor:
-        shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(shards, shard.contiguous(), group=group)
-        return torch.cat(shards, dim=dim)
-
-    return gather
-
-
 class MuonDirection:
     """Momentum state of the Muon parameters and their per-step update direction ``u``."""
 
@@ -311,7 +301,7 @@ class MuonDirection:
         """
         size = [x.size(0), x.size(1)]
         cfg, tp = self.config, self.tp
-        if partition_dim is not None and tp.size > 1:
+        if partition_dim is not None and tp.gather is not None:
             size[partition_dim] *= tp.size
             full = newton_schulz(tp.gather(x, partition_dim), cfg.num_ns_steps,
                                  cfg.coefficient_type, cfg.eps, self.precision)
@@ -354,6 +344,6 @@ def apply_megatron_update(weights: Sequence[Tensor], directions: Sequence[Tensor
 __all__ = [
     "COEFFICIENT_SETS", "FP16_REFUSAL", "MuonConfig", "MuonDirection", "MuonParamSpec",
     "TensorParallel", "apply_megatron_update", "check_not_fp16", "is_megatron_muon_param",
-    "is_megatron_qkv_param", "make_tp_gather", "muon_scale_factor", "newton_schulz",
+    "is_megatron_qkv_param", "muon_scale_factor", "newton_schulz",
     "qkv_split_rows", "resolve_precision",
 ]

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import comm
 from .adam import AdamDirection
 from .compensation import COMPENSATIONS, DelayCompensation
 from .loss_scale import LossScaleConfig, LossScaler
@@ -203,8 +204,8 @@ class MegatronUpdater:
             sq = torch.stack([g.pow(2).sum() for g in counted]).sum()
         stats = torch.stack([sq, torch.full_like(sq, float(local_inf))])
         group, work = self.groups.model_parallel, None
-        if group is not None and dist.get_world_size(group) > 1:
-            work = dist.all_reduce(stats, group=group, async_op=True)
+        if comm.runs(group):
+            work = comm.all_reduce(stats, group, async_op=True)
         self._pending[minibatch] = (stats, work)
 
     def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],

@@ -37,14 +37,14 @@ DEFAULT_SIZES = (4096, 65536, 1 << 20, 1 << 23, 1 << 25)
 def time_allreduce(t, reps: int, sync: Callable[[], None] = lambda: None) -> float:
     """Median seconds of an all-reduce of tensor `t` over the default group (after 2
     untimed ones); every rank calls it."""
-    import torch.distributed as dist
+    from .. import comm
 
     times = []
     for i in range(reps + 2):
-        dist.barrier()
+        comm.barrier()
         sync()
         start = time.perf_counter()
-        dist.all_reduce(t)
+        comm.all_reduce(t, None)
         sync()
         if i >= 2:
             times.append(time.perf_counter() - start)
@@ -54,19 +54,19 @@ def time_allreduce(t, reps: int, sync: Callable[[], None] = lambda: None) -> flo
 def time_ping_pong(t, reps: int, rank: int, sync: Callable[[], None] = lambda: None) -> float:
     """Median one-way seconds of sending `t`: ping-pong between ranks 0 and 1, halved
     (the other ranks only join the barriers)."""
-    import torch.distributed as dist
+    from .. import comm
 
     times = []
     for i in range(reps + 2):
-        dist.barrier()
+        comm.barrier()
         sync()
         start = time.perf_counter()
         if rank == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
+            comm.send(t, 1)
+            comm.recv(t, 1, None)
         elif rank == 1:
-            dist.recv(t, 0)
-            dist.send(t, 0)
+            comm.recv(t, 0, None)
+            comm.send(t, 0)
         sync()
         if i >= 2:
             times.append((time.perf_counter() - start) / 2)
@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from .. import comm
+
     cuda = torch.cuda.is_available() and args.backend != "gloo"
     backend = args.backend or ("nccl" if cuda else "gloo")
     if cuda:
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     timings = time_links(sizes, args.repeats, rank, device, sync)
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
     if rank != 0:
         return 0

@@ -311,6 +311,7 @@ def _profile_worker(rank: int, n: int, k: int, tmp: str, shape: dict) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from megatron_2bw import comm
     from megatron_2bw.models.compat import apply_cpu_shims
 
     warnings.filterwarnings("ignore", module=r"megatron\.")
@@ -326,7 +327,7 @@ def _profile_worker(rank: int, n: int, k: int, tmp: str, shape: dict) -> None:
     parts = one_layer_parts(shape, dtype, device, k)
     if k == 1:
         def entry(b: int) -> ProfileEntry:
-            dist.barrier()
+            comm.barrier()
             return parts.entry(b)
         entries = in_rounds(entry, shape["micro_batch_sizes"], shape.get("rounds", 1), parts)
         out = Profile("", 0, {}, entries, parts.param_counts()).to_dict()

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from .p2p import PeerTimeout, describe_timeout, is_timeout
 
 
@@ -30,7 +31,7 @@ def wait_collective(work: dist.Work, group: Optional[dist.ProcessGroup], what: s
     try:
         work.wait()
     except RuntimeError as err:
-        members = (f"ranks {dist.get_process_group_ranks(group)}" if group is not None
+        members = (f"ranks {comm.group_ranks(group)}" if group is not None
                    else "all ranks")
         if is_timeout(err):
             raise PeerTimeout(f"{what} over {members} got no answer within "
@@ -75,7 +76,8 @@ class GradReducer:
     def __init__(self, group: Optional[dist.ProcessGroup],
                  config: GradReduceConfig = GradReduceConfig()):
         self.group, self.config = group, config
-        self.size = dist.get_world_size(group) if group is not None else 1
+        self.size = comm.size(group) if group is not None else 1
+        self.active = comm.runs(group)  # a group of one: no call, unless exercised
         self._pending: dict[int, tuple[Optional[dist.Work], torch.Tensor,
                                        Optional[torch.Tensor]]] = {}
         self._tokens: dict[int, tuple[Optional[dist.Work], torch.Tensor]] = {}
@@ -86,16 +88,16 @@ class GradReducer:
             raise RuntimeError(f"gradient reduction of minibatch {minibatch} started twice")
         work, low = None, None
         scale = 1.0 if tokens is not None else 1.0 / self.size  # per-token: a sum
-        if self.size > 1 and self.config.low_precision:
+        if self.active and self.config.low_precision:
             low = (flat_grad * scale).to(self.config.dtype)
-            work = dist.all_reduce(low, group=self.group, async_op=True)
-        elif self.size > 1:
-            work = dist.all_reduce(flat_grad, group=self.group, async_op=True)
+            work = comm.all_reduce(low, self.group, async_op=True)
+        elif self.active:
+            work = comm.all_reduce(flat_grad, self.group, async_op=True)
         self._pending[minibatch] = (work, flat_grad, low)
         if tokens is not None:
             count = tokens.detach().to(torch.float64).clone()
-            self._tokens[minibatch] = (dist.all_reduce(count, group=self.group, async_op=True)
-                                       if self.size > 1 else None, count)
+            self._tokens[minibatch] = (comm.all_reduce(count, self.group, async_op=True)
+                                       if self.active else None, count)
 
     def wait(self, minibatch: int) -> torch.Tensor:
         work, flat_grad, low = self._pending.pop(minibatch)
@@ -145,7 +147,7 @@ class TiedGradSync:
             raise RuntimeError(f"tied-gradient sum of minibatch {minibatch} started twice")
         view = grads[self.index]
         summed = view.to(self.dtype, copy=True)
-        work = dist.all_reduce(summed, group=self.group, async_op=True)
+        work = comm.all_reduce(summed, self.group, async_op=True)
         self._pending[minibatch] = (work, summed, view)
 
     def finish(self, minibatch: int) -> None:

@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 
 @dataclass
 class StageLinks:
@@ -80,9 +82,9 @@ def make_link_groups(pipelines: list[tuple[int, ...]], ring: bool
                      ) -> dict[tuple[int, int], dist.ProcessGroup]:
     """`topology.link_groups` for pipelines given as their ranks in stage order (the same list on
     every rank); the groups keep the default group's timeout (--distributed-timeout-minutes)."""
-    me, groups, timeout = dist.get_rank(), {}, group_timeout()
+    me, groups, timeout = comm.rank(), {}, group_timeout()
     for src, dst in directed_links(pipelines, ring):
-        group = dist.new_group([src, dst], timeout=timeout)
+        group = comm.new_group([src, dst], timeout=timeout)
         if me in (src, dst):
             groups[(src, dst)] = group
     return groups
@@ -158,7 +160,7 @@ class P2P:
         self._posted: dict[int, deque[tuple[dist.Work, torch.Tensor]]] = {}
         self.bytes_sent = 0
         # this rank's directions, resolved once (not per transfer): peer -> group
-        me = dist.get_rank() if links.groups else None
+        me = comm.rank() if links.groups else None
         self._groups = {True: {dst: g for (src, dst), g in links.groups.items() if src == me},
                         False: {src: g for (src, dst), g in links.groups.items() if dst == me}}
 
@@ -176,7 +178,7 @@ class P2P:
         if src is None:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to receive from")
         buf = self._buffer()
-        work = dist.irecv(buf, src=src, group=self._group(src, sending=False))
+        work = comm.irecv(buf, src, self._group(src, sending=False))
         self._posted.setdefault(src, deque()).append((work, buf))
 
     def _recv(self, src: Optional[int], kind: Optional[str] = None) -> torch.Tensor:
@@ -189,7 +191,7 @@ class P2P:
                 work.wait()
             else:
                 buf = self._buffer()
-                dist.recv(buf, src=src, group=self._group(src, sending=False))
+                comm.recv(buf, src, self._group(src, sending=False))
         except RuntimeError as err:
             kind = kind or ("an activation" if src == self.links.prev_rank else "a gradient")
             raise peer_failure(err, self._peer(src), f"stage {self.links.stage}'s receive "
@@ -215,7 +217,7 @@ class P2P:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to send to")
         tensor = tensor.detach().contiguous()
         self._tickets += 1
-        work = dist.isend(tensor, dst=dst, group=self._group(dst, sending=True))
+        work = comm.isend(tensor, dst, self._group(dst, sending=True))
         self._pending[self._tickets] = (work, tensor, dst)
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return self._tickets

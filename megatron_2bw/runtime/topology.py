@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from .. import comm
 from .p2p import StageLinks, make_link_groups
 
 
@@ -43,12 +44,13 @@ def link_groups(ring: bool) -> dict[tuple[int, int], dist.ProcessGroup]:
     in one order."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return {}
-    mine = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-    pipelines: list = [None] * dist.get_world_size()
-    dist.all_gather_object(pipelines, tuple(mine))
+    mine = comm.group_ranks(ps.get_pipeline_model_parallel_group())
+    pipelines = comm.all_gather_object(tuple(mine))
     return make_link_groups(sorted(set(pipelines)), ring)
 
 
 def data_parallel_group():
-    """The group over which this stage's replicas average gradients (None if w = 1)."""
-    return ps.get_data_parallel_group() if ps.get_data_parallel_world_size() > 1 else None
+    """The group over which this stage's replicas average gradients: None if w = 1 (a
+    mean over one changes nothing), unless the exercise mode drives groups of one."""
+    group = ps.get_data_parallel_group()
+    return group if comm.runs(group) else None

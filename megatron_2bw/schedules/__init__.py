@@ -58,7 +58,8 @@ def _check_sizes(**sizes: tuple[int, int]) -> None:
 def build_schedule(name: str, num_stages: int, num_microbatches: int, num_minibatches: int = 1,
                    *, first_minibatch: int = 0, defer_step: bool | None = None,
                    tied_embedding: bool = False, num_chunks: int = 1,
-                   microbatch_group_size: int | None = None, check: bool = True) -> Schedule:
+                   microbatch_group_size: int | None = None, check: bool = True,
+                   tied_sync_at_one_stage: bool = False) -> Schedule:
     """Build, lower and validate a schedule; the one place its run-time needs are decided.
 
     Args:
@@ -75,6 +76,9 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
             schedule drains anyway, so it never defers.
         tied_embedding: the model ties its word embedding to its output layer, so the
             first and last stage sum that gradient (action T) when they differ.
+        tied_sync_at_one_stage: with one stage, T on stage 0 too (a sum over a group of
+            one, which changes nothing): the trainer's exercise mode, in which a one-GPU
+            run drives the embedding group's all-reduce through NCCL.
         num_chunks: model chunks per stage v (Megatron's virtual pipeline stages per
             rank, --num-virtual-stages-per-pipeline-rank). Above 1, flush runs Megatron's
             interleaved 1F1B: chunk c of stage s is virtual stage c * d + s; m must be a
@@ -99,7 +103,8 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
                          f"num_stages (d={num_stages}): m must be at least d")
     wanted = num_stages > 1 if defer_step is None else defer_step
     defer = key == "2bw" and wanted
-    tied = (0, num_stages - 1) if tied_embedding and num_stages > 1 else ()
+    tied = (tuple(sorted({0, num_stages - 1}))
+            if tied_embedding and (num_stages > 1 or tied_sync_at_one_stage) else ())
     if num_chunks > 1:
         plan = build_interleaved_flush(num_stages, num_microbatches, num_minibatches,
                                        first_minibatch, num_chunks, group)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
+from .. import comm
 from .checkpoint_contents import (MODULE_PREFIX, complete_megatron_state, from_megatron_names,
                                   restore_rng, rng_state, to_megatron_names)
 from .sharded_checkpoint import (commit_sharded, is_sharded, load_sharded, read_common,
@@ -98,8 +99,7 @@ class SaveOptions:
 
 def _agree(error: Optional[str]) -> None:
     """Every rank raises the first rank's error, or none does (a collective)."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    errors = comm.all_gather_object(error)
     first = next((e for e in errors if e), None)
     if first:
         raise CheckpointError(first)
@@ -176,8 +176,7 @@ def save_checkpoint(root: str, iteration: int, executor, updater, args: argparse
     if ps.get_data_parallel_rank() == 0:
         state = _state(iteration, executor, updater, args, schedule, options)
         error = _attempt(lambda: entries.update(_write_rank_file(root, iteration, state)))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (entries, error))
+    gathered = comm.all_gather_object((entries, error))
     failed = next((e for _, e in gathered if e), None)
     if failed:  # every rank saw the same list: all stop alike
         raise CheckpointError(failed)

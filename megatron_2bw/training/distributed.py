@@ -15,6 +15,8 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 # --exit-duration-in-mins counts from here (this module is imported as the program
 # starts), as Megatron-LM counts from its program start: a job's time limit counts
 # start-up too.
@@ -214,6 +216,7 @@ def init_distributed(timeout_minutes: float = 10.0) -> DistEnv:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         _join(backend, rank, world, timeout)
+    comm.set_device(device)
     return DistEnv(rank, world, local_rank, device, timeout)
 
 

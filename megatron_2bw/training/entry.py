@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
+from .. import comm
 from .arguments import config_from_args, parse_args
 from .checkpoint_contents import apply_checkpoint_args
 from .data_sources import data_sources, tokenizer_from_args
@@ -42,8 +43,14 @@ def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     tokenizer = tokenizer_from_args(args, model)
     run = config_from_args(args, model, env.world_size, tokenizer.vocab_size)
     sources = data_sources(run, tokenizer)
-    from ..models import apply_cpu_shims
+    from ..models import apply_cpu_shims, apply_exercise_shims
     from .loop import pretrain
     apply_cpu_shims(env.device.type)
-    pretrain(run, env, sources)
+    apply_exercise_shims()  # MEGATRON_2BW_EXERCISE_COLLECTIVES=1 only
+    recorder = comm.recorder_from_env()  # MEGATRON_2BW_RECORD_COLLECTIVES=PREFIX only
+    try:
+        pretrain(run, env, sources)
+    finally:
+        if recorder is not None:
+            recorder.write(comm.record_path(env.rank))
     return 0

@@ -6,6 +6,7 @@ only where the pipeline must be empty: at checkpoints, validation and the end.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import itertools
@@ -13,13 +14,13 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from .. import comm
 from ..data.datasets import microbatches
 from ..models import build_stage, model_parallel_manual_seed
 from ..optim.muon import (MuonParamSpec, TensorParallel, is_megatron_muon_param,
-                          is_megatron_qkv_param, make_tp_gather, qkv_split_rows)
+                          is_megatron_qkv_param, qkv_split_rows)
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
 from ..runtime.grad_sync import GradReduceConfig, TiedGradSync
@@ -134,9 +135,11 @@ class Trainer:
         module = self._build_stage()
         infos = _param_infos(module, ps.get_tensor_model_parallel_rank(), run)
         params = [p for p in module.parameters() if p.requires_grad]
+        tp_group = ps.get_tensor_model_parallel_group()
+        # Muon's gather of a tensor-parallel matrix (none needed for a group of one)
+        gather = functools.partial(comm.gather_concat, group=tp_group) if comm.runs(tp_group) else None
         tp = TensorParallel(ps.get_tensor_model_parallel_rank(),
-                            ps.get_tensor_model_parallel_world_size(),
-                            make_tp_gather(ps.get_tensor_model_parallel_group()))
+                            ps.get_tensor_model_parallel_world_size(), gather)
         updater = MegatronUpdater(params, infos, run.optimizer,
                                   StepGroups(model_parallel=ps.get_model_parallel_group()), tp)
         links = stage_links(module.boundary_shape(run.train.micro_batch_size),
@@ -158,7 +161,8 @@ class Trainer:
         return build_schedule(par.schedule, par.pipeline_parallel, m,
                               count, first_minibatch=self.iteration,
                               tied_embedding=self.run.model.tie_embeddings,
-                              num_chunks=par.virtual_stages)
+                              num_chunks=par.virtual_stages,
+                              tied_sync_at_one_stage=comm.exercising())
 
     def _segment_end(self, stop: Optional[GracefulStop] = None) -> int:
         """Where the next segment ends: the first save, exit, validation or stop check."""
@@ -311,14 +315,14 @@ class Trainer:
         per-token mean, as Megatron-LM reports it."""
         group = data_parallel_group()
         if tokens is None:
-            stats = torch.tensor(values, dtype=torch.float64)
-            if group is not None:
-                dist.all_reduce(stats, group=group)
-                stats /= dist.get_world_size(group)
+            stats = comm.tensor(values, torch.float64)
+            if comm.runs(group):
+                comm.all_reduce(stats, group)
+                stats /= comm.size(group)
             return stats.tolist()
-        stats = torch.tensor([v * tokens for v in values] + [tokens], dtype=torch.float64)
-        if group is not None:
-            dist.all_reduce(stats, group=group)
+        stats = comm.tensor([v * tokens for v in values] + [tokens], torch.float64)
+        if comm.runs(group):
+            comm.all_reduce(stats, group)
         return (stats[:-1] / max(stats[-1].item(), 1.0)).tolist()
 
     def _on_step(self, k: int, result: RunResult) -> None:

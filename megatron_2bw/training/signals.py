@@ -16,8 +16,8 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from ..runtime.grad_sync import wait_collective
 from ..schedules import canonical_name
 from .distributed import PROCESS_START
@@ -68,10 +68,9 @@ class GracefulStop:
         if not self.active:
             return None
         over = bool(self.duration_mins) and self._minutes() > self.duration_mins
-        flags = torch.tensor([self.received is not None, over], dtype=torch.int32,
-                             device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        flags = comm.tensor([self.received is not None, over], torch.int32)
+        if comm.world_runs():
+            work = comm.all_reduce(flags, None, op=comm.MAX, async_op=True)
             wait_collective(work, None, "the stop check (--exit-signal-handler, "
                                         "--exit-duration-in-mins)")
         if flags[0]:

@@ -110,7 +110,8 @@ class _Compute:
     def __init__(self, module: nn.Module, batches: list[dict]):
         self.module, self.batches = module, batches
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32)
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32,
+                                device=self.params[0].device)
         self.views, offset = [], 0
         for p in self.params:
             self.views.append(self.flat[offset:offset + p.numel()].view_as(p))

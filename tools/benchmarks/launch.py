@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_2bw import comm
 from megatron_2bw.runtime.process import exit_now
 
 from .allocator import minor_faults, steady_malloc
@@ -51,19 +52,17 @@ class _Rounds:
 
     def __init__(self, cfg: BenchConfig, specs: list[RunSpec], rank: int, world: int):
         self.cfg, self.rank = cfg, rank
-        pids: list[int] = [0] * world
-        dist.all_gather_object(pids, os.getpid())
+        pids: list[int] = comm.all_gather_object(os.getpid())
         self.probe = LoadProbe(pids + [os.getppid()])
         self.runners: list = []
         self.not_run: list[str | None] = []
         for spec in specs:
-            dist.barrier()
+            comm.barrier()
             try:  # what a schedule refuses at construction, every rank refuses alike
                 runner, error = make_runner(cfg, spec, rank, world, torch.device("cpu")), None
             except Exception as err:  # noqa: BLE001 - recorded as "not run: <reason>"
                 runner, error = None, f"{type(err).__name__}: {err}"
-            errors: list = [None] * world
-            dist.all_gather_object(errors, error)
+            errors: list = comm.all_gather_object(error)
             reason = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
             if reason and rank == 0:
                 logger.warning("%s m=%d not run: %s", spec.label, spec.microbatches, reason)
@@ -78,14 +77,13 @@ class _Rounds:
     def session(self, i: int, warm: int, timed: int, measure: int) -> None:
         if self.runners[i] is None:
             return
-        dist.barrier()
+        comm.barrier()
         self.probe.start()
         faults = minor_faults()
         times = self.runners[i].session(warm + timed + 1, measure)
         self.faults[i].append(minor_faults() - faults)
-        dist.barrier()
-        reading = [self.probe.stop()]
-        dist.broadcast_object_list(reading, src=0)  # rank 0's reading counts everywhere
+        comm.barrier()
+        reading = [comm.broadcast_object(self.probe.stop(), src=0)]  # rank 0's counts
         self.sessions[i].append(times)
         self.warmups[i].append(warm)
         self.foreign[i].append(reading[0])
@@ -125,7 +123,7 @@ def _worker(rank: int, world: int, port: int, cfg: BenchConfig, specs: list[RunS
     results: object
     try:
         results = _Rounds(cfg, specs, rank, world).run()
-        dist.barrier()
+        comm.barrier()
     except BaseException:  # hand the traceback to the parent
         results = RuntimeError(f"rank {rank} failed:\n{traceback.format_exc()}")
     path = os.path.join(outdir, f"{rank}.pkl")

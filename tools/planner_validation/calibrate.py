@@ -218,12 +218,13 @@ def calibrate_worker(rank: int, world: int, message_bytes: list[int], step_param
     optimizer step's time per parameter (both ranks step at once, as in a run)."""
     import torch
     import torch.distributed as dist
+    from megatron_2bw import comm
     from megatron_2bw.planner.netprofile import time_links
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = time_links(message_bytes, repeats, rank, torch.device("cpu"))
-    dist.barrier()
+    comm.barrier()
     out["step_s_per_param"], out["step_transient_bytes_per_param"] = _time_step(step_params)
     return out
 
@@ -238,11 +239,12 @@ def _time_step(num_params: int, repeats: int = 5) -> tuple[float, float]:
 
     side = 256
     count = max(1, num_params // (side * side))
-    params = [torch.nn.Parameter(torch.randn(side, side) * 0.02) for _ in range(count)]
+    params = [torch.nn.Parameter(torch.randn(side, side, device="cpu") * 0.02)
+              for _ in range(count)]
     infos = [ParamInfo(f"w{i}", True, True, False) for i in range(count)]
     upd = MegatronUpdater(params, infos, OptimizerConfig(lr=1e-4, global_batch_size=1,
                                                           lr_decay_samples=1000))
-    flat = torch.randn(count * side * side) * 1e-3
+    flat = torch.randn(count * side * side, device="cpu") * 1e-3
     views = [flat[i * side * side:(i + 1) * side * side].view(side, side) for i in range(count)]
     times, transient = [], 0.0
     for i in range(repeats + 2):

@@ -182,9 +182,9 @@ def _child(job: dict, rank: int, world: int, port: int, log_path: Path,
     out: dict = {"status": "ok"}
     try:
         _run_job(job, rank, world, out)
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.barrier()
+        from megatron_2bw import comm
+        if comm.is_initialized():
+            comm.barrier()
     except BaseException:  # the traceback goes to the job's log and result
         out["status"] = "error"
         out["error"] = traceback.format_exc()[-4000:]
