@@ -184,7 +184,8 @@ def test_gpu_check_dry_run(tmp_path) -> None:
     steps = summary["steps"]
     assert {n: s["status"] for n, s in steps.items()} == {
         "install": "ok", "gpt_flush": "ok", "gpt_2bw": "ok", "gpt_gpipe": "ok",
-        "gpt_flush_interleaved": "refused", "overhead": "ok", "cuda_tests": "ok"}
+        "gpt_flush_interleaved": "refused", "overhead": "ok", "collectives": "ok",
+        "cuda_tests": "ok"}
     assert steps["gpt_flush_interleaved"]["rc"] == 2
     assert "--pipeline-model-parallel-size 1" in steps["gpt_flush_interleaved"]["reason"]
     stages = summary["schedules"]
@@ -204,9 +205,22 @@ def test_gpu_check_dry_run(tmp_path) -> None:
     assert ovh["parameters"] == 114432 and ovh["microbatches"] == 2
     # the same model, weights and data on both sides: the same first loss
     assert ovh["first_loss_engine"] == pytest.approx(ovh["first_loss_plain"], rel=1e-6)
+    collectives = summary["collectives"]
+    assert collectives["all_on_device"]
+    assert {s: r["rc"] for s, r in collectives["schedules"].items()} == {
+        "flush": 0, "2bw": 0, "gpipe": 0}
+    rows = {(r["op"], r["group"]) for r in collectives["rows"]}
+    assert {("all_reduce", g) for g in ("data-parallel", "tensor-parallel", "embedding",
+                                        "model-parallel", "world")} <= rows
+    assert ("all_gather", "tensor-parallel") in rows  # Muon's gather, under 2bw
+    assert any(r["caller"].startswith("megatron_2bw.training.checkpointing")
+               for r in collectives["rows"])  # the save of the last schedule
+    assert "selected" in summary["cuda_tests"]  # the GPU subset, listed
     text = (tmp_path / "gpu_check.md").read_text()
     assert text.startswith("# GPU check (dry run")
     assert "| flush interleaved (2 chunks) | refused |" in text
+    assert "Collectives in the exercise mode" in text
+    assert (tmp_path / "raw.tar.gz").exists() and not (tmp_path / "steps.tsv").exists()
 
 
 def test_gpu_check_summary_shows_steps_not_run(tmp_path) -> None:

@@ -6,8 +6,8 @@
 Reads, from DIR: plan.tsv (name, time limit of each planned step), steps.tsv (name, exit
 status, seconds, limit of each step that ran), NAME.out (each step's output),
 gpt_SCHEDULE.jsonl (pretrain_gpt.py's --metrics-file, with benchmarks.gpu_stage's memory
-fields), overhead.json (benchmarks.gpu_overhead), cuda_tests.txt (pytest's output) and
-device.txt. Every planned step appears with its status: ok, failed, timed out, refused
+fields), overhead.json (benchmarks.gpu_overhead), collectives.json
+(benchmarks.gpu_collectives), cuda_tests.txt (pytest's output) and device.txt. Every planned step appears with its status: ok, failed, timed out, refused
 (the trainer's one-line refusal of a configuration, exit 2) or not run; a missing piece is
 reported as missing, so a step that failed or ran out of time still leaves a readable
 summary. gpu_check.sh rewrites the summary after every step, so even a run cut short
@@ -180,6 +180,26 @@ def cuda_tests(out: Path) -> Optional[str]:
     return lines[-1] if lines else ""
 
 
+def collectives(out: Path) -> Optional[dict]:
+    """What benchmarks.gpu_collectives recorded: per schedule its exit status, entry count
+    and the tensors handed to NCCL off the GPU; and every distinct collective with its
+    calls per schedule. None before that step wrote its file."""
+    path = out / "collectives.json"
+    if not path.exists():
+        return None
+    runs = json.loads(path.read_text())
+    fields = ("op", "group", "group_size", "backend", "device", "dtype", "caller")
+    table: dict[tuple, dict] = {}
+    for schedule, run in runs.items():
+        for e in run["entries"]:
+            row = table.setdefault(tuple(e[f] for f in fields), {})
+            row[schedule] = e["calls"]
+    return {"schedules": {s: {"rc": r["rc"], "entries": len(r["entries"]),
+                              "cpu_on_nccl": r["cpu_on_nccl"]} for s, r in runs.items()},
+            "all_on_device": all(not r["cpu_on_nccl"] and r["entries"] for r in runs.values()),
+            "rows": [dict(zip(fields, key), calls=calls) for key, calls in sorted(table.items())]}
+
+
 def device_name(out: Path) -> str:
     """What the install step found (device.txt), without importing torch again."""
     path = out / "device.txt"
@@ -192,7 +212,8 @@ def summarise(out: Path, peak: float, dry_run: bool, skip: int, model: str) -> d
     return {"dry_run": dry_run, "device": device_name(out), "model": model,
             "peak_tflops": peak, "steps": steps, "schedules": stages,
             "weight_version_memory": weight_version_memory(stages),
-            "engine_overhead": engine_overhead(out), "cuda_tests": cuda_tests(out)}
+            "engine_overhead": engine_overhead(out), "cuda_tests": cuda_tests(out),
+            "collectives": collectives(out)}
 
 
 def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
@@ -268,11 +289,34 @@ def _overhead_line(summary: dict) -> str:
             f"{ovh['first_loss_engine']:.5f} vs {ovh['first_loss_plain']:.5f}.")
 
 
+def _collectives_table(summary: dict) -> list[str]:
+    c = summary.get("collectives")
+    head = ["## Collectives in the exercise mode (groups of one driven anyway)", ""]
+    if not c:
+        return head + ["No record (see the collectives step)."]
+    names = list(c["schedules"])
+    verdict = ("every tensor handed to a collective was on the rank's device" if
+               c["all_on_device"] else "NOT every tensor was on the GPU or a run failed: "
+               + "; ".join(f"{s}: exit {r['rc']}, {len(r['cpu_on_nccl'])} off-device"
+                           for s, r in c["schedules"].items()))
+    lines = head + [f"Recorded around torch.distributed during training: {verdict}. Not "
+                    "shown on one GPU: transfers between pipeline stages (NCCL refuses two "
+                    "ranks on one device; tools/gpu_multi_check.sh).", "",
+                    "| op | group (size) | backend | device | dtype | caller | calls "
+                    f"({' / '.join(names)}) |", "|---|---|---|---|---|---|---|"]
+    for r in c["rows"]:
+        calls = " / ".join(str(r["calls"].get(s, "–")) for s in names)
+        lines.append(f"| {r['op']} | {r['group']} ({r['group_size']}) | {r['backend']} "
+                     f"| {r['device']} | {r['dtype']} | {r['caller']} | {calls} |")
+    return lines
+
+
 def to_markdown(summary: dict) -> str:
     lines = [f"# GPU check ({'dry run, ' if summary['dry_run'] else ''}{summary['device']})",
              "", *_steps_table(summary), "", *_schedules_table(summary), "",
              _weight_version_line(summary), "", _overhead_line(summary), "",
-             f"CUDA tests: {summary['cuda_tests'] or 'no result'}"]
+             *_collectives_table(summary), "",
+             f"GPU tests (pytest -m gpu): {summary['cuda_tests'] or 'no result'}"]
     return "\n".join(lines) + "\n"
 
 
