@@ -193,3 +193,23 @@ def test_cuda_run_hands_nccl_only_cuda_tensors(tmp_path, schedule) -> None:
                                               "model-parallel", "embedding", "world"}
     assert all(e["device"].startswith("cuda") and e["backend"] == "nccl" for e in tensors), [
         e for e in tensors if not e["device"].startswith("cuda")]
+
+
+def test_a_cpu_tensor_for_nccl_is_refused_by_name(monkeypatch) -> None:
+    """What NCCL would say in its own words ("No backend type associated with device type
+    cpu") comes as an error naming the call; gloo keeps taking CPU tensors."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_2bw import comm
+    from megatron_2bw.comm import collectives
+
+    monkeypatch.setattr(collectives, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("reached NCCL"))
+    with pytest.raises(comm.CollectiveDeviceError, match=r"^all_reduce over an NCCL group "
+                                                         r"got a tensor on cpu"):
+        comm.all_reduce(torch.zeros(2, device="cpu"), None)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: "reduced")
+    assert comm.all_reduce(torch.zeros(2, device="cpu"), None) == "reduced"

@@ -94,13 +94,12 @@ def world_runs() -> bool:
 def _check(op: str, group: Group, *tensors: torch.Tensor) -> None:
     """NCCL takes CUDA tensors only: say which call broke that, instead of NCCL's
     "No backend type associated with device type cpu"."""
-    if dist.get_backend(group) != "nccl":
+    off = next((t.device for t in tensors if t.device.type != "cuda"), None)
+    if off is None or not is_initialized() or dist.get_backend(group) != "nccl":
         return
-    for t in tensors:
-        if t.device.type != "cuda":
-            raise CollectiveDeviceError(
-                f"{op} over an NCCL group got a tensor on {t.device}: allocate it with "
-                f"megatron_2bw.comm.tensor/zeros/empty (the rank's device)")
+    raise CollectiveDeviceError(
+        f"{op} over an NCCL group got a tensor on {off}: allocate it with "
+        f"megatron_2bw.comm.tensor/zeros/empty (the rank's device)")
 
 
 def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = SUM,
