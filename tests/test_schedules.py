@@ -447,3 +447,42 @@ def test_sends_are_released_only_once_they_provably_arrived(name, d, m, n, v) ->
         freed = {s for sends in released.values() for s in sends}
         left = [a for i, a in enumerate(actions) if a.kind in SEND_KINDS and i not in freed]
         assert all(a.microbatch // m == n - 1 for a in left), left
+
+
+@pytest.mark.parametrize("d,v", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (4, 2), (2, 3)])
+def test_validation_holds_a_few_sends_whatever_its_length(d, v) -> None:
+    """A forward-only schedule gets no reply that proves a send arrived; `send_waits`
+    bounds what each stage holds (2, `SEND_WINDOW`; 4 with chunks on 2 stages, where the
+    one link carries activations both ways and replies free them), the same for 3 d
+    microbatches as for 40, and leaves at most `SEND_WINDOW` sends per stage for the end.
+    Training schedules have replies on every link and get no such wait."""
+    from megatron_2bw.schedules.actions import SEND_KINDS
+    from megatron_2bw.schedules.channels import (SEND_WINDOW, peak_held_sends, send_releases,
+                                                 send_waits)
+
+    bound = 4 if d == 2 and v > 1 else SEND_WINDOW
+    for m in (3 * d, 40):
+        schedule = build_eval_schedule(d, m, 0, num_chunks=v)
+        peaks = [peak_held_sends(schedule, s) for s in range(d)]
+        assert 0 < max(peaks) <= bound, (m, peaks)
+        for stage, actions in schedule.items():
+            released = send_releases(schedule, stage)
+            freed = sorted(s for sends in released.values() for s in sends)
+            assert all(s < after for after, sends in released.items() for s in sends)
+            sends = [i for i, a in enumerate(actions) if a.kind in SEND_KINDS]
+            assert len(freed) == len(set(freed)) and set(freed) <= set(sends)
+            assert len(sends) - len(freed) <= SEND_WINDOW, (m, stage)
+    assert send_waits(build_schedule("flush", d, 2 * d, 3, num_chunks=v)) == {}
+    if v == 1:
+        for name in ("2bw", "gpipe"):
+            assert send_waits(build_schedule(name, d, d, 3)) == {}
+
+
+def test_the_validator_models_the_send_waits(monkeypatch) -> None:
+    """Waiting for each send before sending it (a window of 0) can never return: the
+    validator's simulation sees the wait and refuses the schedule."""
+    from megatron_2bw.schedules import channels
+
+    monkeypatch.setattr(channels, "SEND_WINDOW", 0)
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        build_eval_schedule(2, 4, 0)

@@ -57,13 +57,13 @@ def _loss_and_grads(model: nn.Module, batches: list[dict]) -> float:
     model.zero_grad(set_to_none=True)
     total = 0.0
     for b in batches:
-        loss = _forward(model, b)
+        loss = model_loss(model, b)
         (loss / len(batches)).backward()
         total += loss.item()
     return total / len(batches)
 
 
-def _forward(model: nn.Module, batch: dict) -> torch.Tensor:
+def model_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     h = batch["x"]
     for layer in model:
         h = torch.tanh(layer(h))

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..schedules.actions import ActionKind as K
 from ..schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Schedule
-from ..schedules.channels import send_completions
+from ..schedules.channels import send_releases
 from .grad_sync import GradReduceConfig, GradReducer, TiedGradSync
 from .p2p import P2P, StageLinks
 from .versions import WeightStore
@@ -63,6 +63,7 @@ class RunResult:
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # per minibatch
     steps: dict[int, dict[str, float]] = field(default_factory=dict)  # minibatch -> step info
     peak_stashes: int = 0
+    peak_sends: int = 0  # most sent tensors held at once (not yet known to have arrived)
 
 
 StepCallback = Callable[[int, RunResult], None]
@@ -154,11 +155,13 @@ class PipelineExecutor:
     def _run_actions(self, schedule: Schedule) -> None:
         """Dispatch each action; before a forward or backward, post the receives due a few
         compute actions later (`receives_ahead`), so their transfers overlap compute;
-        after a receive, free the sends it proves arrived (`send_completions`: the run
-        holds a bounded number of sent tensors, however many minibatches it spans)."""
+        after an action, wait for and free the sends the schedule says are done there
+        (`send_releases`: after a receive that proves them arrived, or, where nothing
+        comes back, before sending `SEND_WINDOW` more). So a run holds a bounded number of
+        sent tensors, however many minibatches or validation microbatches it spans."""
         actions = schedule[self.links.stage]
         ahead = receives_ahead(actions, self.receive_lookahead)
-        arrived = send_completions(schedule, self.links.stage)
+        arrived = send_releases(schedule, self.links.stage)
         tickets: dict[int, int] = {}  # index of a send action -> its P2P ticket
         for i, action in enumerate(actions):
             for recv in ahead.get(i, ()):
@@ -166,6 +169,7 @@ class PipelineExecutor:
             ticket = self._handlers[action.kind](action)
             if action.kind in SEND_KINDS:
                 tickets[i] = ticket
+                self._result.peak_sends = max(self._result.peak_sends, self.p2p.pending_sends)
             for sent in arrived.get(i, ()):
                 self.p2p.release(tickets.pop(sent))
 
@@ -199,6 +203,11 @@ class PipelineExecutor:
         self.p2p.wait_all()
         losses = [loss for per_mb in self._micro_losses.values() for loss in per_mb]
         return self._average(losses, self.evaluation_tokens) if losses else None
+
+    @property
+    def peak_sends(self) -> int:
+        """Most sent tensors this stage held at once during the last `run` or `evaluate`."""
+        return self._result.peak_sends
 
     @property
     def evaluation_tokens(self) -> Optional[float]:

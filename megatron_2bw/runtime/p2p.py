@@ -8,7 +8,8 @@ to its rank. Transfers are untagged: each link carries them in the order the sch
 lists them, which the validator checks send by receive.
 
 Sends are asynchronous (`isend`) and kept alive until the executor knows they arrived
-(`release`, at the receive the schedule says implies it) or the run ends; a receive is
+(`release`, at the receive the schedule says implies it, or, on a link nothing comes back
+on, a few sends later: `schedules.channels.send_releases`) or the run ends; a receive is
 either posted ahead (`post`, an `irecv` the executor issues a few compute actions
 earlier, so the transfer overlaps compute instead of starting when the tensor is
 needed: gloo moves a message only once its receive is posted) and waited for at its
@@ -228,10 +229,12 @@ class P2P:
         return len(self._pending)
 
     def release(self, ticket: int) -> None:
-        """Wait for a send known to have arrived (`schedules.send_completions`), so its
-        tensor can be freed now rather than at the end of the run. (Polling the handle
-        instead would free nothing on gloo: its sends report completion only once
-        waited for.)"""
+        """Wait for a send where the schedule says (`schedules.channels.send_releases`),
+        so its tensor is freed now rather than at the end of the run: after a receive
+        that proves it arrived (returns at once) or, on a link nothing comes back on,
+        before a few more sends (returns once the peer has received it). (Polling the
+        handle instead would free nothing on gloo: its sends report completion only
+        once waited for.)"""
         self._wait_send(*self._pending.pop(ticket))
 
     def _wait_send(self, work: dist.Work, tensor: torch.Tensor, dst: int) -> None:

@@ -21,8 +21,9 @@ from typing import Optional
 class ActionKind(enum.StrEnum):
     """What an action does. The value is its short code in printed schedules (`1F5v0`).
 
-    The waits are part of the meaning: the executor blocks exactly where these say, and
-    the simulator (hence the validator's deadlock check) models the same waits.
+    The waits are part of the meaning: the executor blocks exactly where these say (and,
+    in forward-only schedules, where `channels.send_waits` says), and the simulator
+    (hence the validator's deadlock check) models the same waits.
     """
 
     FORWARD = "F"          # run the chunk on one microbatch, stash what backward needs

@@ -12,11 +12,24 @@ minibatches in training). Waiting on a send early could block, since a send comp
 only once the peer has posted its receive. The schedule knows better: once a stage
 receives a message that its peer sent *after* receiving ours, ours has arrived, and
 waiting on it then returns at once. Causality, not timing, so it holds on every backend.
+
+A forward-only schedule (validation) has no such later message: nothing comes back on
+its links, so `send_completions` frees nothing there and a stage would hold every
+activation it sent in the pass (all m of them). `send_waits` bounds those links instead:
+a stage waits for each send before it sends the message `SEND_WINDOW` places later on
+the link. That wait may block until the peer has received the message, so the simulator
+models it and the validator proves, per schedule, that it cannot deadlock.
+`send_releases` is both together: where the executor waits for each send and frees it.
 """
 from __future__ import annotations
 
 from .actions import (RECV_BACKWARD, RECV_FORWARD, SEND_BACKWARD, SEND_FORWARD, SEND_KINDS,
                       Action, Schedule)
+
+# sends a stage holds at once on a link nothing comes back on (`send_waits`): as many as
+# training holds on its last link. Only a stage that runs ahead of its peer waits, which
+# costs a pipeline nothing: it runs at its slowest stage's pace anyway.
+SEND_WINDOW = 2
 
 _SEND_OF_RECV = {RECV_FORWARD: SEND_FORWARD, RECV_BACKWARD: SEND_BACKWARD}
 Message = tuple[str, int, int, int]  # (send kind, microbatch, receiving chunk, action index)
@@ -77,3 +90,54 @@ def send_completions(schedule: Schedule, stage: int) -> dict[int, list[int]]:
             if reply >= 0 and back_sends[reply] < len(back_recvs):
                 done.setdefault(back_recvs[back_sends[reply]][3], []).append(message[3])
     return done
+
+
+def send_waits(schedule: Schedule) -> dict[int, dict[int, list[int]]]:
+    """{stage: {index of an action: indices of the stage's sends to wait for right after
+    it}}, on the links that carry nothing back.
+
+    On such a link, message n is waited for right before message n + `SEND_WINDOW` is
+    sent (after the action before that send), so the stage holds at most `SEND_WINDOW`
+    of the link's tensors. The wait returns once the peer has received message n (at the
+    latest when its receive returns); the simulator models it, so the validator's
+    deadlock check covers it. Without chunks it cannot deadlock: the peer's receive of
+    message n needs from this stage only messages up to n, all sent before the wait, and
+    the peer's own waits, which by the same argument end at the last stage, which sends
+    nothing. Training schedules have replies on every link, so this is empty for them.
+    """
+    window = SEND_WINDOW
+    sends: dict[Link, list[int]] = {}
+    for stage, actions in schedule.items():
+        for idx, a in enumerate(actions):
+            if a.kind in SEND_KINDS:
+                sends.setdefault((stage, a.peer(schedule.num_stages)[0]), []).append(idx)
+    waits: dict[int, dict[int, list[int]]] = {}
+    for (src, dst), ours in sends.items():
+        if (dst, src) in sends:
+            continue
+        for n in range(len(ours) - window):
+            waits.setdefault(src, {}).setdefault(ours[n + window] - 1, []).append(ours[n])
+    return waits
+
+
+def send_releases(schedule: Schedule, stage: int) -> dict[int, list[int]]:
+    """{index of an action on `stage`: indices of its sends to wait for and free right
+    after it}: `send_completions` (returns at once) and `send_waits` (bounds the links
+    nothing comes back on). The rest, a run's last few sends per link, wait at its end."""
+    releases = {idx: list(sends) for idx, sends in send_completions(schedule, stage).items()}
+    for idx, sends in send_waits(schedule).get(stage, {}).items():
+        releases.setdefault(idx, []).extend(sends)
+    return releases
+
+
+def peak_held_sends(schedule: Schedule, stage: int) -> int:
+    """Most sent tensors `stage` holds at once when the executor frees them at
+    `send_releases` (each send counts from its action on), read off the actions alone."""
+    releases = send_releases(schedule, stage)
+    held = peak = 0
+    for idx, a in enumerate(schedule[stage]):
+        if a.kind in SEND_KINDS:
+            held += 1
+            peak = max(peak, held)
+        held -= len(releases.get(idx, ()))
+    return peak

@@ -6,6 +6,10 @@ communication model, so the validator calls it:
   (Megatron's assumption: a stage's layers split evenly into its chunks);
 - sends are asynchronous: a SEND never waits;
 - a RECV waits for the matching SEND (per channel, first-in first-out);
+- on a link nothing comes back on (forward-only schedules), a stage waits, right after
+  the actions `channels.send_waits` names, until the peer has received the sends they
+  list (the executor returns no later than that, since gloo and NCCL complete a send no
+  later than its receive);
 - R(k) starts the data-parallel all-reduce in the background; it finishes `allreduce`
   time units after it starts (one reduction at a time per stage);
 - T(k) (tied stages only) waits for that all-reduce and starts the tied-embedding
@@ -26,6 +30,7 @@ from typing import Sequence, Union
 from .actions import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_BACKWARD, RECV_FORWARD,
                       SEND_BACKWARD, SEND_FORWARD, START_GRAD_ALLREDUCE, START_GRAD_NORM,
                       START_TIED_ALLREDUCE, Action, Schedule)
+from .channels import send_waits
 
 PerStage = Union[float, Sequence[float]]
 
@@ -106,14 +111,42 @@ class _Sim:
         self.busy = {s: 0.0 for s in schedule}
         self.stash = {s: 0 for s in schedule}
         self.peak_stash = {s: 0 for s in schedule}
+        # stage -> {index of an action: the messages to wait for after it (`send_waits`)}
+        self.waits = {s: {idx: [self._message(schedule[s][j]) for j in sends]
+                          for idx, sends in per_stage.items()}
+                      for s, per_stage in send_waits(schedule).items()}
+        self.received: dict[tuple[str, int, int, int], float] = {}  # message -> receive time
+
+    @staticmethod
+    def _message(send: Action) -> tuple[str, int, int, int]:
+        """The key of a SEND's message in `arrivals` and `received`."""
+        return send.kind, send.stage, send.chunk, send.microbatch
+
+    def _after_waits(self, stage: int, ready: float | None) -> float | None:
+        """`ready`, or later if the stage first waits for sends (`send_waits`) after its
+        previous action: when the peer has received them (None: not yet)."""
+        waits = self.waits.get(stage)
+        for message in waits.get(self.pc[stage] - 1, ()) if waits else ():
+            got = self.received.get(message)
+            if got is None or ready is None:
+                return None
+            ready = max(ready, got)
+        return ready
 
     def ready_time(self, a: Action) -> float | None:
         """When `a` may start, or None if it cannot start yet."""
+        return self._after_waits(a.stage, self._ready(a))
+
+    def _incoming(self, recv: Action) -> tuple[str, int, int, int]:
+        """The key of the message a RECV takes."""
+        peer_stage, peer_chunk = recv.peer(self.sched.num_stages)
+        return _SEND_OF_RECV[recv.kind], peer_stage, peer_chunk, recv.microbatch
+
+    def _ready(self, a: Action) -> float | None:
+        """When `a` itself may start (its own waits), or None if not yet."""
         s = a.stage
         if a.kind in _SEND_OF_RECV:
-            peer_stage, peer_chunk = a.peer(self.sched.num_stages)
-            arrival = self.arrivals.get((_SEND_OF_RECV[a.kind], peer_stage, peer_chunk,
-                                         a.microbatch))
+            arrival = self.arrivals.get(self._incoming(a))
             return None if arrival is None else max(self.clock[s], arrival)
         if a.kind == START_TIED_ALLREDUCE:
             return max(self.clock[s], self.reduce_done.get((s, a.minibatch), 0.0))
@@ -150,7 +183,9 @@ class _Sim:
                     OPTIMIZER_STEP: c.of("step", s)}.get(a.kind, 0.0)
         end = start + duration
         if a.kind in (SEND_FORWARD, SEND_BACKWARD):
-            self.arrivals[(a.kind, s, a.chunk, a.microbatch)] = end + c.p2p
+            self.arrivals[self._message(a)] = end + c.p2p
+        elif a.kind in _SEND_OF_RECV and self.waits:
+            self.received[self._incoming(a)] = end
         elif a.kind == START_GRAD_ALLREDUCE:
             begin = max(end, self.comm_free[s])
             self.comm_free[s] = self.reduce_done[(s, a.minibatch)] = begin + c.of("allreduce", s)
