@@ -9,7 +9,10 @@ PP = 2 and saved (torch_dist, iterations 2 and 3). Then, in one process:
   the run did: `--weight-version shadow` gives iteration 3's reported loss (2BW runs
   iteration 3's forward passes on the shadow version), newest does not;
 - `AutoModelForCausalLM.from_pretrained(dir).generate` runs for the GPT models;
-- import -> export gives the exported tensors back, every one equal.
+- import -> export gives the exported tensors back, every one equal;
+- the GPT-2-like run uses weight prediction, whose newest buffer holds a prediction of
+  the next version: what the export reads is the optimizer's weights (the checkpoint's
+  fp32 masters, bit for bit).
 
 The front ends run once each: export_hf.py on the GPT-2-like checkpoint, import_hf.py
 of the Llama-like export into a torch-format checkpoint, which pretrain_gpt.py then
@@ -37,7 +40,8 @@ RUN = ["--global-batch-size", "8", "--train-iters", "3", "--save-interval", "2",
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights"]
-CASES = {"gpt2": ("gpt", []), "llama": ("gpt", LLAMA), "bert": ("bert", [])}
+WP = ["--delay-compensation", "weight-prediction"]
+CASES = {"gpt2": ("gpt", WP), "llama": ("gpt", LLAMA), "bert": ("bert", [])}
 GBS, MBS = 8, 2
 SAMPLES = ["--global-batch-size", str(GBS), "--train-iters", "3"]  # the runs' sample order
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -128,6 +132,28 @@ def _at_iteration(root: str, iteration: int, dest: str) -> str:
     return dest
 
 
+def _equal_to_masters(state: dict, ckpt: str, iteration: int) -> tuple[int, bool]:
+    """(how many of a TP = PP = 1 state dict's tensors were found among the torch_dist
+    checkpoint's fp32 masters, whether each equals its master). A layer's index is an
+    axis of its global key; the few tensors megatron-core renames are skipped."""
+    import re
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat_file = f"{ckpt}-flat.pt"  # beside the checkpoint, not in it
+    dcp_to_torch_save(os.path.join(ckpt, f"iter_{iteration:07d}"), flat_file)
+    flat = torch.load(flat_file, weights_only=False)
+    pairs = []
+    for key, tensor in state.items():
+        layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)", key)
+        master = flat.get("optimizer.state.fp32_param." + (key if layer is None else
+                                                           f"decoder.layers.{layer[2]}"))
+        if master is not None:
+            pairs.append((tensor, master if layer is None else master[int(layer[1])]))
+    return len(pairs), all(torch.equal(a, b) for a, b in pairs)
+
+
 def _check_case(tmp: str, name: str) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -141,6 +167,8 @@ def _check_case(tmp: str, name: str) -> dict:
     out = {"class": export_hf(ckpt, hf)}
     with loaded_checkpoint(ckpt) as loaded:
         out["logits_rel_err"] = _logits_error(loaded, hf)
+        if flags == WP:
+            out["masters"] = _equal_to_masters(loaded.state_dict(), ckpt, loaded.iteration)
     if model == "gpt":
         import torch
         generated = transformers.AutoModelForCausalLM.from_pretrained(hf).generate(
@@ -152,7 +180,8 @@ def _check_case(tmp: str, name: str) -> dict:
     at2 = _at_iteration(ckpt, 2, os.path.join(tmp, f"{name}-at2"))
     for version in ("newest", "shadow"):
         export_hf(at2, os.path.join(tmp, f"{name}-at2-{version}"), version)
-    sample = single_process_model(model, TINY + flags + SAMPLES).sample
+    shape = [] if flags == WP else flags  # the samples' flags (WP needs the 2bw schedule)
+    sample = single_process_model(model, TINY + shape + SAMPLES).sample
     ps.destroy_model_parallel()
     out["iter3_loss"] = {v: _hf_minibatch_loss(os.path.join(tmp, f"{name}-at2-{v}"), model,
                                                sample, 2) for v in ("newest", "shadow")}
@@ -202,6 +231,13 @@ def test_exported_versions_score_the_runs_samples(trained, name) -> None:
     got = results[name]["iter3_loss"]
     assert abs(got["shadow"] - runs[name][2]) <= 1e-5 * abs(runs[name][2])
     assert abs(got["newest"] - runs[name][2]) > 1e-4 * abs(runs[name][2])
+
+
+def test_weight_prediction_exports_the_trained_weights(trained) -> None:
+    """The GPT-2-like run's newest buffer holds a prediction; the export reads the
+    optimizer's weights, every tensor equal to its fp32 master."""
+    found, equal = trained[2]["gpt2"]["masters"]
+    assert found >= 8 and equal
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True, help="checkpoint directory")
     p.add_argument("--output", required=True, help="the HF model directory to write")
     p.add_argument("--weight-version", choices=VERSIONS, default="newest",
-                   help="newest (default), or 2BW's shadow version (the weights the next "
-                        "iteration's forward passes would use)")
+                   help="newest (default: the weights as the optimizer trained them), or "
+                        "2BW's shadow version (the weights the next iteration's forward "
+                        "passes would use)")
     p.add_argument("--model", choices=("gpt", "bert"), default=None,
                    help="the checkpoint's model (default: detected from its tensors)")
     return p

@@ -156,8 +156,10 @@ def _quiet() -> Iterator[None]:
 def loaded_checkpoint(root: str, model: Optional[str] = None, version: str = "newest",
                       check: Optional[Callable[[ModelConfig], None]] = None
                       ) -> Iterator[LoadedModel]:
-    """The checkpoint under `root` in this process, weight version `version` ("newest",
-    or 2BW's "shadow", which the next iteration's forward passes would have used).
+    """The checkpoint under `root` in this process, weight version `version` ("newest":
+    the checkpoint's `model`, as the optimizer trained it (the optimizer state is not
+    loaded, so the resume puts `model` there, not weight prediction's prediction); or
+    2BW's "shadow", which the next iteration's forward passes would have used).
     `check(config)` runs before anything is built (an export refuses unsupported models
     there). megatron-core's parallel state lives until the block ends."""
     saved = saved_args(root)

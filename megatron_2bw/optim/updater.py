@@ -246,6 +246,18 @@ class MegatronUpdater:
         elif not self.alias:
             _copy(target, self.masters)
 
+    def trained_weights(self, newest: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
+        """The optimizer's weights, in the dtype of the parameters `newest` (the newest
+        buffer), where that buffer holds something else; None where it holds them.
+
+        Only weight prediction publishes something else there: a prediction of the next
+        version, which the next forward passes run on. The checkpoint's `model`, the
+        Hugging Face export and validation want the weights the optimizer trained (fp32
+        masters rounded to the parameter dtype, as every other step publishes them)."""
+        if not self.compensation.predicts:
+            return None
+        return [m.detach().to(p.dtype) for m, p in zip(self.masters, newest)]
+
     def _lrs(self) -> list[float]:
         """Each parameter's current learning rate (its group's: --decoupled-lr or --lr)."""
         groups = self.param_groups.param_groups

@@ -16,7 +16,9 @@ Megatron-LM's bf16 main_grad would (its values are bf16 numbers stored in fp32).
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
+
 import torch
 from torch import nn
 
@@ -133,6 +135,25 @@ class WeightStore:
         self.newest = version
         self.peak_live = max(self.peak_live, len(set(self.in_use) | {version}))
         return newest, target
+
+    @contextmanager
+    def holding(self, version: int, weights: Optional[Sequence[torch.Tensor]]) -> Iterator[None]:
+        """`version`'s buffer runs on `weights` (one tensor per parameter, same shapes and
+        dtypes) for the duration; its own tensors come back after, untouched (their
+        storage is swapped, not copied). None: nothing changes. Validation runs the
+        optimizer's weights this way where weight prediction keeps a prediction there."""
+        if weights is None:
+            yield
+            return
+        params = self.params[self.buffer_of(version)]
+        own = [p.data for p in params]
+        try:
+            for p, w in zip(params, weights, strict=True):
+                p.data = w
+            yield
+        finally:
+            for p, data in zip(params, own):
+                p.data = data
 
     # --- gradients ------------------------------------------------------------------
     def grad_index(self, minibatch: int) -> int:

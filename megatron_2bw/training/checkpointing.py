@@ -5,8 +5,10 @@
     {save}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
 
 Only data-parallel rank 0 writes (replicas are identical). `model` holds the newest
-weights as Megatron-LM does; a 2BW checkpoint also holds the shadow version under
-`weight_versions`, so a resumed run continues the delayed update exactly. The file
+weights as the optimizer trained them, as Megatron-LM does; `weight_versions` holds
+every weight buffer as it is (2BW: the shadow version too; with weight prediction the
+newest is a prediction of the next version), so a resumed run continues the delayed
+update exactly. The file
 layer (checkpoint_files.py) writes atomically and keeps the checksum manifest; this
 module adds the process groups: every rank agrees on a failed save, so all of them
 stop with the same message instead of waiting for the rank that failed.
@@ -125,7 +127,7 @@ def _state(iteration: int, executor, updater, args: argparse.Namespace, schedule
     versions = {v: to_megatron_names(store.modules[store.buffer_of(v)].state_dict())
                 for v in sorted(store.valid)}
     state = {"iteration": iteration, "checkpoint_version": 3.0, "args": args,
-             "pipeline_schedule": schedule, "model": versions[store.newest],
+             "pipeline_schedule": schedule, "model": _trained_model(store, updater, versions),
              "weight_versions": versions, "newest_version": store.newest,
              "loss_scale_of": {v: store.loss_scale_of.get(v, 1.0) for v in versions}}
     if options.optim:
@@ -134,6 +136,19 @@ def _state(iteration: int, executor, updater, args: argparse.Namespace, schedule
     if options.rng:
         state["rng_state"] = rng_state()
     return state
+
+
+def _trained_model(store, updater, versions: dict) -> dict:
+    """`model`: the newest weights as the optimizer trained them, which Megatron-LM's
+    tools, the Hugging Face export and `--finetune` read. With weight prediction the
+    newest buffer holds a prediction instead; it stays in `weight_versions`, so a resume
+    puts back exactly what the next forward passes run on."""
+    newest = versions[store.newest]
+    trained = updater.trained_weights(store.params[store.buffer_of(store.newest)])
+    if trained is None:
+        return newest
+    return {**newest, **to_megatron_names({info.name: t
+                                           for info, t in zip(updater.infos, trained)})}
 
 
 def _clear(root: str, iteration: int, overwrite: bool) -> None:
@@ -432,8 +447,7 @@ def restore(loaded: LoadedCheckpoint, executor, updater, run) -> None:
     newest = state["newest_version"]
     newest_params = store.params[store.buffer_of(store.newest)]
     if t.finetune:
-        _restore_weights(loaded, store, {newest: state["weight_versions"][newest]}, False,
-                         fresh=True)
+        _restore_weights(loaded, store, {newest: state["model"]}, False, fresh=True)
         updater.restore_masters(None, newest_params)
         logger.info(f"--finetune: the weights of {loaded.path} (iteration {loaded.iteration}, "
                     f"weight version {newest}); the iteration count, optimizer, learning-rate "
@@ -445,7 +459,11 @@ def restore(loaded: LoadedCheckpoint, executor, updater, run) -> None:
                              len(state["weight_versions"]), store.num_buffers)
     if line:
         logger.info(line)
-    _restore_weights(loaded, store, state["weight_versions"], True)
+    # without the optimizer state the run starts from the trained weights (`model`); with
+    # it, from the buffers as saved (weight prediction's newest holds a prediction)
+    versions = state["weight_versions"] if optim else {**state["weight_versions"],
+                                                       newest: state["model"]}
+    _restore_weights(loaded, store, versions, True)
     if optim:
         updater.load_state_dict(state["optimizer"], scheduler_from=source)
     newest_module = store.modules[store.buffer_of(store.newest)]
@@ -484,9 +502,9 @@ def _restore_weights(loaded: LoadedCheckpoint, store, versions: dict, scales: bo
 
 def _saved_masters(state: dict, module) -> list[torch.Tensor]:
     """The checkpoint's fp32 masters; a checkpoint without them (an fp32 run's) has its
-    newest weights at full precision, which are the masters of a --bf16 resume."""
+    trained weights at full precision, which are the masters of a --bf16 resume."""
     masters = state["optimizer"].get("masters")
     if masters is not None:
         return masters
-    weights = from_megatron_names(state["weight_versions"][state["newest_version"]])
+    weights = from_megatron_names(state["model"])
     return [weights[name] for name, p in module.named_parameters() if p.requires_grad]

@@ -266,7 +266,8 @@ class Trainer:
         self.updater.set_batch_size(size)
 
     def evaluate(self, iteration: int) -> None:
-        """Validation loss on the newest weights: --eval-iters global batches, as Megatron."""
+        """Validation loss on the newest trained weights: --eval-iters global batches, as
+        Megatron."""
         t = self.run.train
         first = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
         rec = self.measure(self.sources.valid, first, t.eval_iters, iteration)
@@ -279,15 +280,20 @@ class Trainer:
 
     def measure(self, dataset, first: int, iters: int, iteration: int) -> Optional[dict]:
         """The loss (and its parts or metrics) of `iters` global batches of `dataset` from
-        sample `first`, forward only on the newest weights, averaged over data-parallel
-        replicas; None off the last stage."""
+        sample `first`, forward only on the newest weights as the optimizer trained them
+        (with weight prediction not the prediction its buffer holds: the loss of the
+        model the checkpoint saves), averaged over data-parallel replicas; None off the
+        last stage."""
         m = self.run.num_microbatches
         data = self._microbatches(dataset, first)
         par = self.run.parallel
-        schedule = build_eval_schedule(par.pipeline_parallel, m * iters,
-                                       self.executor.weights.newest, par.virtual_stages)
+        store = self.executor.weights
+        schedule = build_eval_schedule(par.pipeline_parallel, m * iters, store.newest,
+                                       par.virtual_stages)
+        trained = self.updater.trained_weights(store.params[store.buffer_of(store.newest)])
         self.housekeeping.around_eval()
-        loss = self.executor.evaluate(schedule, itertools.islice(data, m * iters))
+        with store.holding(store.newest, trained):
+            loss = self.executor.evaluate(schedule, itertools.islice(data, m * iters))
         self.housekeeping.around_eval()
         if loss is None:
             return None

@@ -9,7 +9,7 @@ starting points from drifting apart; what the oracles then do with them stays th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron.core import parallel_state as ps
 
@@ -27,6 +27,7 @@ class SingleProcessModel:
     model: PipelineStage          # the whole model (PP = TP = 1), deterministically initialized
     sample: Callable[[int], dict]  # global training sample index -> sample
     build: Callable[[], PipelineStage]  # another copy with the same initial weights
+    valid: Optional[Callable[[int], dict]] = None  # validation sample index -> sample
 
 
 def single_process_model(model: str, argv: Sequence[str]) -> SingleProcessModel:
@@ -45,5 +46,7 @@ def single_process_model(model: str, argv: Sequence[str]) -> SingleProcessModel:
     def build() -> PipelineStage:
         return build_stage(run.model, 0, 1)
 
-    return SingleProcessModel(args, run, build(), sample_fn(data_sources(run, tokenizer).train),
-                              build)
+    whole = build()  # before the datasets, as always
+    sources = data_sources(run, tokenizer)
+    return SingleProcessModel(args, run, whole, sample_fn(sources.train), build,
+                              sample_fn(sources.valid) if sources.valid is not None else None)

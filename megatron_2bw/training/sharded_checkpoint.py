@@ -10,10 +10,13 @@ a checkpoint written at one TP x PP x DP layout loads at another: each rank asks
 the pieces its own layout holds. What is saved, under Megatron-LM's keys where it has
 them:
 
-- `model`: the newest weight version, megatron-core's `sharded_state_dict` (the keys
-  Megatron-LM's torch_dist checkpoints have);
+- `model`: the newest weight version as the optimizer trained it, megatron-core's
+  `sharded_state_dict` (the keys Megatron-LM's torch_dist checkpoints have);
 - `pipedream_2bw.shadow_model.*`: 2BW's older weight version, which the next
   iteration's forward passes use (Megatron-LM does not read it);
+- `pipedream_2bw.predicted_model.*` (weight prediction only): what the newest buffer
+  holds instead of the trained weights, the prediction the next forward passes run on,
+  each parameter sharded like it (a resume puts it back; nothing else reads it);
 - `optimizer.state.{exp_avg,exp_avg_sq,momentum_buffer,fp32_param,delay_compensation}.*`:
   each optimizer tensor sharded like its parameter (the last stage's tied output-layer
   copy is a replica of the word embedding, saved once);
@@ -31,6 +34,7 @@ import argparse
 import hashlib
 import logging
 import os
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -49,6 +53,7 @@ logger = logging.getLogger(__name__)
 MODEL_PREFIX = "model."  # PipelineStage holds megatron-core's model as `.model`
 #                          (PipelineChunks its chunks, under `.model` too)
 SHADOW = "pipedream_2bw.shadow_model."
+PREDICTED = "pipedream_2bw.predicted_model"  # make_sharded_optimizer_tensor adds the dot
 COMMON_FILE = "common.pt"
 
 
@@ -81,6 +86,21 @@ def _optimizer_shards(updater, names: list[str], model: dict,
     return out
 
 
+def _trained(model: dict, names: list[str], trained: list[torch.Tensor]) -> dict:
+    """The newest version's shards with the optimizer's weights as their data (weight
+    prediction: the buffer holds a prediction)."""
+    data = {name[len(MODEL_PREFIX):]: t for name, t in zip(names, trained)}
+    return {k: replace(v, data=data[k]) if k in data else v for k, v in model.items()}
+
+
+def _prediction_shards(model: dict, names: list[str], tensors: list[torch.Tensor]) -> dict:
+    """{param name: ShardedTensor} of the newest buffer's prediction, beside each
+    parameter's own shard."""
+    return {name: make_sharded_optimizer_tensor(model[name[len(MODEL_PREFIX):]], tensor,
+                                                PREDICTED)
+            for name, tensor in zip(names, tensors)}
+
+
 def _rng_shard(state: Optional[dict]) -> ShardedObject:
     """This (pipeline, tensor) rank's RNG state; data-parallel replicas hold copies."""
     return ShardedObject("rng_state", state,
@@ -105,6 +125,7 @@ def _common(iteration: int, executor, updater, args: argparse.Namespace, schedul
                 "lr_groups": updater.param_groups.limits(),
                 "optimizer": updater.config.optimizer,
                 "compensation_kind": updater.compensation.kind,
+                "predicted_newest": updater.compensation.predicts,
                 "optimizer_saved": optim, "rng_saved": rng,
                 "optimizer_tensors": sorted(updater.per_parameter_state()) if optim else []}}
 
@@ -115,8 +136,12 @@ def _sharded_state(iteration: int, executor, updater, args: argparse.Namespace,
     names = [info.name for info in updater.infos]
     newest = store.modules[store.buffer_of(store.newest)]
     model = _model_shards(newest)
+    newest_params = store.params[store.buffer_of(store.newest)]
+    trained = updater.trained_weights(newest_params)
     state = {**_common(iteration, executor, updater, args, schedule, optim, rng is not None),
-             "model": model}
+             "model": model if trained is None else _trained(model, names, trained)}
+    if trained is not None:
+        state["predicted_model"] = _prediction_shards(model, names, newest_params)
     if optim:
         state["optimizer"] = _optimizer_shards(updater, names, model)
     if rng is not None:
@@ -237,6 +262,9 @@ def _template(common: dict, executor, updater, kinds: Optional[set[str]], shadow
     template = {"model": _without(model, fresh)}
     if kinds is not None:
         template["optimizer"] = _optimizer_shards(updater, names, model, kinds)
+        if common["pipedream_2bw"].get("predicted_newest"):  # only a resume needs it
+            template["predicted_model"] = _prediction_shards(
+                model, names, [torch.empty_like(p) for p in store.params[0]])
     if shadow and len(common["pipedream_2bw"]["versions"]) > 1 and store.num_buffers > 1:
         template["shadow_model"] = _model_shards(store.modules[1], SHADOW)
     if rng and _saved_layout(common) == (ps.get_tensor_model_parallel_world_size(),
@@ -293,7 +321,9 @@ def load_sharded(root: str, iteration: int, common: dict, executor, updater,
                               "model flags it was saved with") from err
     engine = common["pipedream_2bw"]
     newest = engine["newest_version"]
-    versions = {newest: _weights(loaded["model"])}
+    trained = _weights(loaded["model"])
+    versions = {newest: {**trained, **{name: t.detach().clone() for name, t in
+                                       loaded.get("predicted_model", {}).items()}}}
     if "shadow_model" in loaded:
         versions[newest - 1] = _weights(loaded["shadow_model"], SHADOW)
     rng_loaded = loaded.get("rng_state")
@@ -301,7 +331,7 @@ def load_sharded(root: str, iteration: int, common: dict, executor, updater,
         _warn_layout(common)
     return {"iteration": common["iteration"], "args": common["args"],
             "pipeline_schedule": engine["pipeline_schedule"], "newest_version": newest,
-            "weight_versions": versions, "loss_scale_of": engine["loss_scale_of"],
+            "model": trained, "weight_versions": versions, "loss_scale_of": engine["loss_scale_of"],
             "optimizer": (_optimizer_state(common, updater, loaded["optimizer"])
                           if optimizer else None),
             "rng_state": rng_loaded}
