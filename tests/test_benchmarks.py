@@ -213,7 +213,7 @@ def test_gpu_check_dry_run(tmp_path) -> None:
     assert {("all_reduce", g) for g in ("data-parallel", "tensor-parallel", "embedding",
                                         "model-parallel", "world")} <= rows
     assert ("all_gather", "tensor-parallel") in rows  # Muon's gather, under 2bw
-    assert any(r["caller"].startswith("megatron_2bw.training.checkpointing")
+    assert any(r["caller"].startswith("megatron_2bw.checkpointing.save_load")
                for r in collectives["rows"])  # the save of the last schedule
     assert "selected" in summary["cuda_tests"]  # the GPU subset, listed
     text = (tmp_path / "gpu_check.md").read_text()

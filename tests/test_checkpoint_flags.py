@@ -108,7 +108,7 @@ def test_torch_format_holds_megatrons_keys(tmp_path) -> None:
 def test_layernorm_1p_is_a_shape_flag_under_either_name() -> None:
     """--apply-layernorm-1p is stored as layernorm_zero_centered_gamma here and as
     apply_layernorm_1p by Megatron-LM: a resume that changes it is refused either way."""
-    from megatron_2bw.training.checkpointing import CheckpointError, check_shapes
+    from megatron_2bw.checkpointing.save_load import CheckpointError, check_shapes
 
     flags = {"layernorm_zero_centered_gamma": False}
     for saved in ({"layernorm_zero_centered_gamma": True},

@@ -23,12 +23,16 @@ ALLOWED = {
     "data": {"vocab"},
     "runtime": {"schedules", "comm"},
     "planner": {"schedules", "vocab", "models", "comm"},
-    "training": {"runtime", "models", "data", "optim", "schedules", "vocab", "comm"},
-    "hf": {"training", "models", "data", "vocab"},  # the optional transformers tools
+    # Megatron-LM's checkpoint layouts: beside training, which writes them
+    "checkpointing": {"models", "comm"},
+    "training": {"runtime", "models", "data", "optim", "schedules", "vocab", "comm",
+                 "checkpointing"},
+    # the optional transformers tools
+    "hf": {"training", "models", "data", "vocab", "checkpointing"},
     # tools/evaluate.py: a checkpoint (through hf's loader) or an HF directory, scored
-    "evaluation": {"hf", "training", "models", "data", "vocab"},
+    "evaluation": {"hf", "training", "models", "data", "vocab", "checkpointing"},
     # tools/finetune.py: a BERT run with a task head, trained by training's Trainer
-    "finetune": {"training", "models", "data", "vocab"},
+    "finetune": {"training", "models", "data", "vocab", "checkpointing"},
 }
 # finer rules: (importing module, imported layer) pairs allowed only in these files
 ONLY_IN = {("planner", "models"): {"planner/profile.py"}}
@@ -101,3 +105,60 @@ def test_the_check_catches_an_upward_import(tmp_path) -> None:
     finally:
         globals()["PACKAGE"] = saved
     assert len(found) == 2 and "planner imports training" in found[0]
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
+    """The known modules a file imports, at any depth of the file (lazy imports too)."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([base] if base else [])])
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in known and t != name}
+    return found
+
+
+def _cycles(roots: dict[pathlib.Path, list[pathlib.Path]]) -> list[list[str]]:
+    """Import circles among modules (a package's __init__ importing its own submodules, the
+    usual re-export, is not one)."""
+    files = {_module_name(p, root): p for root, paths in roots.items() for p in paths}
+    graph = {n: {t for t in _imports(p, n, set(files))
+                 if not (p.name == "__init__.py" and t.startswith(n + "."))}
+             for n, p in files.items()}
+    cycles, seen = [], set()
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start and frozenset(path) not in seen:
+                    seen.add(frozenset(path))
+                    cycles.append(path)
+                elif nxt not in path and nxt > start:
+                    stack.append((nxt, path + [nxt]))
+    return cycles
+
+
+def test_no_import_circles() -> None:
+    """Modules import one way, also within a layer and in tools/ (a circle hides which
+    module is the lower one; they were planner/netprofile <-> planner/profile and
+    tools/planner_validation/calibrate <-> workers)."""
+    tools = PACKAGE.parent / "tools"
+    roots = {PACKAGE.parent: sorted(PACKAGE.rglob("*.py")),
+             tools: sorted(p for d in ("planner_validation", "benchmarks")
+                           for p in (tools / d).rglob("*.py"))}
+    assert not _cycles(roots), "\n".join(" -> ".join(c + c[:1]) for c in _cycles(roots))

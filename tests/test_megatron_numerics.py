@@ -267,7 +267,7 @@ def test_decoupled_rates_resume_as_the_scheduler_flags_say() -> None:
     """A changed --decoupled-lr is a schedule mismatch; the checkpoint's rate or the
     flags' is taken as --use-checkpoint- / --override-opt_param-scheduler say."""
     from megatron_2bw.optim.updater import MegatronUpdater, OptimizerConfig, ParamInfo
-    from megatron_2bw.training.checkpointing import group_mismatches
+    from megatron_2bw.checkpointing.save_load import group_mismatches
 
     def updater(decoupled_lr: float) -> MegatronUpdater:
         config = OptimizerConfig(lr=1e-2, lr_decay_style="constant", decoupled_lr=decoupled_lr)

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from megatron_2bw.optim.updater import MegatronUpdater, ParamInfo
-from megatron_2bw.training import checkpoint_files as cf
+from megatron_2bw.checkpointing import files as cf
 from megatron_2bw.training.arguments import config_from_args, parse_args
-from megatron_2bw.training.checkpointing import (LoadedCheckpoint, continuation_line,
+from megatron_2bw.checkpointing.save_load import (LoadedCheckpoint, continuation_line,
                                                  prepare_resume, read_checkpoint,
                                                  scheduler_source)
 from megatron_2bw.training.metrics import drop_rows_after
@@ -166,7 +166,7 @@ def test_file_size_limit_is_a_real_os_error_named_in_one_line(tmp_path) -> None:
     hold locks can deadlock the child.)"""
     path = str(tmp_path / "model_optim_rng.pt")
     code = ("import signal, torch\n"
-            "from megatron_2bw.training import checkpoint_files as cf\n"
+            "from megatron_2bw.checkpointing import files as cf\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
             "try:\n"
             f"    cf.write_state({path!r}, {{'w': torch.zeros(1 << 16)}})\n"

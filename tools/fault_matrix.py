@@ -18,7 +18,7 @@ out), "wrong" (any other mismatch). "traceback" means 'Traceback (most recent ca
 the workers' output (ranks are started directly with torchrun's variables, so no launcher
 traceback is mixed in). "data intact": for probes that touch checkpoints, every iteration
 that verified against its manifest before the fault still verifies afterwards and at least
-one does (checksums through megatron_2bw.training.checkpoint_files); "-" for the others.
+one does (checksums through megatron_2bw.checkpointing.files); "-" for the others.
 """
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def wait_rows(path: str, count: int, alive: Callable[[], bool], limit: float = 1
 
 def sound_iterations(root: str) -> set:
     """Iterations whose every file matches its manifest's checksum."""
-    from megatron_2bw.training import checkpoint_files as cf
+    from megatron_2bw.checkpointing import files as cf
 
     good = set()
     if not os.path.isdir(root):
@@ -343,7 +343,7 @@ def resume(extra: list, corrupt: Optional[Callable[[str], None]] = None,
 
 def tracker_is(it: int) -> Callable[[Ctx, Run], str]:
     def check(ctx: Ctx, r: Run) -> str:
-        from megatron_2bw.training import checkpoint_files as cf
+        from megatron_2bw.checkpointing import files as cf
 
         got = cf.read_tracker(ctx.ckpt)
         return "" if got == it else f"tracker says {got}, expected {it}"
@@ -520,7 +520,7 @@ def _signal_run(sig: Optional[int], extra: list, after_rows: int = 2, nproc: int
 
 
 def _stopped_and_saved(ctx: Ctx, r: Run) -> str:
-    from megatron_2bw.training import checkpoint_files as cf
+    from megatron_2bw.checkpointing import files as cf
 
     m = re.search(r"exiting at iteration (\d+)", r.out)
     if not m:
@@ -545,7 +545,7 @@ def _sigterm_then_resume(ctx: Ctx) -> Run:
 
 
 def _tracker(ctx: Ctx) -> int:
-    from megatron_2bw.training import checkpoint_files as cf
+    from megatron_2bw.checkpointing import files as cf
 
     return cf.read_tracker(ctx.ckpt) or 0
 
@@ -819,7 +819,7 @@ def _bf16_masters(ctx: Ctx) -> Run:
 
 
 def _masters_are_weights(ctx: Ctx, r: Run) -> str:
-    from megatron_2bw.training import checkpoint_files as cf
+    from megatron_2bw.checkpointing import files as cf
 
     import torch
     rel = "mp_rank_00/model_optim_rng.pt"

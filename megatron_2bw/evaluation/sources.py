@@ -45,7 +45,7 @@ class SourceInfo:
 def describe_checkpoint(root: str) -> SourceInfo:
     """The checkpoint's model, positions and tokenizer, from its saved flags."""
     from ..hf.megatron_io import detect_model
-    from ..training.checkpoint_contents import saved_args
+    from ..checkpointing.contents import saved_args
 
     if not os.path.isdir(root):
         raise UserError(f"no directory {root}", "--load", "give a checkpoint directory "

@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 from megatron.core import parallel_state as ps
 
 from ..training.arguments import config_from_args, parse_args
-from ..training.checkpoint_contents import CHECKPOINT_ARGS, saved_args
-from ..training.checkpoint_files import read_tracker
+from ..checkpointing.contents import CHECKPOINT_ARGS, saved_args
+from ..checkpointing.files import read_tracker
 from ..training.data_sources import DataSources, tokenizer_from_args
 from ..training.distributed import DistEnv, init_distributed, setup_logging
 from ..training.errors import UserError, guarded, watch_peers

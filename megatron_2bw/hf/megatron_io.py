@@ -27,14 +27,14 @@ from torch import Tensor
 from ..models import PipelineStage, apply_cpu_shims
 from ..models.config import ModelConfig
 from ..training.arguments import config_from_args, parse_args
-from ..training.checkpoint_contents import CHECKPOINT_ARGS, megatron_args, saved_args
-from ..training.checkpoint_files import iteration_dir, read_tracker
-from ..training.checkpointing import FILE_NAME, SaveOptions, save_checkpoint
+from ..checkpointing.contents import CHECKPOINT_ARGS, megatron_args, saved_args
+from ..checkpointing.files import iteration_dir, read_tracker
+from ..checkpointing.save_load import FILE_NAME, SaveOptions, save_checkpoint
 from ..training.config import RunConfig
 from ..training.data_sources import DataSources
 from ..training.distributed import DistEnv, init_distributed
 from ..training.errors import UserError
-from ..training.sharded_checkpoint import is_sharded, read_common
+from ..checkpointing.sharded import is_sharded, read_common
 
 logger = logging.getLogger(__name__)
 VERSIONS = ("newest", "shadow")

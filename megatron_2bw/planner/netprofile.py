@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from .hardware import LAUNCH_KEY, calibrated, fit_link, load_hardware, load_launch_env
-from .profile import SubcommandParser
+from .subcommand import SubcommandParser
 
 DEFAULT_SIZES = (4096, 65536, 1 << 20, 1 << 23, 1 << 25)
 """Bytes: 4 kB (latency) to 32 MB (bandwidth), around a [s, b, h] activation."""

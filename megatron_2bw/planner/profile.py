@@ -41,19 +41,12 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .compute import PartTiming, Profile, ProfileEntry, profile_from_dict
+from .subcommand import SubcommandParser
 
 logger = logging.getLogger(__name__)
-
-
-class SubcommandParser(argparse.ArgumentParser):
-    """A planner subcommand's parser: a bad flag is one line naming the subcommand."""
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,8 @@ import logging
 from typing import Optional, Sequence
 
 from .arguments import config_from_args, parse_args
-from .checkpoint_contents import saved_args
-from .checkpoint_files import read_tracker
+from ..checkpointing.contents import saved_args
+from ..checkpointing.files import read_tracker
 from .data_sources import DataSources
 from .distributed import init_distributed, setup_logging
 from .errors import UserError, guarded, watch_peers

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from .. import comm
 from .arguments import config_from_args, parse_args
-from .checkpoint_contents import apply_checkpoint_args
+from ..checkpointing.contents import apply_checkpoint_args
 from .data_sources import data_sources, tokenizer_from_args
 from .distributed import init_distributed, setup_logging
 from .errors import guarded, watch_peers

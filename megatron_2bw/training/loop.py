@@ -27,8 +27,8 @@ from ..runtime.grad_sync import GradReduceConfig, TiedGradSync
 from ..runtime.p2p import PeerTimeout, is_timeout
 from ..runtime.topology import data_parallel_group, stage_links
 from ..schedules import Schedule, build_eval_schedule, build_schedule
-from .checkpoint_contents import megatron_args
-from .checkpointing import (SaveOptions, prepare_resume, read_checkpoint, restore,
+from ..checkpointing.contents import megatron_args
+from ..checkpointing.save_load import (SaveOptions, prepare_resume, read_checkpoint, restore,
                             save_checkpoint)
 from .config import RunConfig
 from .data_sources import DataSources

@@ -9,7 +9,8 @@ of one are not short-cut and the data-parallel, tensor-parallel, embedding,
 gradient-norm / inf-flag, loss-average and stop-check collectives all reach the backend
 (NCCL on a GPU), and with MEGATRON_2BW_RECORD_COLLECTIVES, so the list of what ran comes
 from the run: op, group, backend, the device and dtype of its tensors, the caller and
-the call count. 2bw trains with Muon (its tensor-parallel gather) and the last schedule
+the call count. 2bw trains with Muon (its tensor-parallel gather: --muon-tp-mode
+duplicated) and the last schedule
 saves a torch_dist checkpoint (the writer's collectives).
 
 Writes DIR/collectives.json ({schedule: {"rc", "entries", "cpu_on_nccl"}}) and exits 1
@@ -29,8 +30,10 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
-# what each schedule adds to the common flags: Muon's gather under 2bw
-EXTRA = {"2bw": ["--optimizer", "muon", "--delay-compensation", "error-feedback"]}
+# what each schedule adds to the common flags: Muon's tensor-parallel gather under 2bw
+# (its "duplicated" mode gathers a split matrix; the default, blockwise, never gathers)
+EXTRA = {"2bw": ["--optimizer", "muon", "--muon-tp-mode", "duplicated",
+                 "--delay-compensation", "error-feedback"]}
 
 
 def offenders(entries: list[dict]) -> list[dict]:

@@ -95,7 +95,8 @@ def calibration_jobs(setup: Setup, work: Path) -> list[dict]:
     null_plans = [ParallelConfig("flush", 1, 1, setup.num_procs, 1, 1, False),
                   ParallelConfig("flush", 1, setup.num_procs, 1, 1, setup.num_procs, False),
                   ParallelConfig("flush", setup.num_procs, 1, 1, 1, 1, False)]
-    calib_jobs = [{"name": "calibrate", "kind": "calibrate", "timeout_s": 300,
+    calib_jobs = [{"name": "calibrate", "kind": "call", "timeout_s": 300,
+                   "function": f"{__name__}:calibrate_worker", "result": "calibration",
                    "args": {"message_bytes": sorted(set(loss_bytes + act_bytes + [grad_bytes])),
                             "step_params": model.total_params()}}]
     for cfg in null_plans:
@@ -103,7 +104,8 @@ def calibration_jobs(setup: Setup, work: Path) -> list[dict]:
                            "argv": plan_flags(tiny, cfg, str(work / f"null-{plan_key(cfg)}.jsonl"),
                                               iterations=2)})
     for tp in (1, setup.num_procs):
-        calib_jobs.append({"name": f"layer-tp{tp}", "kind": "layer", "timeout_s": 300,
+        calib_jobs.append({"name": f"layer-tp{tp}", "kind": "call", "timeout_s": 300,
+                           "function": f"{__name__}:layer_job", "result": "layer",
                            "args": {"tensor_parallel": tp,
                                     "micro_batch_sizes": [1, max(profile_sizes(setup))],
                                     "hidden_size": setup.hidden_size,
@@ -129,7 +131,7 @@ def run_calibration(setup: Setup, work: Path, profile_loads: list[float], log=pr
                   for j, res in zip(calib_jobs, calib_results) if j["name"].startswith("null-")}
     diagnostics = {j["name"]: {"by_rank": [r["layer"] for r in res],
                                "other_load": other_load(res)}
-                   for j, res in zip(calib_jobs, calib_results) if j["kind"] == "layer"}
+                   for j, res in zip(calib_jobs, calib_results) if j.get("result") == "layer"}
     calib = {"allreduce_s": per_rank[0]["allreduce_s"], "p2p_s": per_rank[0]["p2p_s"],
              "step_s_per_param": statistics.fmean(r["step_s_per_param"] for r in per_rank),
              "step_transient_bytes_per_param": max(r["step_transient_bytes_per_param"]
@@ -262,6 +264,12 @@ def _time_step(num_params: int, repeats: int = 5) -> tuple[float, float]:
             transient = max(transient, (proc_status_kb()["VmHWM"] - before) * 1024.0)
     n = count * side * side
     return statistics.median(times) / n, transient / n
+
+
+def layer_job(rank: int, world: int, **args) -> dict:
+    """`layer_in_parallel` as a worker job (every rank runs it; the placement is unused)."""
+    del rank, world
+    return layer_in_parallel(**args)
 
 
 def layer_in_parallel(tensor_parallel: int, micro_batch_sizes: list[int], hidden_size: int,

@@ -12,6 +12,7 @@ and the repository root on PYTHONPATH (`worker_env`).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -53,7 +54,9 @@ def run_jobs(jobs: list[dict], workdir: str, num_procs: int = 2,
              timeout_s: float = 3600.0) -> list[list[dict]]:
     """Run `jobs` in `num_procs` warm workers (see `worker_main`); results[job][rank].
 
-    A job is {"name", "kind": "pretrain" | "calibrate", "argv": [...], "timeout_s"}.
+    A job is {"name", "kind": "pretrain", "argv": [...], "timeout_s"}, or {"name", "kind":
+    "call", "function": "module:name", "args": {...}, "result": KEY, "timeout_s"}: each
+    rank's `name(rank, world, **args)` goes into its result under KEY.
     """
     if Path(workdir).exists():  # stale port or result files would mislead the workers
         shutil.rmtree(workdir)
@@ -205,11 +208,9 @@ def _run_job(job: dict, rank: int, world: int, out: dict) -> None:
         rc = main("gpt", job["argv"])
         if rc:
             out["status"] = f"exit {rc}"
-    elif job["kind"] == "calibrate":
-        from .calibrate import calibrate_worker
-        out["calibration"] = calibrate_worker(rank, world, **job["args"])
-    elif job["kind"] == "layer":
-        from .calibrate import layer_in_parallel
-        out["layer"] = layer_in_parallel(**job["args"])
+    elif job["kind"] == "call":  # named, not imported here: the callers import this module
+        module, name = job["function"].split(":")
+        function = getattr(importlib.import_module(module), name)
+        out[job["result"]] = function(rank, world, **job["args"])
     else:
         raise ValueError(f"unknown job kind {job['kind']}")

@@ -45,8 +45,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 from ..models.compat import cpu_dist_checkpointing
-from .checkpoint_contents import megatron_engine_state
-from .checkpoint_files import (MANIFEST, CheckpointError, FileEntry, iteration_dir,
+from .contents import megatron_engine_state
+from .files import (MANIFEST, CheckpointError, FileEntry, iteration_dir,
                                previous_hint, read_manifest, write_manifest, write_tracker)
 
 logger = logging.getLogger(__name__)

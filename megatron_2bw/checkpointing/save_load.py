@@ -9,7 +9,7 @@ weights as the optimizer trained them, as Megatron-LM does; `weight_versions` ho
 every weight buffer as it is (2BW: the shadow version too; with weight prediction the
 newest is a prediction of the next version), so a resumed run continues the delayed
 update exactly. The file
-layer (checkpoint_files.py) writes atomically and keeps the checksum manifest; this
+layer (files.py) writes atomically and keeps the checksum manifest; this
 module adds the process groups: every rank agrees on a failed save, so all of them
 stop with the same message instead of waiting for the rank that failed.
 
@@ -32,11 +32,11 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from .. import comm
-from .checkpoint_contents import (MODULE_PREFIX, complete_megatron_state, from_megatron_names,
+from .contents import (MODULE_PREFIX, complete_megatron_state, from_megatron_names,
                                   restore_rng, rng_state, to_megatron_names)
-from .sharded_checkpoint import (commit_sharded, is_sharded, load_sharded, read_common,
+from .sharded import (commit_sharded, is_sharded, load_sharded, read_common,
                                  save_sharded, verify_sharded)
-from .checkpoint_files import (TRACKER, CheckpointError, check_save_dir, clear_for_save,
+from .files import (TRACKER, CheckpointError, check_save_dir, clear_for_save,
                                iteration_dir, load_state, read_tracker,
                                refuse_unread_checkpoints, write_error, write_manifest,
                                write_state, write_tracker)
@@ -204,7 +204,7 @@ def save_checkpoint(root: str, iteration: int, executor, updater, args: argparse
 
 def _save_sharded(root: str, iteration: int, executor, updater, args: argparse.Namespace,
                   schedule: str, options: SaveOptions) -> None:
-    """--ckpt-format torch_dist (sharded_checkpoint.py): all ranks write, then rank 0
+    """--ckpt-format torch_dist (sharded.py): all ranks write, then rank 0
     records the manifest and the tracker."""
     path = iteration_dir(root, iteration)
     _agree(_attempt(lambda: os.makedirs(path, exist_ok=True)) if dist.get_rank() == 0

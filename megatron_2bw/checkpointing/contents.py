@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from megatron.core import tensor_parallel
 
-from .checkpoint_files import iteration_dir, read_tracker
+from .files import iteration_dir, read_tracker
 
 logger = logging.getLogger(__name__)
 MODULE_PREFIX = "model."  # PipelineStage holds megatron-core's model as `.model`

@@ -1,0 +1,14 @@
+"""Checkpoints in Megatron-LM's two layouts, beside the training loop that writes them.
+
+- `files.py`: the legacy `torch` format's files: atomic writes, the tracker, the checksum
+  manifest, what a --save directory may hold;
+- `contents.py`: what a checkpoint says: Megatron-LM's `args`, its names for the
+  parameters, the RNG and engine state;
+- `sharded.py`: `--ckpt-format torch_dist` through megatron-core's dist_checkpointing;
+- `save_load.py`: saving and resuming a run: every rank agrees on a failure, and a resume
+  refuses before any work what would silently go wrong.
+
+It imports `comm` and `models` only; `training`, `hf`, `evaluation` and `finetune` use it
+(tests/test_layers.py). `training/convert.py` converts through a Trainer, so it stays
+in training.
+"""
