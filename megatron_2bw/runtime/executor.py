@@ -29,9 +29,10 @@ from torch import nn
 from ..schedules.actions import ActionKind as K
 from ..schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Schedule
 from ..schedules.channels import send_releases
+from ..schedules.validate import require_valid
 from .grad_sync import GradReduceConfig, GradReducer, TiedGradSync
-from .p2p import P2P, StageLinks
-from .versions import WeightStore
+from .p2p import P2P, StageLinks, Transport
+from .versions import WeightStore, WeightVersionError
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,10 @@ class PipelineExecutor:
     the last stage's module then returns a microbatch's loss *sum*, which is not divided
     by m; every stage counts the minibatch's tokens with `count_tokens(batch)`, and the
     gradient reducer divides the data-parallel gradient sum by the global count.
+
+    `transport` and `reducer` replace the point-to-point transfers (`P2P` over
+    torch.distributed) and the data-parallel reduction (`GradReducer`): the seam through
+    which tools/schedule_mutations.py runs every stage of a pipeline in one process.
     """
 
     def __init__(self, module: nn.Module, links: StageLinks, updater: Updater, *,
@@ -113,7 +118,8 @@ class PipelineExecutor:
                  make_copy: Optional[Callable[[], nn.Module]] = None,
                  tied: Optional[TiedGradSync] = None,
                  grads: GradReduceConfig = GradReduceConfig(),
-                 count_tokens: Optional[TokenCount] = None, num_chunks: int = 1):
+                 count_tokens: Optional[TokenCount] = None, num_chunks: int = 1,
+                 transport: Optional[Transport] = None, reducer: Optional[GradReducer] = None):
         if num_chunks > 1 and len(getattr(module, "chunks", ())) != num_chunks:
             raise ValueError(f"num_chunks={num_chunks} needs a module with that many "
                              "`chunks`")
@@ -126,8 +132,8 @@ class PipelineExecutor:
         self.weights = WeightStore(module, weight_versions, grad_buffers, first_version,
                                    make_copy, grad_dtype=grads.dtype)
         self.weights.loss_scale_of[first_version] = updater.loss_scale
-        self.p2p = P2P(links)
-        self.reducer = GradReducer(dp_group, grads)
+        self.p2p: Transport = transport if transport is not None else P2P(links)
+        self.reducer = reducer if reducer is not None else GradReducer(dp_group, grads)
         self.tied = tied
         self.updater = updater
         self._count_tokens = count_tokens
@@ -144,8 +150,20 @@ class PipelineExecutor:
     # --- driver ---------------------------------------------------------------------
     def run(self, schedule: Schedule, data: Iterator[dict], on_step: StepCallback | None = None
             ) -> RunResult:
-        """Run this stage's actions of `schedule`, pulling one batch per forward."""
+        """Run this stage's actions of `schedule`, pulling one batch per chunk-0 forward.
+
+        The schedule must pass the validator (`schedules.validate`): that is what this
+        executor assumes of it, and a schedule that fails it would crash, hang or compute
+        something else here. `build_schedule` validates what it builds, so this costs one
+        comparison of the action lists; a schedule nobody validated is validated now."""
         self._check_declarations(schedule)
+        require_valid(schedule)
+        return self._execute(schedule, data, on_step)
+
+    def _execute(self, schedule: Schedule, data: Iterator[dict],
+                 on_step: StepCallback | None = None) -> RunResult:
+        """`run` without its precondition: only for the mutation tool, which shows what
+        happens to schedules the validator rejects."""
         self._reset(schedule, data)
         self._on_step = on_step
         self._run_actions(schedule)
@@ -189,6 +207,7 @@ class PipelineExecutor:
         if schedule.num_chunks != self.num_chunks:
             raise ValueError(f"evaluation schedule has {schedule.num_chunks} model chunks per "
                              f"stage; this executor holds {self.num_chunks}")
+        require_valid(schedule)
         self._reset(schedule, data)
         self._train = False
         for module in self.weights.modules:  # no dropout: a clean loss, no RNG draws
@@ -322,6 +341,8 @@ class PipelineExecutor:
     def _backward(self, a: Action) -> None:
         key = (a.microbatch, a.chunk)
         inp, out, version = self._stash.pop(key)
+        if version != a.version:  # the graph was built on the forward's weights
+            raise WeightVersionError(f"{a}: its forward ran on weight version {version}")
         grad = None if self._is_last(a) else self._grad_inbox.pop(key)
         self.weights.bind_grads(version, a.microbatch // self._m)
         self._grad_version[a.microbatch // self._m] = version

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -148,6 +148,31 @@ def peer_failure(err: RuntimeError, peer: str, what: str) -> PeerTimeout:
     return PeerTimeout(f"lost the connection to {peer} ({what}): it failed or exited, see "
                        f"its error; backend said: {str(err).splitlines()[0][:200]}",
                        timed_out=False)
+
+
+class Transport(Protocol):
+    """What the executor asks of point-to-point transfers (`P2P`; the mutation tool's
+    in-process queues stand in for it). Peers are neighbouring stages; each link is
+    first in, first out."""
+
+    def post(self, stage: int) -> None:
+        """Post the next receive from `stage` ahead of its action."""
+
+    def recv(self, stage: int, kind: str) -> torch.Tensor:
+        """The next tensor from `stage` (blocks)."""
+
+    def send(self, tensor: torch.Tensor, stage: int) -> int:
+        """Send `tensor` to `stage` without waiting; a ticket for `release`."""
+
+    def release(self, ticket: int) -> None:
+        """Wait for a send the schedule proves arrived, and let its tensor go."""
+
+    def wait_all(self) -> None:
+        """End of a run: wait for every send still held."""
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends whose tensors are still held."""
 
 
 class P2P:

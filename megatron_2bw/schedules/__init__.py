@@ -16,7 +16,7 @@ from .builders import (build_2bw, build_flush, build_forward_only, build_gpipe,
 from .passes import add_communication, add_grad_sync, add_tied_grad_sync
 from .simulate import Costs, DeadlockError, Timeline, simulate  # noqa: F401
 from .simulate import bubble_ratio, peak_stashes  # noqa: F401
-from .validate import ScheduleError, validate  # noqa: F401
+from .validate import ScheduleError, require_valid, validate  # noqa: F401
 
 Builder = Callable[[int, int, int, int], dict[int, list[Action]]]
 
