@@ -447,3 +447,18 @@ def test_sends_are_released_only_once_they_provably_arrived(name, d, m, n, v) ->
         freed = {s for sends in released.values() for s in sends}
         left = [a for i, a in enumerate(actions) if a.kind in SEND_KINDS and i not in freed]
         assert all(a.microbatch // m == n - 1 for a in left), left
+
+
+@pytest.mark.parametrize("d,m,n", [(1, 3, 2), (2, 1, 1), (3, 4, 2), (4, 2, 3)])
+def test_naive_runs_one_microbatch_at_a_time(d: int, m: int, n: int) -> None:
+    """Naive model parallelism: every stage alternates F(i), B(i) in microbatch order,
+    holds one stash, and with unit costs nothing overlaps: n m 2d time slots, a bubble
+    of (d - 1) / d."""
+    sched = build_schedule("naive", d, m, n)
+    for s in range(d):
+        assert [(a.kind, a.microbatch) for a in _compute(sched, s)] == [
+            (kind, i) for i in range(m * n) for kind in (FORWARD, BACKWARD)]
+    t = simulate(sched, Costs(forward=1, backward=1))
+    assert t.makespan == n * m * 2 * d
+    assert all(t.peak_stashes[s] == 1 for s in range(d))
+    assert t.bubble_fraction == pytest.approx((d - 1) / d)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
 from .actions import Action
-from .builders import (build_2bw, build_flush, build_gpipe, build_interleaved_flush)
+from .builders import (build_2bw, build_flush, build_gpipe, build_interleaved_flush,
+                       build_naive)
 
 Builder = Callable[[int, int, int, int], dict[int, list[Action]]]
 InterleavedBuilder = Callable[..., dict[int, list[Action]]]
@@ -26,6 +27,11 @@ StashRule = Callable[[int, int, int], tuple[int, ...]]
 def stash_all(d: int, m: int, n: int) -> tuple[int, ...]:
     """All forwards before any backward: every stage holds the minibatch's m microbatches."""
     return tuple(m for _ in range(d))
+
+
+def stash_one(d: int, m: int, n: int) -> tuple[int, ...]:
+    """One microbatch in the pipeline at a time: one stashed per stage."""
+    return tuple(1 for _ in range(d))
 
 
 def stash_one_f_one_b(d: int, m: int, n: int) -> tuple[int, ...]:
@@ -129,6 +135,9 @@ SCHEDULES: tuple[ScheduleSpec, ...] = (
                  select_flags=("--pipeline-no-flushes",), defers_step=True,
                  microbatches_at_least_stages=True, one_f_one_b=True,
                  steady_state_minibatches=(2, 3)),
+    ScheduleSpec("naive", "naive model parallelism", build_naive, stash_one, "vanilla",
+                 weight_versions=1, flushes=True, aliases=("sequential",),
+                 planner_min_depth=2, planned_by_default=False),
 )
 """Registered schedules, in the order help texts and the planner list them."""
 
