@@ -1,15 +1,19 @@
-"""The engine across real processes equals the plain references (vanilla and delayed)."""
+"""The engine across real processes equals the plain references (vanilla and delayed):
+every registered schedule, against the reference its semantics name."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megatron_2bw.schedules import SCHEDULES, schedule_spec
 from tests.dist_harness import run_distributed
 from tests.toy import (LAYERS, LR, ToyStage, delayed_reference, full_model, microbatch,
                        model_loss, toy_stage, vanilla_reference)
 
 N_MINIBATCHES = 5
-VARIANTS = (("flush", None), ("gpipe", None), ("2bw", True), ("2bw", False))
+# (schedule, defer_step): a schedule that defers its step runs both ways
+VARIANTS = tuple((s.name, defer) for s in SCHEDULES
+                 for defer in ((True, False) if s.defers_step else (None,)))
 
 
 def _engine_worker(rank: int, world: int, d: int, m: int) -> dict:
@@ -61,7 +65,8 @@ def test_pipeline_equals_references(d: int, w: int, record_property) -> None:
     results = run_distributed(_engine_worker, d * w, d, m)
     worst: dict[str, float] = {}
     for name, defer in VARIANTS:
-        reference = delayed_reference if name == "2bw" else vanilla_reference
+        spec = schedule_spec(name)
+        reference = delayed_reference if spec.delayed else vanilla_reference
         ref_losses, ref_model = reference(m, w, N_MINIBATCHES)
         ref_params = list(ref_model.parameters())
         per_stage = len(ref_params) // d
@@ -71,10 +76,9 @@ def test_pipeline_equals_references(d: int, w: int, record_property) -> None:
             stage_ref = ref_params[r["stage"] * per_stage:(r["stage"] + 1) * per_stage]
             for p, q in zip(got["weights"], stage_ref):
                 err = max(err, _max_rel(p, q.detach()))
-            assert got["peak_live_versions"] <= (2 if name == "2bw" else 1)
-            assert got["weight_buffers"] == (2 if name == "2bw" else 1)
-            limit = m if name == "gpipe" else d - r["stage"]
-            assert got["peak_stashes"] <= limit
+            assert got["peak_live_versions"] <= spec.weight_versions
+            assert got["weight_buffers"] == spec.weight_versions
+            assert got["peak_stashes"] <= spec.stash_limit(d, m, N_MINIBATCHES)[r["stage"]]
             # sends are freed as the schedule proves them arrived, not at the end of the
             # run: what a stage holds stays within one minibatch's 2m, however long
             assert max(got["held_sends"]) <= 2 * m, got["held_sends"]

@@ -486,3 +486,18 @@ def test_the_validator_models_the_send_waits(monkeypatch) -> None:
     monkeypatch.setattr(channels, "SEND_WINDOW", 0)
     with pytest.raises(ScheduleError, match="deadlocks"):
         build_eval_schedule(2, 4, 0)
+
+
+@pytest.mark.parametrize("d,m,n", [(1, 3, 2), (2, 1, 1), (3, 4, 2), (4, 2, 3)])
+def test_naive_runs_one_microbatch_at_a_time(d: int, m: int, n: int) -> None:
+    """Naive model parallelism: every stage alternates F(i), B(i) in microbatch order,
+    holds one stash, and with unit costs nothing overlaps: n m 2d time slots, a bubble
+    of (d - 1) / d."""
+    sched = build_schedule("naive", d, m, n)
+    for s in range(d):
+        assert [(a.kind, a.microbatch) for a in _compute(sched, s)] == [
+            (kind, i) for i in range(m * n) for kind in (FORWARD, BACKWARD)]
+    t = simulate(sched, Costs(forward=1, backward=1))
+    assert t.makespan == n * m * 2 * d
+    assert all(t.peak_stashes[s] == 1 for s in range(d))
+    assert t.bubble_fraction == pytest.approx((d - 1) / d)

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from ..schedules import SCHEDULE_NAMES, canonical_name
 from .compute import FlopsCompute, LayerModel, ProfiledCompute, load_profile
 from .cost_model import CostModel
 from .explain import format_table
@@ -64,11 +65,13 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _schedule_list(text: str) -> tuple[str, ...]:
-    names = tuple(t.strip().lower() for t in text.split(",") if t.strip())
-    bad = [n for n in names if n not in SCHEDULES]
+    """Registered schedules (aliases too), as canonical names."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n.lower() not in SCHEDULE_NAMES]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown schedule(s) {bad}; valid: {', '.join(SCHEDULES)}")
-    return names
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {bad}; valid: "
+                                         f"{', '.join(SCHEDULE_NAMES)}")
+    return tuple(dict.fromkeys(canonical_name(n) for n in names))
 
 
 def _recompute_list(text: str) -> tuple[Recompute, ...]:
@@ -106,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "without it compute is estimated from FLOPs")
     s = p.add_argument_group("search and output")
     s.add_argument("--schedules", type=_schedule_list, default=SCHEDULES,
-                   help="comma-separated subset of gpipe,flush,2bw")
+                   help=f"comma-separated, of {','.join(SCHEDULE_NAMES)} (default "
+                        f"{','.join(SCHEDULES)})")
     s.add_argument("--micro-batch-sizes", type=_int_list, help="only these, e.g. 1,2,4")
     s.add_argument("--tensor-parallel-sizes", type=_int_list,
                    help="only these, e.g. 1 for the paper's pipeline x data search")
@@ -222,9 +226,10 @@ def launch_job(cm: CostModel, result: SearchResult, args: argparse.Namespace,
                f"devices; predicted {best.iteration_time_s:.3g} s/iteration, "
                f"{best.memory_gb:.3g} GB per device.",
                "Written by: python -m megatron_2bw.planner " + shlex.join(argv))
-    if cfg.schedule == "2bw" and args.optimizer == "adam" and args.delay_compensation == "none":
-        summary += ("Note: 2BW's one-step delay costs plain AdamW accuracy; --optimizer muon "
-                    "--delay-compensation error-feedback recovers it (docs/convergence.md).",)
+    if cfg.spec.delayed and args.optimizer == "adam" and args.delay_compensation == "none":
+        summary += (f"Note: {cfg.spec.display_name}'s one-step delay costs plain AdamW "
+                    "accuracy; --optimizer muon --delay-compensation error-feedback recovers "
+                    "it (docs/convergence.md).",)
     return Job(entry_point=ENTRY_POINTS[cm.model.model],
                groups=trainer_groups(plan_groups(cm.model, cfg, args), args, args.trainer_extra),
                nodes=nodes, env=args.launch_env, name=args.job_name,

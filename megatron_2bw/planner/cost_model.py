@@ -47,18 +47,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from megatron_2bw.schedules import Costs, Schedule, build_schedule, simulate
+from megatron_2bw.schedules import Costs, Schedule, build_schedule, schedule_spec, simulate
 from megatron_2bw.schedules.actions import BACKWARD, FORWARD
 
 from .compute import LOSS_ALLREDUCES, LayerModel
 from .hardware import GB, Hardware
 from .placement import Layout, collective_bandwidth, p2p_bandwidth, ring_allreduce_s
 from .spec import ModelSpec, ParallelConfig, Precision, Recompute, padded_vocab_size
-
-# 2BW never flushes: its iteration time is the steady state between two minibatches,
-# makespan(3 minibatches) - makespan(2); Flush and GPipe flush every minibatch, so one
-# minibatch is one iteration.
-STEADY_STATE_MINIBATCHES = {"2bw": (2, 3), "flush": (0, 1), "gpipe": (0, 1)}
 
 
 @dataclass(frozen=True)
@@ -192,7 +187,7 @@ class CostModel:
         declared = _declared(cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches,
                              cfg.virtual_stages)
         n = stage.params
-        compensation = prec.compensation_bytes if cfg.schedule == "2bw" else 0
+        compensation = prec.compensation_bytes if cfg.spec.delayed else 0
         return {"weights": float(n * prec.param_bytes),
                 "weight_versions": float(n * prec.param_bytes * (declared.weight_versions - 1)),
                 "gradients": float(n * prec.grad_bytes * declared.grad_buffers),
@@ -486,7 +481,7 @@ def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, .
     layer = _layer_times(cm, cfg)
     declared = _declared(cfg.schedule, d, m, v)  # what the runtime allocates, per stage
     per_param = prec.bytes_per_param(declared.weight_versions, declared.grad_buffers,
-                                     compensated=cfg.schedule == "2bw")
+                                     compensated=cfg.spec.delayed)
     out = []
     for s, n in enumerate(cfg.stage_layers(cm.model.num_layers)):
         body = _chunked_layer_times(layer, cfg.recompute, n, v)
@@ -510,29 +505,31 @@ def pipeline_lower_bound_s(schedule: str, m: int, costs: Costs, v: int = 1) -> f
     """Lower bound on `pipeline_timing(schedule, d, m, costs, v).iteration_s`.
 
     Not a prediction (the simulator makes those), only a pruning bound; tests check it
-    against the simulator on random costs. Three facts about every schedule here:
+    against the simulator on random costs. Three facts, each read from the schedule's
+    registry entry:
     - a stage runs its m forwards and m backwards one after another;
-    - Flush/GPipe: stage s cannot start before the first forward has crossed the stages
-      before it (with v chunks: the first chunk's, 1 / v of each stage's forward); the
-      microbatch of its last backward then crosses the stages before it backwards (their
-      first chunk's backward each), and the minibatch ends with the first stage's
-      all-reduce and the step;
-    - 1F1B (Flush, 2BW, not interleaved): the last stage's forward of microbatch i + 1
-      waits for stage d - 2 to finish the backward of i - 1 and the forward of i + 1,
-      two transfers in between, so every two microbatches cost at least 2 p2p + both
-      stages' F + B.
+    - a schedule that flushes (Flush, GPipe): stage s cannot start before the first
+      forward has crossed the stages before it (with v chunks: the first chunk's, 1 / v
+      of each stage's forward); the microbatch of its last backward then crosses the
+      stages before it backwards (their first chunk's backward each), and the minibatch
+      ends with the first stage's all-reduce and the step;
+    - a 1F1B steady state (Flush, 2BW, not interleaved): the last stage's forward of
+      microbatch i + 1 waits for stage d - 2 to finish the backward of i - 1 and the
+      forward of i + 1, two transfers in between, so every two microbatches cost at
+      least 2 p2p + both stages' F + B.
     """
     d = len(costs.forward) if not isinstance(costs.forward, (int, float)) else 1
     work = [costs.of("forward", s) + costs.of("backward", s) for s in range(d)]
     bound = m * max(work)
-    if schedule != "2bw":
+    spec = schedule_spec(schedule)
+    if spec.flushes:
         fill = drain = 0.0
         for s in range(d):
             bound = max(bound, fill + m * work[s] + costs.of("allreduce", s) + costs.of("step", s),
                         fill + m * work[s] + drain + costs.of("allreduce", 0) + costs.of("step", 0))
             fill += costs.of("forward", s) / v + costs.p2p
             drain += costs.of("backward", s) / v + costs.p2p
-    if schedule in ("flush", "2bw") and d >= 2 and v == 1:
+    if spec.one_f_one_b and d >= 2 and v == 1:
         bound = max(bound, (m - 1) // 2 * (2 * costs.p2p + work[d - 2] + work[d - 1]))
     return bound
 
@@ -556,10 +553,11 @@ def _declared(name: str, d: int, m: int, v: int = 1) -> _Declared:
     and `_schedule` keeps only a few action lists. Flush and 2BW stash at most d - s
     microbatches on stage s, so they declare the same for every m >= d and are built
     with min(m, d) microbatches (a test checks this against full builds); GPipe stashes
-    all m and is built whole. Interleaved flush stashes at most its warm-up + 1 units,
-    2 (d - s - 1) + (v - 1) d + 1 < 2 v d, and repeats itself every d microbatches, so
-    it is built with min(m, 3d) (m is a multiple of d; a test checks against full builds)."""
-    built = m if name == "gpipe" else min(m, 3 * d if v > 1 else d)
+    all m and is built whole (`ScheduleSpec.planner_microbatches`). Interleaved flush
+    stashes at most its warm-up + 1 units, 2 (d - s - 1) + (v - 1) d + 1 < 2 v d, and
+    repeats itself every d microbatches, so it is built with min(m, 3d) (m is a multiple
+    of d; a test checks against full builds)."""
+    built = schedule_spec(name).planner_microbatches(d, m, v)
     sched = build_schedule(name, d, built, 1, tied_embedding=True, check=False, num_chunks=v)
     peaks = tuple(_chunk_peaks(sched[s], v) for s in range(d)) if v > 1 else ()
     return _Declared(tuple(sched.stash_limit), sched.weight_versions, sched.grad_buffers, peaks)
@@ -592,8 +590,13 @@ def _schedule(name: str, d: int, m: int, n: int, v: int = 1) -> Schedule:
 @lru_cache(maxsize=65536)
 def pipeline_timing(schedule: str, d: int, m: int, costs: Costs, v: int = 1) -> PipelineTiming:
     """Steady-state time of one minibatch of `schedule` (v model chunks per stage), from
-    the simulator. The peak stashes count (microbatch, chunk) units when v > 1."""
-    before, after = STEADY_STATE_MINIBATCHES[schedule]
+    the simulator. The peak stashes count (microbatch, chunk) units when v > 1.
+
+    A schedule that never drains (2BW) pays its pipeline fill once per run, so its
+    iteration is the steady state between two minibatches, makespan(3 minibatches) -
+    makespan(2); one that flushes (Flush, GPipe) is timed over one minibatch
+    (`ScheduleSpec.steady_state_minibatches`)."""
+    before, after = schedule_spec(schedule).steady_state_minibatches
     end = simulate(_schedule(schedule, d, m, after, v), costs)
     if before == 0:
         return PipelineTiming(end.makespan, tuple(end.busy[s] for s in range(d)),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..schedules import SCHEDULES
 from .cost_model import CostModel, Estimate
 from .hardware import GB
 from .search import INTERLEAVED, SearchResult, chunks_fit, plan_group
@@ -21,10 +22,30 @@ from .spec import Recompute
 RECOMPUTE_WORDS = {"none": "none", "selective": "selective (the core attention of every layer)",
                    "full": "full"}
 
-GROUP_NAMES = {("2bw", False): "PipeDream-2BW", ("flush", False): "PipeDream-Flush",
-               (INTERLEAVED, False): "interleaved PipeDream-Flush (Megatron's interleaved 1F1B)",
-               ("gpipe", False): "GPipe", ("flush", True): "no pipeline (tensor + data parallel)",
-               ("2bw", True): "no pipeline with 2BW's delayed all-reduce"}
+
+
+def _group_names() -> dict[tuple[str, bool], str]:
+    """Words for each `plan_group`, from the registry: a schedule's display name, its
+    interleaved form, and, where the planner runs it without a pipeline, plain tensor +
+    data parallelism (for a delayed schedule: with its delayed all-reduce)."""
+    names: dict[tuple[str, bool], str] = {}
+    for spec in SCHEDULES:
+        names[(spec.name, False)] = spec.display_name
+        if spec.supports_virtual_stages:
+            names[(INTERLEAVED, False)] = (f"interleaved {spec.display_name} (Megatron's "
+                                           "interleaved 1F1B)")
+    for spec in SCHEDULES:
+        if spec.planner_min_depth <= 1:
+            names[(spec.name, True)] = (
+                f"no pipeline with {spec.display_name}'s delayed all-reduce" if spec.delayed
+                else "no pipeline (tensor + data parallel)")
+    return names
+
+
+GROUP_NAMES = _group_names()
+NOT_REPORTED_MISSING = frozenset((s.name, True) for s in SCHEDULES if s.delayed)
+"""Groups "No plan fits with" leaves out: without a pipeline a delayed schedule needs
+what the vanilla one does and more, so that group's sentence covers it."""
 MEMORY_WORDS = {"weights": "weights", "weight_versions": "extra weight versions",
                 "gradients": "gradient buffers", "optimizer_state": "optimizer state",
                 "stashed_activations": "stashed activations"}
@@ -179,7 +200,8 @@ def explain(cm: CostModel, result: SearchResult) -> str:
             continue
         text.append(f"The best {GROUP_NAMES[group]} plan, {other.config.label()}, is "
                     f"{ratio:.2f}x slower: {_why_slower(cm, best, other)}.")
-    missing = [g for g in GROUP_NAMES if g != ("2bw", True) and g not in best_per_group(result)
+    missing = [g for g in GROUP_NAMES if g not in NOT_REPORTED_MISSING
+               and g not in best_per_group(result)
                and g in searched_groups(result)]
     if missing:
         closest = closest_per_group(result)

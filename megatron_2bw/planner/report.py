@@ -57,9 +57,9 @@ def plan_groups(model: ModelSpec, cfg: ParallelConfig,
                 args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """The emitted launch's plan flags: model shape, then parallel sizes, schedule, batch,
     recomputation, number format and the optimizer the memory model counted (its delay
-    compensation only on a 2BW plan, the only schedule that has the delay)."""
+    compensation only on a plan whose schedule has the delay: 2BW)."""
     optimizer = ["--optimizer", args.optimizer]
-    if cfg.schedule == "2bw" and args.delay_compensation != "none":
+    if cfg.spec.delayed and args.delay_compensation != "none":
         optimizer += ["--delay-compensation", args.delay_compensation]
     precision = ["--bf16" if args.bf16 else "--fp16"]
     return [("MODEL_ARGS", model_flags(model)),

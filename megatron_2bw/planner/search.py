@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from ..schedules import schedule_spec
 from .cost_model import CostModel, Estimate
 from .spec import (DEFAULT_RECOMPUTE_OPTIONS, SCHEDULES, ModelSpec, ParallelConfig, Recompute,
                    as_recompute, padded_vocab_size, split_layers)
@@ -54,12 +55,13 @@ class SearchSpace:
 
 def virtual_stage_options(name: str, num_layers: int, d: int, m: int,
                           allowed: tuple[int, ...] | None = None) -> list[int]:
-    """Model chunks per stage v a plan may use: 1, and for Flush Megatron-LM's interleaved
+    """Model chunks per stage v a plan may use: 1, and for a schedule with an interleaved
+    form (`ScheduleSpec.supports_virtual_stages`: Flush) Megatron-LM's interleaved
     1F1B rules (d >= 2, the d stages' layers split into v equal chunks: num_layers
     divisible by d v; m a multiple of d, its default microbatch group being d), even
     stages. v runs over powers of two (or `allowed`)."""
     options = [1] if allowed is None or 1 in allowed else []
-    if name != "flush" or d < 2 or m % d or num_layers % d:
+    if not schedule_spec(name).supports_virtual_stages or d < 2 or m % d or num_layers % d:
         return options
     per_stage = num_layers // d
     v = 2
@@ -149,7 +151,8 @@ def _even_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]
                     continue
                 m = per_replica // b
                 for name in space.schedules:
-                    if (name == "gpipe" and d == 1) or (name == "2bw" and m < d):
+                    spec = schedule_spec(name)
+                    if d < spec.planner_min_depth or m < spec.min_microbatches(d):
                         continue  # GPipe at d = 1 is Flush with m stashes; 2BW needs m >= d
                     for v in virtual_stage_options(name, cm.model.num_layers, d, m,
                                                    space.virtual_stages):
@@ -247,7 +250,7 @@ def prefer_exact_semantics(ranked: list[Estimate],
                            margin: float = EXACT_SEMANTICS_MARGIN) -> list[Estimate]:
     """`ranked` (fastest first) with the fastest vanilla-semantics plan moved to the front
     when the 2BW plans ahead of it are predicted less than `margin` faster."""
-    exact = next((i for i, e in enumerate(ranked) if e.config.schedule != "2bw"), None)
+    exact = next((i for i, e in enumerate(ranked) if not e.config.spec.delayed), None)
     if not exact or ranked[exact].samples_per_s * (1 + margin) < ranked[0].samples_per_s:
         return ranked
     return [ranked[exact]] + ranked[:exact] + ranked[exact + 1:]

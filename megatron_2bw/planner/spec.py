@@ -9,10 +9,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from ..schedules.registry import SCHEDULES as REGISTERED, ScheduleSpec, schedule_spec
 from ..vocab import pad_vocab_size
 
 MODEL_KINDS = ("gpt", "bert")
-SCHEDULES = ("gpipe", "flush", "2bw")
+SCHEDULES = tuple(s.name for s in REGISTERED if s.planned_by_default)
+"""The schedules a search tries by default (`ScheduleSpec.planned_by_default`)."""
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
@@ -355,7 +357,8 @@ class ParallelConfig:
     """One point of the search space: a complete answer to "how do I run this job"."""
 
     schedule: str
-    """"gpipe", "flush" or "2bw"; with pipeline_depth 1 flush is plain data parallelism."""
+    """A registered schedule's canonical name ("gpipe", "flush", "2bw", ...: `spec`); with
+    pipeline_depth 1 flush is plain data parallelism."""
     tensor_parallel: int
     pipeline_depth: int
     data_parallel_width: int
@@ -371,14 +374,20 @@ class ParallelConfig:
     """`--decoder-last-pipeline-num-layers`; 0: not given."""
     virtual_stages: int = 1
     """Model chunks per pipeline stage, v (Megatron-LM's virtual pipeline stages): above 1
-    the flush schedule runs Megatron's interleaved 1F1B (`--num-layers-per-virtual-
-    pipeline-stage` = layers per stage / v)."""
+    a schedule with an interleaved form (flush: Megatron's interleaved 1F1B) runs it
+    (`--num-layers-per-virtual-pipeline-stage` = layers per stage / v)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", as_recompute(self.recompute))
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise ValueError(f"virtual_stages must be a positive integer, got "
                              f"{self.virtual_stages!r}")
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """What the schedule is (the registry's entry); the planner reads this, never the
+        name."""
+        return schedule_spec(self.schedule)
 
     @property
     def num_gpus(self) -> int:

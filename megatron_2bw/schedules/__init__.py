@@ -8,33 +8,17 @@ that the executor allocates and the planner's memory model counts.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 from .actions import ALL_KINDS, Action, ActionKind, Schedule  # noqa: F401
-from .builders import (build_2bw, build_flush, build_forward_only, build_gpipe,
-                       build_interleaved_flush, check_interleaving, interleaved_warmup)
+from .builders import build_forward_only, check_interleaving, interleaved_warmup
 from .passes import add_communication, add_grad_sync, add_tied_grad_sync
+from .registry import (ALIASES, DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES,  # noqa: F401
+                       ScheduleSpec, canonical_name, names_where, schedule_spec)
 from .simulate import Costs, DeadlockError, Timeline, simulate  # noqa: F401
 from .simulate import bubble_ratio, peak_stashes  # noqa: F401
 from .validate import ScheduleError, require_valid, validate  # noqa: F401
 
-Builder = Callable[[int, int, int, int], dict[int, list[Action]]]
 
-_BUILDERS: dict[str, Builder] = {"gpipe": build_gpipe, "flush": build_flush, "2bw": build_2bw}
-ALIASES = {"pipedream-flush": "flush", "1f1b": "flush", "pipedream-2bw": "2bw"}
-SCHEDULE_NAMES = tuple(_BUILDERS) + tuple(ALIASES)
-
-
-def canonical_name(name: str) -> str:
-    """Resolve an alias; raise ValueError naming the valid schedules otherwise."""
-    key = ALIASES.get(name.lower(), name.lower())
-    if key not in _BUILDERS:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: "
-                         + ", ".join(SCHEDULE_NAMES))
-    return key
-
-
-def _stash_limit(key: str, num_stages: int, num_microbatches: int,
+def _stash_limit(spec: ScheduleSpec, num_stages: int, num_microbatches: int,
                  num_minibatches: int, num_chunks: int = 1,
                  group: int | None = None) -> tuple[int, ...]:
     """Most microbatches each stage holds activations for (DeepSpeed's num_pipe_buffers);
@@ -43,10 +27,7 @@ def _stash_limit(key: str, num_stages: int, num_microbatches: int,
         total = num_microbatches * num_chunks
         return tuple(min(interleaved_warmup(s, num_stages, num_chunks, group) + 1, total)
                      for s in range(num_stages))
-    if key == "gpipe":
-        return tuple(num_microbatches for _ in range(num_stages))
-    total = num_microbatches * (num_minibatches if key == "2bw" else 1)
-    return tuple(min(num_stages - s, total) for s in range(num_stages))
+    return spec.stash_limit(num_stages, num_microbatches, num_minibatches)
 
 
 def _check_sizes(**sizes: tuple[int, int]) -> None:
@@ -63,24 +44,27 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
     """Build, lower and validate a schedule; the one place its run-time needs are decided.
 
     Args:
-        name: "gpipe", "flush" ("pipedream-flush", "1f1b") or "2bw" ("pipedream-2bw").
+        name: a registered schedule or alias (`registry.SCHEDULES`): "gpipe", "flush"
+            ("pipedream-flush", "1f1b") or "2bw" ("pipedream-2bw"), ...
         num_stages: pipeline depth d.
-        num_microbatches: microbatches per minibatch m (2BW needs m >= d).
+        num_microbatches: microbatches per minibatch m (2BW needs m >= d:
+            `ScheduleSpec.min_microbatches`).
         num_minibatches: minibatches run back to back (2BW: without flushes between).
         first_minibatch: global index of the first minibatch, so a run can be cut into
             segments (at checkpoints) with global microbatch indices and versions.
         defer_step: place minibatch k's optimizer step where version k + 1 is first
             needed, overlapping its data-parallel all-reduce and the model-wide sums
-            with minibatch k + 1 (one more gradient buffer). Default: on for 2BW with
-            more than one stage (with one stage there is nothing to wait for); a flush
-            schedule drains anyway, so it never defers.
+            with minibatch k + 1 (one more gradient buffer). Default: on for a schedule
+            whose spec `defers_step` (2BW) with more than one stage (with one stage there
+            is nothing to wait for); a flush schedule drains anyway, so it never defers.
         tied_embedding: the model ties its word embedding to its output layer, so the
             first and last stage sum that gradient (action T) when they differ.
         tied_sync_at_one_stage: with one stage, T on stage 0 too (a sum over a group of
             one, which changes nothing): the trainer's exercise mode, in which a one-GPU
             run drives the embedding group's all-reduce through NCCL.
         num_chunks: model chunks per stage v (Megatron's virtual pipeline stages per
-            rank, --num-virtual-stages-per-pipeline-rank). Above 1, flush runs Megatron's
+            rank, --num-virtual-stages-per-pipeline-rank). Above 1, a schedule with an
+            `interleaved_builder` runs it; flush runs Megatron's
             interleaved 1F1B: chunk c of stage s is virtual stage c * d + s; m must be a
             multiple of d (`builders.check_interleaving`). 1 is plain flush.
         microbatch_group_size: Megatron's microbatch_group_size_per_vp_stage, the
@@ -88,37 +72,38 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
             ignored without chunks).
         check: validate the result (off only for tests of the validator itself).
     """
-    key = canonical_name(name)
+    spec = schedule_spec(name)
+    key = spec.name
     _check_sizes(num_stages=(num_stages, 1), num_microbatches=(num_microbatches, 1),
                  num_minibatches=(num_minibatches, 1), first_minibatch=(first_minibatch, 0),
                  num_chunks=(num_chunks, 1))
     if microbatch_group_size is not None:
         _check_sizes(microbatch_group_size=(microbatch_group_size, 1))
-    if num_chunks > 1 and key != "flush":
-        raise ValueError(f"interleaving (num_chunks={num_chunks}) is implemented for the flush "
+    if num_chunks > 1 and not spec.supports_virtual_stages:
+        raise ValueError(f"interleaving (num_chunks={num_chunks}) is implemented for the "
+                         f"{' and '.join(names_where(lambda s: s.supports_virtual_stages))} "
                          f"schedule only, not {key!r}")
     group = check_interleaving(num_stages, num_microbatches, num_chunks, microbatch_group_size)
-    if key == "2bw" and num_microbatches < num_stages:
-        raise ValueError(f"2bw needs num_microbatches (m={num_microbatches}) to be at least "
+    if num_microbatches < spec.min_microbatches(num_stages):
+        raise ValueError(f"{key} needs num_microbatches (m={num_microbatches}) to be at least "
                          f"num_stages (d={num_stages}): m must be at least d")
-    wanted = num_stages > 1 if defer_step is None else defer_step
-    defer = key == "2bw" and wanted
+    defer = spec.defer_step(num_stages, defer_step)
     tied = (tuple(sorted({0, num_stages - 1}))
             if tied_embedding and (num_stages > 1 or tied_sync_at_one_stage) else ())
     if num_chunks > 1:
-        plan = build_interleaved_flush(num_stages, num_microbatches, num_minibatches,
-                                       first_minibatch, num_chunks, group)
+        plan = spec.interleaved_builder(num_stages, num_microbatches, num_minibatches,
+                                        first_minibatch, num_chunks, group)
     else:
-        plan = _BUILDERS[key](num_stages, num_microbatches, num_minibatches, first_minibatch)
+        plan = spec.builder(num_stages, num_microbatches, num_minibatches, first_minibatch)
     plan = add_communication(plan, num_stages, num_chunks)
     plan = add_grad_sync(plan, num_microbatches, num_stages, defer_step=defer)
     plan = add_tied_grad_sync(plan, tied)
     schedule = Schedule(plan, name=key, num_stages=num_stages,
                         num_microbatches=num_microbatches, num_minibatches=num_minibatches,
                         first_minibatch=first_minibatch,
-                        weight_versions=2 if key == "2bw" else 1,
+                        weight_versions=spec.weight_versions,
                         grad_buffers=2 if defer else 1,
-                        stash_limit=_stash_limit(key, num_stages, num_microbatches,
+                        stash_limit=_stash_limit(spec, num_stages, num_microbatches,
                                                  num_minibatches, num_chunks, group),
                         tied_stages=tied, num_chunks=num_chunks)
     if check:

@@ -39,6 +39,13 @@ def all_forward_all_backward(stage: int, microbatches: list[int],
             + [Action(stage, BACKWARD, i, version(i)) for i in microbatches])
 
 
+def one_at_a_time(stage: int, microbatches: list[int], version: VersionRule) -> list[Action]:
+    """Naive model parallelism: a microbatch's forward, then its backward, then the next
+    microbatch; the stages never work on two microbatches at once."""
+    return [Action(stage, kind, i, version(i)) for i in microbatches
+            for kind in (FORWARD, BACKWARD)]
+
+
 def _minibatch_ranges(m: int, n: int, first: int) -> list[list[int]]:
     return [list(range(k * m, (k + 1) * m)) for k in range(first, first + n)]
 
@@ -57,6 +64,16 @@ def build_flush(d: int, m: int, n: int, first: int) -> dict[int, list[Action]]:
         return i // m
     return {s: [a for mbs in _minibatch_ranges(m, n, first)
                 for a in one_f_one_b(s, d, mbs, version)] for s in range(d)}
+
+
+def build_naive(d: int, m: int, n: int, first: int) -> dict[int, list[Action]]:
+    """Naive model parallelism (the baseline of GPipe's figure 2b): one microbatch in the
+    pipeline at a time, so each stage idles (d - 1) / d of the time but stashes one
+    microbatch; a flush after each minibatch (vanilla semantics)."""
+    def version(i: int) -> int:
+        return i // m
+    return {s: [a for mbs in _minibatch_ranges(m, n, first)
+                for a in one_at_a_time(s, mbs, version)] for s in range(d)}
 
 
 def build_2bw(d: int, m: int, n: int, first: int) -> dict[int, list[Action]]:

@@ -20,7 +20,7 @@ from ..optim.loss_scale import LossScaleConfig
 from ..optim.compensation import COMPENSATIONS
 from ..optim.muon import MuonConfig
 from ..optim.updater import OptimizerConfig
-from ..schedules import SCHEDULE_NAMES
+from ..schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES
 from .config import DataConfig, ParallelConfig, RunConfig, TrainConfig
 from .errors import UserError
 from .housekeeping import HousekeepingConfig
@@ -251,10 +251,11 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages; data-parallel size = world / (TP x PP)")
     g.add_argument("--pipeline-schedule", default=None,
-                   help="pipeline schedule: " + ", ".join(SCHEDULE_NAMES) + " (default flush)")
-    g.add_argument("--pipeline-no-flushes", action="store_true",
-                   help="the PipeDream-2BW authors' spelling of --pipeline-schedule 2bw")
-    g.add_argument("--gpipe", action="store_true", help="= --pipeline-schedule gpipe")
+                   help="pipeline schedule: " + ", ".join(SCHEDULE_NAMES)
+                   + f" (default {DEFAULT_SCHEDULE})")
+    for spec in SCHEDULES:  # other spellings (the PipeDream-2BW authors' --pipeline-no-flushes)
+        for flag in spec.select_flags:
+            g.add_argument(flag, action="store_true", help=f"= --pipeline-schedule {spec.name}")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
                    help="layers per model chunk: each pipeline rank holds layers per stage / N "
                         "chunks (virtual pipeline stages), which the flush schedule "

@@ -11,6 +11,7 @@ from typing import Optional
 
 from ..models.config import ModelConfig
 from ..optim.updater import OptimizerConfig
+from ..schedules import DEFAULT_SCHEDULE
 from .batch_sizes import BatchSizes
 from .housekeeping import HousekeepingConfig
 
@@ -22,11 +23,12 @@ class ParallelConfig:
     world_size: int
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    schedule: str = "flush"
+    schedule: str = DEFAULT_SCHEDULE  # canonical name (schedules.registry)
     grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16 (with --bf16): bf16 main grads
     # model chunks per pipeline rank (Megatron-LM's virtual_pipeline_model_parallel_size,
     # from --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank);
-    # above 1 the flush schedule interleaves them (Megatron-LM's interleaved 1F1B)
+    # above 1 a schedule with an interleaved form (flush: Megatron-LM's interleaved 1F1B)
+    # interleaves them
     virtual_stages: int = 1
 
     def __post_init__(self) -> None:

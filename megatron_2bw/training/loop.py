@@ -26,7 +26,7 @@ from ..runtime import PipelineExecutor, RunResult
 from ..runtime.grad_sync import GradReduceConfig, TiedGradSync
 from ..runtime.p2p import PeerTimeout, is_timeout
 from ..runtime.topology import data_parallel_group, stage_links
-from ..schedules import Schedule, build_eval_schedule, build_schedule
+from ..schedules import Schedule, build_eval_schedule, build_schedule, schedule_spec
 from ..checkpointing.contents import megatron_args
 from ..checkpointing.save_load import (SaveOptions, prepare_resume, read_checkpoint, restore,
                             save_checkpoint)
@@ -119,7 +119,7 @@ class Trainer:
                  f"{par.schedule} interleaved, {par.virtual_stages} chunks per rank")
         self.sink = MetricsSink(is_logger, t, schedule=label,
                                 world_size=env.world_size, start_iteration=self.iteration,
-                                flags=run.flags)
+                                flags=run.flags, delayed=schedule_spec(par.schedule).delayed)
         self.history: dict[int, dict] = {}
         self.housekeeping = Housekeeping(t.housekeeping, env.rank, env.device)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Optional
 
+from ..schedules import DEFAULT_SCHEDULE, schedule_spec
 from .config import TrainConfig
 from .log_writers import ScalarWriters, perplexity, step_grad_norm
 
@@ -94,13 +95,18 @@ class _Interval:
 class MetricsSink:
     """Writes each iteration's record where the flags asked (only on the logging rank)."""
 
-    def __init__(self, enabled: bool, train: TrainConfig, schedule: str = "flush",
-                 world_size: int = 1, start_iteration: int = 0, flags: Optional[dict] = None):
+    def __init__(self, enabled: bool, train: TrainConfig, schedule: str = DEFAULT_SCHEDULE,
+                 world_size: int = 1, start_iteration: int = 0, flags: Optional[dict] = None,
+                 delayed: Optional[bool] = None):
         """`start_iteration`: where the run starts (the resumed checkpoint's iteration). Rows
         after it, left by a run that crashed past its last checkpoint, are dropped from the
         metrics file and TensorBoard, since this run writes them again: one row per
-        iteration. `flags`: the parsed flags (wandb's run config)."""
+        iteration. `flags`: the parsed flags (wandb's run config). `schedule`: its label;
+        `delayed`: whether it runs a minibatch on weights a step old (then the line shows
+        the version each step published), by default what the registry says of the
+        schedule `schedule` names."""
         self.enabled, self.t, self.schedule = enabled, train, schedule
+        self.delayed = schedule_spec(schedule).delayed if delayed is None else delayed
         self.log_interval, self.train_iters = train.log_interval, train.train_iters
         self._file = self._open_file(train.metrics_file, start_iteration) if enabled else None
         self._writers = (ScalarWriters.open(train, world_size, start_iteration, flags)
@@ -178,9 +184,10 @@ class MetricsSink:
         if not self.t.log_throughput:  # then Megatron-LM's own field above says it
             extras.append(f"TFLOP/s/GPU: {tflops:.3f}")
         extras += [f"ETA: {_hms(eta)}", f"pipeline schedule: {self.schedule}"]
-        if self.schedule == "2bw" and rec.get("weight_version") is not None:
+        if self.delayed and rec.get("weight_version") is not None:
             # the version this step published: W(k) is the weights after k steps, so it is
-            # the iteration; under 2BW it is not the one this minibatch ran on (k - 1)
+            # the iteration; under a delayed schedule (2BW) it is not the one this
+            # minibatch ran on (k - 1)
             extras.append(f"weight version: {rec['weight_version']}")
         return extras
 

@@ -19,7 +19,7 @@ import torch
 
 from .. import comm
 from ..runtime.grad_sync import wait_collective
-from ..schedules import canonical_name
+from ..schedules import schedule_spec
 from .distributed import PROCESS_START
 
 # Share of a 2BW segment's time its drain and refill may cost when stop checks cut the
@@ -30,13 +30,14 @@ DRAIN_BUDGET = 0.02
 def stop_check_interval(schedule: str, num_stages: int, num_microbatches: int) -> int:
     """Minibatches between stop checks, i.e. the longest segment while a stop can come.
 
-    Flush and GPipe drain after every minibatch anyway, so checking after each costs
-    nothing. A 2BW segment of n minibatches idles each stage for about d - 1 of its
-    m x n microbatch slots while the pipeline drains and refills: n = (d - 1) / (m x 2 %)
-    keeps that under 2 % (the simulator gives 1.2-1.5 % for d = 2..16, F = 1, B = 2);
-    2BW needs m >= d, so n is at most 50 minibatches.
+    A schedule that flushes (Flush, GPipe) drains after every minibatch anyway, so
+    checking after each costs nothing. A segment of n minibatches of one that does not
+    (2BW) idles each stage for about d - 1 of its m x n microbatch slots while the
+    pipeline drains and refills: n = (d - 1) / (m x 2 %) keeps that under 2 % (the
+    simulator gives 1.2-1.5 % for d = 2..16, F = 1, B = 2); 2BW needs m >= d, so n is
+    at most 50 minibatches.
     """
-    if canonical_name(schedule) != "2bw" or num_stages == 1:
+    if schedule_spec(schedule).flushes or num_stages == 1:
         return 1
     return math.ceil((num_stages - 1) / (num_microbatches * DRAIN_BUDGET))
 

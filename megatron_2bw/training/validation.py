@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..optim.muon import COEFFICIENT_SETS
-from ..schedules import SCHEDULE_NAMES, canonical_name
+from ..schedules import (DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES, ScheduleSpec,
+                         canonical_name, names_where, schedule_spec)
 from .batch_sizes import BatchSizes
 from .errors import UserError
 
@@ -243,7 +244,8 @@ class Flags:
     def schedules(self) -> set[str]:
         """The schedules the flags name (canonical), for the conflict rule."""
         a = self.args
-        named = {n for n, on in (("2bw", a.pipeline_no_flushes), ("gpipe", a.gpipe)) if on}
+        named = {s.name for s in SCHEDULES for flag in s.select_flags
+                 if getattr(a, _dest(flag), False)}
         return named | ({canonical_name(a.pipeline_schedule)} if a.pipeline_schedule else set())
 
     @property
@@ -252,7 +254,12 @@ class Flags:
 
     @property
     def schedule(self) -> str:
-        return next(iter(self.schedules), "flush")
+        return next(iter(self.schedules), DEFAULT_SCHEDULE)
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """What the schedule is (its rules below read this, never its name)."""
+        return schedule_spec(self.schedule)
 
     @property
     def vp_flag(self) -> str:
@@ -302,6 +309,17 @@ class Flags:
     @property
     def precision(self) -> str:
         return "fp16" if self.args.fp16 else "bf16" if self.args.bf16 else "fp32"
+
+
+def _dest(flag: str) -> str:
+    """argparse's attribute for `flag` (--pipeline-no-flushes -> pipeline_no_flushes)."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+_SELECT_FLAGS = ", ".join(["--pipeline-schedule"] + [f for s in SCHEDULES for f in s.select_flags])
+_INTERLEAVING = " or ".join(names_where(lambda s: s.supports_virtual_stages))
+_DELAYED = " or ".join(names_where(lambda s: s.delayed))
+_DELAYED_PROSE = " or ".join(s.display_name for s in SCHEDULES if s.delayed)
 
 
 def _known_schedule(name: Optional[str]) -> bool:
@@ -371,9 +389,9 @@ VIRTUAL_STAGE_RULES: tuple[Rule, ...] = (
          "model chunks over; give 2 or more pipeline stages, as Megatron-LM requires "
          "(docs/megatron-flags.md)"),
     Rule("{f.vp_flag}, --pipeline-schedule",
-         lambda f: f.virtual_stages <= 1 or f.schedule == "flush",
-         "virtual pipeline stages run the interleaved flush schedule only, not {f.schedule}",
-         "use --pipeline-schedule flush, or drop {f.vp_flag}"),
+         lambda f: f.virtual_stages <= 1 or f.spec.supports_virtual_stages,
+         f"virtual pipeline stages run the interleaved {_INTERLEAVING} schedule only, not "
+         "{f.schedule}", f"use --pipeline-schedule {_INTERLEAVING}, or drop {{f.vp_flag}}"),
     Rule("{f.vp_flag}, --global-batch-size",
          lambda f: f.virtual_stages <= 1 or f.interleaved_microbatches_ok,
          "interleaved 1F1B needs every step's microbatch count (global batch / (micro "
@@ -401,7 +419,7 @@ RULES: tuple[Rule, ...] = (
     Rule("--pipeline-schedule", lambda f: _known_schedule(f.args.pipeline_schedule),
          "unknown pipeline schedule {a.pipeline_schedule!r}",
          "use one of " + ", ".join(SCHEDULE_NAMES)),
-    Rule("--pipeline-schedule, --pipeline-no-flushes, --gpipe", lambda f: len(f.schedules) <= 1,
+    Rule(_SELECT_FLAGS, lambda f: len(f.schedules) <= 1,
          "conflicting pipeline schedules: {f.named_schedules}", "name one schedule"),
     Rule("--fp16, --bf16", lambda f: not (f.args.fp16 and f.args.bf16),
          "--fp16 and --bf16 are exclusive", "choose one (or neither, for fp32)"),
@@ -465,9 +483,11 @@ RULES: tuple[Rule, ...] = (
     Rule("--train-samples", lambda f: not f.sample_based or f.train_iters >= 1,
          "--train-samples {a.train_samples} is less than one step", "train on more samples"),
     Rule("--global-batch-size, --pipeline-schedule",
-         lambda f: f.schedule != "2bw" or f.microbatches >= f.args.pipeline_model_parallel_size,
-         "2BW needs at least as many microbatches ({f.microbatches} = global batch / (micro "
-         "batch x data parallel)) as pipeline stages ({a.pipeline_model_parallel_size})",
+         lambda f: (f.microbatches
+                    >= f.spec.min_microbatches(f.args.pipeline_model_parallel_size)),
+         "{f.spec.display_name} needs at least as many microbatches ({f.microbatches} = "
+         "global batch / (micro batch x data parallel)) as pipeline stages "
+         "({a.pipeline_model_parallel_size})",
          "raise --global-batch-size to at least {f.args.pipeline_model_parallel_size} x "
          "{f.per_step}"),
     Rule("--lr-warmup-fraction, --lr-warmup-iters",
@@ -494,8 +514,9 @@ RULES: tuple[Rule, ...] = (
          " else --min-lr) is above --decoupled-lr {a.decoupled_lr}",
          "use a final rate at most the peak"),
     Rule("--rampup-batch-size, --pipeline-schedule",
-         lambda f: f.schedule != "2bw" or f.fewest_microbatches >= f.args.pipeline_model_parallel_size,
-         "2BW needs at least as many microbatches as pipeline stages "
+         lambda f: (f.fewest_microbatches
+                    >= f.spec.min_microbatches(f.args.pipeline_model_parallel_size)),
+         "{f.spec.display_name} needs at least as many microbatches as pipeline stages "
          "({a.pipeline_model_parallel_size}) in every step; the ramp starts with "
          "{f.fewest_microbatches}", "start the ramp at {a.pipeline_model_parallel_size} x "
          "{f.per_step} samples or more"),
@@ -539,10 +560,10 @@ RULES: tuple[Rule, ...] = (
          "--muon-num-ns-steps {a.muon_num_ns_steps} does not cycle whole quintic coefficient "
          "sets", f"use a multiple of {_NS_PERIOD}"),
     Rule("--delay-compensation, --pipeline-schedule",
-         lambda f: f.args.delay_compensation == "none" or f.schedule == "2bw",
-         "--delay-compensation {a.delay_compensation} compensates 2BW's one-step delay; "
-         "schedule {f.schedule} has none",
-         "use --pipeline-schedule 2bw or --delay-compensation none"),
+         lambda f: f.args.delay_compensation == "none" or f.spec.delayed,
+         "--delay-compensation {a.delay_compensation} compensates the one-step delay of "
+         f"{_DELAYED_PROSE}; schedule {{f.schedule}} has none",
+         f"use --pipeline-schedule {_DELAYED} or --delay-compensation none"),
 )
 
 
