@@ -39,6 +39,20 @@ def test_plan_leaves_out_what_the_gpus_cannot_hold() -> None:
     assert "--pipeline-schedule flush" in tp2[5] and "--bf16" not in tp2[5]
 
 
+def test_the_trainer_accepts_every_gpu_run() -> None:
+    """The GPU sizes are launched only on the GPU machine: their flags must pass the
+    trainer's checks here, with the vocabulary padded alike at TP 1 and 2."""
+    from megatron_2bw.training.arguments import config_from_args, parse_args
+    from megatron_2bw.training.data_sources import tokenizer_from_args
+
+    for run in gpu_parity.plan(8):
+        args = parse_args("gpt", run.flags(gpu_parity.GPU))
+        vocab = tokenizer_from_args(args, "gpt").vocab_size
+        config = config_from_args(args, "gpt", run.layout.processes, vocab)
+        assert config.parallel.schedule == run.schedule
+        assert config.model.vocab_size == 32768, run.name
+
+
 def _rows(losses: list[float], norms: list[float]) -> str:
     return "".join(json.dumps({"split": "train", "iteration": i + 1, "loss": l,
                                "grad_norm": g, "iteration_time_s": 0.1}) + "\n"

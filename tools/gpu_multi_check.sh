@@ -2,7 +2,7 @@
 # Multi-GPU parity check of megatron-2bw, on N >= 2 GPUs of one node:
 #   1. install what is missing (as tools/gpu_check.sh: carried wheels, else pip);
 #   2. flush and 2bw, each at PP1 (the reference), PP2, DP2, TP2 and DP2 x PP2 (4 GPUs),
-#      through pretrain_gpt.py under torchrun on NCCL: a 134M GPT in fp32 (8 layers,
+#      through pretrain_gpt.py under torchrun on NCCL: a 135M GPT in fp32 (8 layers,
 #      hidden 1024, seq 1024, micro-batch 4: a 16 MiB boundary tensor), 10 iterations,
 #      the same global batch and samples at every layout;
 #   3. after every run, benchmarks.gpu_parity compares each run's loss and gradient norm
@@ -30,7 +30,7 @@ while (( $# )); do
     --gpus) [[ $# -ge 2 ]] || usage_error "--gpus needs a number (e.g. --gpus 8)"
             GPUS=$2; shift ;;
     --gpus=*) GPUS=${1#--gpus=} ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) usage_error "unknown argument $1 (use --gpus N, --dry-run)" ;;
   esac
   shift

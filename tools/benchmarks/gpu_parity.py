@@ -100,7 +100,7 @@ def _common(iterations: int) -> tuple[str, ...]:
 
 # Boundary tensor micro-batch 4 x seq 1024 x hidden 1024 in fp32 = 16 MiB, past NCCL's
 # buffers: the size at which crossing sends and receives on one stream could hang
-# (docs/performance.md, "What a multi-GPU check must add"). 134M parameters; vocabulary
+# (docs/performance.md, "What a multi-GPU check must add"). 135M parameters; vocabulary
 # 32767 + the mock tokenizer's end-of-document id = 32768 pads alike at TP 1 and 2.
 # Global batch 16 = micro-batch 4 x m 4 (m 2 per replica at DP2; 2BW needs m >= PP).
 GPU = Sizes(flags=("--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
@@ -108,7 +108,7 @@ GPU = Sizes(flags=("--num-layers", "8", "--hidden-size", "1024", "--num-attentio
                    "--micro-batch-size", "4", "--global-batch-size", "16",
                    "--vocab-size", "32767", "--make-vocab-size-divisible-by", "128",
                    "--lr", "1e-4", *_common(10)),
-            label="GPT 134M (8 layers, hidden 1024, 16 heads, seq 1024, vocab 32768), fp32, "
+            label="GPT 135M (8 layers, hidden 1024, 16 heads, seq 1024, vocab 32768), fp32, "
                   "micro-batch 4, global batch 16, 10 iterations",
             iterations=10, run_limit_s=120, install_limit_s=60)
 # tests/entry_harness.py's TINY model, 3 iterations
