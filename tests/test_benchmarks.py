@@ -177,7 +177,7 @@ def test_gpu_check_dry_run(tmp_path) -> None:
     the refused interleaving at depth 1, one extra weight version, the executor against
     a plain megatron-core loop on the same model and data."""
     proc = _run(["bash", "tools/gpu_check.sh", "--dry-run"], env={"OUT": str(tmp_path)},
-                timeout=180)
+                timeout=420)
     assert "Stage programs at pipeline depth 1" in proc.stdout
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["dry_run"] is True
