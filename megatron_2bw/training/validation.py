@@ -514,7 +514,9 @@ RULES: tuple[Rule, ...] = (
          " else --min-lr) is above --decoupled-lr {a.decoupled_lr}",
          "use a final rate at most the peak"),
     Rule("--rampup-batch-size, --pipeline-schedule",
-         lambda f: (f.fewest_microbatches
+         # only a schedule that needs m >= d asks for the ramp's sizes (a ramp another
+         # rule refuses may not even have them)
+         lambda f: (not f.spec.microbatches_at_least_stages or f.fewest_microbatches
                     >= f.spec.min_microbatches(f.args.pipeline_model_parallel_size)),
          "{f.spec.display_name} needs at least as many microbatches as pipeline stages "
          "({a.pipeline_model_parallel_size}) in every step; the ramp starts with "
