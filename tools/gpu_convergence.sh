@@ -4,7 +4,8 @@
 # at pipeline depth 1, bf16, on the largest real text the machine has offline; arms
 # flush-adam, 2bw-adam and 2bw-muon-ef on the same tokens, in the same order, with the
 # same seed (2BW's one-step weight delay holds at any depth). Steps:
-#   1. install what is missing (carried wheels in .whl/, else pip, else `make install`);
+#   1. install what is missing (carried wheels in .whl/, else pip, else `make install`;
+#      carry the tokenizers wheel too: the trainer reads real text with it);
 #   2. data: the offline corpus, data/cache/offline-corpus (carry it: build it first with
 #      `python tools/build_default_corpus.py --preset offline`), else built here within
 #      the step's limit, else (data_fallback) the small embedded corpus;
@@ -30,7 +31,7 @@ DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "tools/gpu_convergence.sh: error: unknown argument $arg (use --dry-run)" >&2; exit 2 ;;
   esac
 done

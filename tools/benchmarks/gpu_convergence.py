@@ -150,6 +150,12 @@ def ensure_data(work: Path, dry_run: bool, fallback: bool, workers: int) -> dict
         spec, root = PRESETS["offline"], ROOT / "data" / "cache"
     prebuilt = load_manifest(str(root / spec.subdir), spec) is not None
     data = ensure_default_data(str(root), spec, workers)
+    try:  # the trainer will need it: better one line now than three failed arms later
+        data.gpt_tokenizer.build()
+    except ImportError as e:
+        raise SystemExit(f"error: {e}: the trainer reads this corpus with the `tokenizers` "
+                         "package; carry its wheel in .whl (docs/convergence.md, 'At GPU "
+                         "scale')") from None
     manifest = json.loads((Path(data.root) / "manifest.json").read_text())
     info = {"preset": spec.name, "fallback": fallback, "prebuilt": prebuilt,
             "root": data.root, "flags": data.gpt_flags(), "documents": data.num_documents,
