@@ -22,7 +22,7 @@
 #
 #   bash tools/gpu_convergence.sh            # on the GPU machine (carry .whl and
 #                                            # data/cache/offline-corpus)
-#   bash tools/gpu_convergence.sh --dry-run  # CPU, tiny sizes, about 40 s: what the tests run
+#   bash tools/gpu_convergence.sh --dry-run  # CPU, tiny sizes, 40-75 s: what the tests run
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
