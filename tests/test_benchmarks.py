@@ -243,6 +243,74 @@ def test_gpu_check_summary_shows_steps_not_run(tmp_path) -> None:
     assert "| gpt_gpipe | not run |" in (tmp_path / "gpu_check.md").read_text()
 
 
+def test_gpu_convergence_dry_run(tmp_path) -> None:
+    """The GPU convergence script on CPU at tiny sizes: data built with the offline recipe,
+    calibration, plan, the three arms on the same tokens, and the summary files alone in
+    the results folder (the GPU machine sends back a few files only)."""
+    proc = _run(["bash", "tools/gpu_convergence.sh", "--dry-run"],
+                env={"OUT": str(tmp_path), "PYTHON": sys.executable}, timeout=300)
+    assert "Validation loss at iteration 10" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gpu_convergence.json", "gpu_convergence.log", "gpu_convergence.md",
+        "gpu_convergence.png"]
+    summary = json.loads((tmp_path / "gpu_convergence.json").read_text())
+    assert summary["dry_run"] is True
+    assert {n: s["status"] for n, s in summary["steps"].items()} == {
+        "install": "ok", "data": "ok", "calibrate": "ok", "plan": "ok", "flush-adam": "ok",
+        "2bw-adam": "ok", "2bw-muon-ef": "ok"}
+    plan, data = summary["plan"], summary["data"]
+    assert plan["calibration"]["seconds_per_iteration"] > 0
+    assert plan["iterations"] == 10 and plan["limited_by"] == "dry-run cap"
+    assert plan["tokens_per_arm"] == 10 * 8 * 64  # iterations x global batch x sequence
+    train = data["split_tokens"]["train"]
+    assert data["preset"] == "offline-dry-run" and 0 < train < data["tokens"]
+    comparison = summary["comparison"]
+    assert comparison["iteration"] == 10
+    rows = comparison["rows"]
+    assert set(rows) == {"flush-adam", "2bw-adam", "2bw-muon-ef"}
+    for arm, row in rows.items():
+        assert row["tokens"] == plan["tokens_per_arm"]
+        assert row["epochs"] == pytest.approx(plan["tokens_per_arm"] / train)
+        assert 0 < row["best_val_loss"] <= row["final_val_loss"] < 10
+        assert summary["arms"][arm]["iterations"] == 10
+        assert len(summary["arms"][arm]["val_curve"]) == 10
+    assert rows["flush-adam"]["final_val_loss_vs_flush_adam"] == 0
+    gap = rows["2bw-adam"]["final_val_loss_vs_flush_adam"]
+    assert gap == pytest.approx(100 * (rows["2bw-adam"]["final_val_loss"]
+                                       / rows["flush-adam"]["final_val_loss"] - 1))
+    # the same data, seed and learning rate: 2BW's first update is flush's (the initial
+    # weights' gradient); its second applies a gradient one version old, so the losses
+    # part from the third iteration on
+    losses = {arm: summary["arms"][arm]["train_loss"] for arm in rows}
+    assert losses["2bw-adam"][:2] == losses["flush-adam"][:2]
+    assert losses["2bw-adam"][2] != losses["flush-adam"][2]
+    text = (tmp_path / "gpu_convergence.md").read_text()
+    assert text.startswith("# GPU convergence (dry run")
+    for arm in rows:
+        assert f"| {arm} | ok | 0.01M | " in text
+    assert (tmp_path / "gpu_convergence.png").stat().st_size > 0
+
+
+def test_gpu_convergence_compares_where_every_arm_got() -> None:
+    """An arm cut short by its time limit: all arms are compared at its last validation,
+    with the tokens up to there and the best loss up to there."""
+    from benchmarks.gpu_convergence import compare
+
+    def run(curve: list[tuple[int, float]], iterations: int) -> dict:
+        return {"val_curve": [list(p) for p in curve], "iterations": iterations,
+                "train_loss": [5.0] * iterations}
+
+    results = {"flush-adam": run([(10, 6.0), (20, 5.0), (30, 4.0)], 30),
+               "2bw-adam": run([(10, 6.5), (20, 5.5)], 24)}  # timed out at iteration 24
+    out = compare(results, tokens_per_iteration=100, train_tokens=4000)
+    assert out["iteration"] == 20
+    flush, tbw = out["rows"]["flush-adam"], out["rows"]["2bw-adam"]
+    assert flush["final_val_loss"] == 5.0 and flush["best_val_loss"] == 5.0
+    assert tbw["final_val_loss_vs_flush_adam"] == pytest.approx(10.0)
+    assert tbw["tokens"] == flush["tokens"] == 2000 and tbw["epochs"] == 0.5
+    assert (flush["trained_tokens"], tbw["trained_tokens"]) == (3000, 2400)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("schedule", ["flush", "2bw"])

@@ -1,7 +1,7 @@
 """The package's import graph runs one way; this test keeps it so.
 
 entry points -> (finetune, evaluation -> hf ->) training -> runtime / models / data / optim ->
-schedules. The planner is
+schedules; planner and models share `shape`, the model's pure shape. The planner is
 pure: it reads schedules (and `models/` only in its profiler, which times the real
 layers), never training or runtime. A new import that breaks a rule fails here with the
 file, the line and the rule.
@@ -18,21 +18,23 @@ ALLOWED = {
     "comm": set(),  # how every layer talks to a process group: below all of them
     "schedules": set(),
     "vocab": set(),
+    # the model's shape and its closed-form sizes: pure, shared by planner and models
+    "shape": {"vocab"},
     "optim": {"comm"},
-    "models": {"vocab", "comm"},
+    "models": {"shape", "vocab", "comm"},
     "data": {"vocab"},
     "runtime": {"schedules", "comm"},
-    "planner": {"schedules", "vocab", "models", "comm"},
+    "planner": {"schedules", "shape", "vocab", "models", "comm"},
     # Megatron-LM's checkpoint layouts: beside training, which writes them
-    "checkpointing": {"models", "comm"},
-    "training": {"runtime", "models", "data", "optim", "schedules", "vocab", "comm",
+    "checkpointing": {"models", "shape", "comm"},
+    "training": {"runtime", "models", "shape", "data", "optim", "schedules", "vocab", "comm",
                  "checkpointing"},
     # the optional transformers tools
-    "hf": {"training", "models", "data", "vocab", "checkpointing"},
+    "hf": {"training", "models", "shape", "data", "vocab", "checkpointing"},
     # tools/evaluate.py: a checkpoint (through hf's loader) or an HF directory, scored
-    "evaluation": {"hf", "training", "models", "data", "vocab", "checkpointing"},
+    "evaluation": {"hf", "training", "models", "shape", "data", "vocab", "checkpointing"},
     # tools/finetune.py: a BERT run with a task head, trained by training's Trainer
-    "finetune": {"training", "models", "data", "vocab", "checkpointing"},
+    "finetune": {"training", "models", "shape", "data", "vocab", "checkpointing"},
 }
 # finer rules: (importing module, imported layer) pairs allowed only in these files
 ONLY_IN = {("planner", "models"): {"planner/profile.py"}}

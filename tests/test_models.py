@@ -6,7 +6,9 @@ parameter name; the tests below compare those against the PP=1, TP=1 reference.
 """
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -269,3 +271,56 @@ def test_tp_shard_keeps_megatron_cores_strided_layout():
     assert tp_shard(full, 0, 2, 0, 2).flatten().tolist() == [0, 1, 4, 5]
     assert tp_shard(full, 0, 2, 1, 2).flatten().tolist() == [2, 3, 6, 7]
     assert tp_shard(full, 0, 1, 1, 2).flatten().tolist() == [4, 5, 6, 7]
+
+
+# ------------------------------------------------------------------ the shared shape
+
+def test_model_config_is_the_planners_shape_with_its_vocab_padded():
+    """One shape: a ModelConfig counts like the planner's ModelShape of the same sizes;
+    the vocabulary is the one difference, explicit (the planner pads it per plan)."""
+    from megatron_2bw.shape import ModelShape
+
+    shape = ModelShape("gpt", 2, 64, 4, 8, 1000)
+    config = _tiny_config(vocab_size=pad_vocab_size(1000, 128, 2))
+    assert isinstance(config, ModelShape) and not shape.vocab_is_padded
+    assert (shape.padded_vocab(1), shape.padded_vocab(2), shape.padded_vocab(16)) == (
+        1024, 1024, 2048)
+    assert config.padded_vocab(1) == config.padded_vocab(16) == 1024  # taken as it is
+    assert _tiny_config(vocab_size=1000).padded_vocab(2) == 1000  # never padded again
+    for method, args in (("layer_params", ()), ("embedding_params", (2,)),
+                         ("output_params", (2, 2)), ("layer_forward_flops", (3,)),
+                         ("output_forward_flops", (3, 2)), ("layer_activation_bytes", (3, 2))):
+        assert getattr(config, method)(*args) == getattr(shape, method)(*args), method
+    with pytest.raises(ValueError, match=r"num_layers=0 must be a positive integer \(--num-layers"):
+        ModelShape("gpt", 0, 64, 4, 8, 1000)
+
+
+_BUILT_LAYER = """
+import json, sys
+from megatron_2bw.models import build_stage
+from megatron_2bw.models.compat import apply_cpu_shims
+from megatron_2bw.models.config import ModelConfig
+from megatron_2bw.planner.profile import _single_process_megatron
+apply_cpu_shims()
+out = []
+with _single_process_megatron():
+    for fields in json.loads(sys.argv[1]):
+        config = ModelConfig(**fields)
+        layer = build_stage(config, 0, 1).model.decoder.layers[0]
+        out.append([sum(p.numel() for p in layer.parameters()), config.layer_params()])
+print(json.dumps(out))
+"""
+
+
+def test_shape_counts_a_built_layers_parameters():
+    """`layer_params` (grouped-query attention, kv-channels, SwiGLU) against the numel of
+    a megatron-core layer built from the same config, in a child process (the CPU shims
+    and the process group stay out of this one)."""
+    base = dict(model="gpt", num_layers=1, hidden_size=64, num_attention_heads=4,
+                seq_length=8, vocab_size=128)
+    variants = [base, {**base, "num_query_groups": 2, "swiglu": True, "ffn_hidden_size": 96},
+                {**base, "kv_channels": 8, "num_query_groups": 1}]
+    done = subprocess.run([sys.executable, "-c", _BUILT_LAYER, json.dumps(variants)],
+                          capture_output=True, text=True, timeout=300, check=True)
+    for built, counted in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert built == counted

@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from megatron_2bw.planner import (PRESETS, CostModel, FlopsCompute, Hardware, ModelSpec,
+from megatron_2bw.planner import (PRESETS, CostModel, FlopsCompute, Hardware, ModelShape,
                                   ParallelConfig, SearchSpace, enumerate_configs, explain,
                                   load_hardware, search)
 from megatron_2bw.planner.cli import main as cli_main
@@ -37,13 +37,13 @@ from megatron_2bw.planner.placement import (Layout, collective_bandwidth, p2p_ba
 from megatron_2bw.schedules import Costs, build_schedule, simulate
 
 P3 = PRESETS["p3.16xlarge"]
-GPT_2_2B = ModelSpec("gpt", 32, 2304, 32, 512, 50257)
-SMALL = ModelSpec("gpt", 8, 512, 8, 128, 1024)
-BIG_VOCAB = ModelSpec("gpt", 8, 512, 8, 128, 50257)  # logits: 2V / (24h + 4s) = 7.9 layers
+GPT_2_2B = ModelShape("gpt", 32, 2304, 32, 512, 50257)
+SMALL = ModelShape("gpt", 8, 512, 8, 128, 1024)
+BIG_VOCAB = ModelShape("gpt", 8, 512, 8, 128, 50257)  # logits: 2V / (24h + 4s) = 7.9 layers
 BLOCK_2 = Recompute("full", "block", 2)
 
 
-def cost_model(model: ModelSpec = SMALL, hw: Hardware = P3) -> CostModel:
+def cost_model(model: ModelShape = SMALL, hw: Hardware = P3) -> CostModel:
     return CostModel(model, FlopsCompute(model, hw), hw)
 
 
@@ -770,7 +770,7 @@ def test_profiler_measures_a_tiny_megatron_layer(tmp_path):
            "--tensor-parallel-sizes", "1,2", "--output", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     prof = load_profile(str(out))
-    model = ModelSpec("gpt", 2, 64, 4, 32, 128)
+    model = ModelShape("gpt", 2, 64, 4, 32, 128)
     assert not prof.matches(model) and [e.micro_batch_size for e in prof.entries] == [1, 2]
     layers = ProfiledCompute(prof, model)
     for b in (1, 2):
@@ -803,7 +803,7 @@ def test_profiler_measures_in_concurrent_processes(tmp_path):
            "--concurrent-processes", "2", "--output", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     prof = load_profile(str(out))
-    model = ModelSpec("gpt", 2, 64, 4, 32, 128)
+    model = ModelShape("gpt", 2, 64, 4, 32, 128)
     assert not prof.matches(model) and [e.micro_batch_size for e in prof.entries] == [1, 2]
     assert all(e.layer.forward_s > 0 and e.embedding.backward_s > 0 and e.output.forward_s > 0
                for e in prof.entries)

@@ -421,8 +421,9 @@ def mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> tuple[list[int]
     return common, [statistics.fmean(m[i] for m in maps) for i in common]
 
 
-def plot(results: Sequence[dict], plot_dir: str) -> list[str]:
-    """One PNG per (model, lr): each arm's mean training (left) and validation (right) loss."""
+def plot(results: Sequence[dict], plot_dir: str, note: str = "mean over seeds") -> list[str]:
+    """One PNG per (model, lr): each arm's mean training (left) and validation (right) loss;
+    `note` ends each panel's title."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -438,7 +439,7 @@ def plot(results: Sequence[dict], plot_dir: str) -> list[str]:
             it, loss = mean_curve([[tuple(p) for p in r["val_curve"]] for r in group])
             va.plot(it, loss, style, color=colour, marker="o", ms=3, label=label)
         for ax, what in ((tr, "training"), (va, "validation")):
-            ax.set(title=f"{model.upper()} lr {lr_str(lr)}: {what} loss (mean over seeds)",
+            ax.set(title=f"{model.upper()} lr {lr_str(lr)}: {what} loss ({note})",
                    xlabel="iteration", ylabel="loss")
         va.legend(fontsize=8)
         fig.tight_layout()

@@ -18,18 +18,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_2bw.planner import (PRESETS, CostModel, FlopsCompute, ModelSpec,  # noqa: E402
+from megatron_2bw.planner import (PRESETS, CostModel, FlopsCompute, ModelShape,  # noqa: E402
                                   ParallelConfig, SearchSpace, search)
 from megatron_2bw.planner.cost_model import Estimate  # noqa: E402
 from megatron_2bw.planner.explain import best_per_group  # noqa: E402
 from megatron_2bw.planner.search import INTERLEAVED, divisors  # noqa: E402
 
 HW = PRESETS["p3.16xlarge"]
-MODELS = {"GPT-2.2B": ModelSpec("gpt", 32, 2304, 32, 512, 50257),
-          "GPT-3.8B": ModelSpec("gpt", 32, 3072, 32, 512, 50257)}
+MODELS = {"GPT-2.2B": ModelShape("gpt", 32, 2304, 32, 512, 50257),
+          "GPT-3.8B": ModelShape("gpt", 32, 3072, 32, 512, 50257)}
 
 
-def cost_model(model: ModelSpec) -> CostModel:
+def cost_model(model: ModelShape) -> CostModel:
     return CostModel(model, FlopsCompute(model, HW), HW)
 
 

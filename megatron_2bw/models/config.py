@@ -1,9 +1,12 @@
 """The narrow model configuration a pipeline stage is built from.
 
-`ModelConfig` holds only what shapes the network and its initialization; parallel sizes
-come from megatron-core's `parallel_state` at build time, so the same config describes
-a PP=1 reference run and any pipelined / tensor-parallel split of it. The one exception
-is Megatron-LM's uneven first / last stage (`num_layers_in_first_pipeline_stage`,
+`ModelConfig` is a `ModelShape` (megatron_2bw/shape.py: the sizes and their closed-form
+parameter / FLOP counts, shared with the planner) with the vocabulary already padded and
+precision, initialization and the rest of the architecture added. It holds only what
+shapes the network and its initialization; parallel sizes come from megatron-core's
+`parallel_state` at build time, so the same config describes a PP=1 reference run and
+any pipelined / tensor-parallel split of it (the padded vocabulary aside). The one
+exception is Megatron-LM's uneven first / last stage (`num_layers_in_first_pipeline_stage`,
 `..._last_...`), which only means something once there are stages: a PP=1 build refuses
 it, exactly as megatron-core's TransformerConfig does.
 
@@ -14,13 +17,13 @@ argument names for what becomes `gated_linear_unit` + SiLU and GPTModel's argume
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
+from ..shape import ModelShape
 from ..vocab import pad_vocab_size  # noqa: F401  (re-exported)
 
-MODEL_KINDS = ("gpt", "bert")
 # downstream heads on BERT's pooled [CLS] state (tools/finetune.py)
 TASK_HEADS = ("classification", "multiple_choice")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
@@ -33,14 +36,6 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 # nothing to act on.
 RECOMPUTE_MODULES = ("core_attn", "mlp")
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def swiglu_ffn_size(hidden_size: int) -> int:
-    """Megatron-LM's default MLP width with --swiglu: 2/3 of 4h, rounded down to 64.
-
-    Two input projections (gate and up) keep the parameter count near the 4h GeLU MLP.
-    """
-    return int((4 * hidden_size * 2 / 3) / 64) * 64
 
 
 def stage_layer_counts(num_layers: int, num_stages: int, first: Optional[int] = None,
@@ -78,28 +73,20 @@ def stage_layer_counts(num_layers: int, num_stages: int, first: Optional[int] = 
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ModelShape):
     """Architecture, precision and initialization of a GPT or BERT model.
 
-    Validated once in `__post_init__`; every stage of every split is built from it.
+    The shape's fields come first (`ModelShape`: model, num_layers, hidden_size,
+    num_attention_heads, seq_length, vocab_size, ffn_hidden_size, swiglu,
+    num_query_groups, kv_channels); `vocab_size` here is already padded (see
+    `pad_vocab_size`) to a multiple of 128 * tp. Validated once in `__post_init__`;
+    every stage of every split is built from it.
     """
 
-    model: str
-    """Which network: "gpt" (causal LM) or "bert" (masked LM + sentence-order head)."""
-    num_layers: int
-    """Transformer layers in the whole model (all pipeline stages together)."""
-    hidden_size: int
-    """Width of the residual stream."""
-    num_attention_heads: int
-    """Attention heads per layer (all tensor-parallel ranks together)."""
-    seq_length: int
-    """Tokens per sample; the boundary tensor between stages is [seq_length, mb, hidden]."""
-    vocab_size: int
-    """Vocabulary size, already padded (see `pad_vocab_size`) to a multiple of 128 * tp."""
+    vocab_is_padded: ClassVar[bool] = True
+
     max_position_embeddings: Optional[int] = None
     """Rows of the learned position embedding; defaults to seq_length."""
-    ffn_hidden_size: Optional[int] = None
-    """Inner width of the MLP; defaults to 4 * hidden_size (swiglu: `swiglu_ffn_size`)."""
     init_method_std: float = 0.02
     """Std of the normal init; output projections use std / sqrt(2 * num_layers)."""
     hidden_dropout: float = 0.1
@@ -143,12 +130,6 @@ class ModelConfig:
     """RoPE: Llama 3.x frequency scaling."""
     rope_scaling_factor: float = 8.0
     """RoPE: the Llama 3.x scaling factor."""
-    swiglu: bool = False
-    """Gated MLP with SiLU: fc1 projects to [gate; up] (2 x ffn), fc2 reads gate * up."""
-    num_query_groups: Optional[int] = None
-    """Grouped-query attention: key/value heads; None = num_attention_heads (MHA)."""
-    kv_channels: Optional[int] = None
-    """Channels per attention head; None = hidden_size / num_attention_heads."""
     add_bias_linear: bool = True
     """Biases on every linear layer of attention and MLP (Megatron-LM's
     --disable-bias-linear clears it)."""
@@ -177,37 +158,20 @@ class ModelConfig:
     """task "multiple_choice": the choices per sample; each is its own encoder row, so
     the boundary between stages carries micro_batch_size x num_choices rows."""
 
-    def __post_init__(self) -> None:
-        problems = (self._size_problems() + self._choice_problems() + self._rope_problems()
-                    + self._recompute_problems() + self._bert_problems()
-                    + self._task_problems())
-        if problems:
-            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+    def _problems(self) -> list[str]:
+        """The shape's problems (`ModelShape`), then the rest of the architecture's; the
+        checks that read sizes run only on a valid shape."""
+        shape = self._shape_problems()
+        sized = [] if shape else self._size_problems() + self._rope_problems()
+        return (shape + sized + self._choice_problems() + self._recompute_problems()
+                + self._bert_problems() + self._task_problems())
 
     def _size_problems(self) -> list[str]:
         problems = []
-        sizes = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
-        for name in sizes:
-            if getattr(self, name) <= 0:
-                problems.append(f"{name}={getattr(self, name)} must be positive")
-        for name in ("ffn_hidden_size", "kv_channels", "num_query_groups",
-                     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 problems.append(f"{name}={value} must be positive")
-        if (self.kv_channels is None and self.num_attention_heads > 0
-                and self.hidden_size % self.num_attention_heads):
-            problems.append(
-                f"hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads} (or give kv_channels)"
-            )
-        groups = self.query_groups
-        if groups > 0 and self.num_attention_heads % groups:
-            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible "
-                            f"by num_query_groups={groups}")
-        if self.ffn_size <= 0:
-            problems.append(f"swiglu's default MLP width is {self.ffn_size} for hidden_size="
-                            f"{self.hidden_size}; give ffn_hidden_size")
         if self.max_positions < self.seq_length:
             problems.append(
                 f"max_position_embeddings={self.max_positions} < seq_length={self.seq_length}"
@@ -216,7 +180,7 @@ class ModelConfig:
 
     def _choice_problems(self) -> list[str]:
         problems = []
-        for name, allowed in (("model", MODEL_KINDS), ("normalization", NORMALIZATIONS),
+        for name, allowed in (("normalization", NORMALIZATIONS),
                               ("position_embedding_type", POSITION_EMBEDDINGS),
                               ("params_dtype", PARAMS_DTYPES)):
             if getattr(self, name) not in allowed:
@@ -296,23 +260,6 @@ class ModelConfig:
     def rows_per_sample(self) -> int:
         """Encoder rows per sample: the choices of a multiple-choice sample, else 1."""
         return self.num_choices if self.task == "multiple_choice" else 1
-
-    @property
-    def ffn_size(self) -> int:
-        """The MLP inner width actually used (per gate / up half with swiglu)."""
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        return swiglu_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
-
-    @property
-    def head_dim(self) -> int:
-        """Channels per attention head (kv_channels or hidden / heads)."""
-        return self.kv_channels or self.hidden_size // max(self.num_attention_heads, 1)
-
-    @property
-    def query_groups(self) -> int:
-        """Key/value heads (num_query_groups or, for MHA, the attention heads)."""
-        return self.num_query_groups or self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:

@@ -11,6 +11,7 @@ imports torch). Typical use:
 """
 from __future__ import annotations
 
+from ..shape import ModelShape  # noqa: F401
 from .compute import FlopsCompute, Profile, ProfiledCompute, load_profile  # noqa: F401
 from .cost_model import CostModel, Estimate, StageCost, pipeline_timing  # noqa: F401
 from .explain import explain, format_table  # noqa: F401
@@ -18,5 +19,5 @@ from .hardware import PRESETS, Hardware, load_hardware  # noqa: F401
 from .report import launch_command, plan_flags, to_json  # noqa: F401
 from .search import (SearchResult, SearchSpace, enumerate_configs, search,  # noqa: F401
                      uneven_splits)
-from .spec import (FULL, NO_RECOMPUTE, SELECTIVE, ModelSpec, ParallelConfig,  # noqa: F401
-                   Precision, Recompute, split_layers)
+from .spec import (FULL, NO_RECOMPUTE, SELECTIVE, ParallelConfig, Precision,  # noqa: F401
+                   Recompute, split_layers)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..schedules import SCHEDULE_NAMES, canonical_name
+from ..shape import ModelShape
 from .compute import FlopsCompute, LayerModel, ProfiledCompute, load_profile
 from .cost_model import CostModel
 from .explain import format_table
@@ -33,7 +34,7 @@ from .launch import (FORMS, Job, LaunchError, add_launch_flags, check_launch_arg
 from .report import ENTRY_POINTS, plan_groups, to_json
 from .search import SearchResult, SearchSpace, search
 from .spec import (COMPENSATIONS, DEFAULT_RECOMPUTE_OPTIONS, OPTIMIZERS, SCHEDULES,
-                   ModelSpec, Recompute, optimizer_precision)
+                   Recompute, optimizer_precision)
 
 logger = logging.getLogger(__name__)
 DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
@@ -134,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_from_args(args: argparse.Namespace) -> ModelSpec:
+def model_from_args(args: argparse.Namespace) -> ModelShape:
     vocab = args.vocab_size or DEFAULT_VOCAB[args.model]
-    return ModelSpec(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
+    return ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
                      args.seq_length, vocab, args.ffn_hidden_size)
 
 
@@ -154,7 +155,7 @@ def _check_gpus(args: argparse.Namespace, hw: Hardware) -> None:
                                    f"{per_node} devices per server of {hw.name}")
 
 
-def _layers(args: argparse.Namespace, model: ModelSpec, hw: Hardware) -> LayerModel:
+def _layers(args: argparse.Namespace, model: ModelShape, hw: Hardware) -> LayerModel:
     if not args.profile:
         return FlopsCompute(model, hw)
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .hardware import Hardware
-from .spec import ModelSpec
+from ..shape import ModelShape
 
 PROFILE_FORMAT = "megatron-2bw-profile/1"
 
@@ -47,13 +47,13 @@ class LayerModel(Protocol):
 class FlopsCompute:
     """Compute time = FLOPs / achieved FLOP/s + a fixed per-layer overhead.
 
-    FLOPs: Narayanan et al. SC21 (see `ModelSpec.layer_forward_flops`); backward = 2x
+    FLOPs: Narayanan et al. SC21 (see `ModelShape.layer_forward_flops`); backward = 2x
     forward; full recomputation runs the forward again inside backward, which is where
     the paper's "about 4/3" comes from ((1 + 2 + 1) / 3); selective recomputation runs
     only the core attention's 4bs^2h again. Embedding lookups are free.
     """
 
-    model: ModelSpec
+    model: ModelShape
     hardware: Hardware
     source: str = "flops"
 
@@ -158,9 +158,9 @@ class Profile:
     tensor_parallel: dict = field(default_factory=dict)
     """{k: tuple of TensorParallelEntry sorted by microbatch size}"""
 
-    def matches(self, spec: ModelSpec) -> list[str]:
+    def matches(self, spec: ModelShape) -> list[str]:
         """Model fields that differ between the profile and `spec` (empty: usable)."""
-        wanted = {"hidden_size": spec.hidden_size, "ffn_hidden_size": spec.ffn,
+        wanted = {"hidden_size": spec.hidden_size, "ffn_hidden_size": spec.ffn_size,
                   "num_attention_heads": spec.num_attention_heads,
                   "seq_length": spec.seq_length, "model": spec.model}
         return [f"{k}: profile {self.model.get(k)!r} vs plan {v!r}" for k, v in wanted.items()
@@ -262,7 +262,7 @@ class ProfiledCompute:
     """
 
     profile: Profile
-    model: ModelSpec
+    model: ModelShape
     activation_bytes: int = 2
     source: str = "profile"
 

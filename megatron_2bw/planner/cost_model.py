@@ -53,7 +53,8 @@ from megatron_2bw.schedules.actions import BACKWARD, FORWARD
 from .compute import LOSS_ALLREDUCES, LayerModel
 from .hardware import GB, Hardware
 from .placement import Layout, collective_bandwidth, p2p_bandwidth, ring_allreduce_s
-from .spec import ModelSpec, ParallelConfig, Precision, Recompute, padded_vocab_size
+from ..shape import ModelShape
+from .spec import ParallelConfig, Precision, Recompute
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class Estimate:
 class CostModel:
     """Everything fixed during one search: model, compute source, cluster, number formats."""
 
-    model: ModelSpec
+    model: ModelShape
     layers: LayerModel
     hardware: Hardware
     precision: Precision = Precision()
@@ -236,7 +237,7 @@ class CostModel:
         seconds = ring_allreduce_s(params * grad_bytes, cfg.data_parallel_width,
                                    dp.bytes_per_s, dp.latency_s)
         if cfg.pipeline_depth > 1 and stage in (0, cfg.pipeline_depth - 1):
-            vocab = padded_vocab_size(self.model.vocab_size, cfg.tensor_parallel)
+            vocab = self.model.padded_vocab(cfg.tensor_parallel)
             embedding = vocab // cfg.tensor_parallel * self.model.hidden_size
             seconds += ring_allreduce_s(embedding * grad_bytes, 2, net.embedding.bytes_per_s,
                                         net.embedding.latency_s)
@@ -391,7 +392,7 @@ def _ends_times(cm: CostModel, cfg: ParallelConfig, first: bool, last: bool) -> 
                             collectives=count if t > 1 else 0)
 
 
-def _stage_params(model: ModelSpec, cfg: ParallelConfig, stage: int, layers: int) -> int:
+def _stage_params(model: ModelShape, cfg: ParallelConfig, stage: int, layers: int) -> int:
     t, d = cfg.tensor_parallel, cfg.pipeline_depth
     params = layers * _layer_params_per_rank(model, t)
     if stage == 0:
@@ -401,7 +402,7 @@ def _stage_params(model: ModelSpec, cfg: ParallelConfig, stage: int, layers: int
     return params
 
 
-def _layer_params_per_rank(model: ModelSpec, t: int) -> int:
+def _layer_params_per_rank(model: ModelShape, t: int) -> int:
     """Weights split by tensor parallelism; LayerNorms and the row-parallel biases are not."""
     h = model.hidden_size
     replicated = 4 * h + 2 * h  # 2 LayerNorms, 2 row-parallel output biases

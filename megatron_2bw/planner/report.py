@@ -10,15 +10,16 @@ from .explain import costs_by_cause, dominant_term, explain
 from .hardware import GB
 from .launch import DEFAULT_PORT, Shell, nodes_for, rendezvous_words
 from .search import SearchResult
-from .spec import ModelSpec, ParallelConfig
+from ..shape import ModelShape
+from .spec import ParallelConfig
 
 ENTRY_POINTS = {"gpt": "pretrain_gpt.py", "bert": "pretrain_bert.py"}
 
 
-def model_flags(model: ModelSpec) -> list[str]:
+def model_flags(model: ModelShape) -> list[str]:
     """Megatron-LM's model flags for `model`."""
     return ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
-            "--ffn-hidden-size", str(model.ffn),
+            "--ffn-hidden-size", str(model.ffn_size),
             "--num-attention-heads", str(model.num_attention_heads),
             "--seq-length", str(model.seq_length),
             "--max-position-embeddings", str(model.seq_length),
@@ -41,7 +42,7 @@ def plan_flags(cfg: ParallelConfig, num_layers: int | None = None) -> list[str]:
             + cfg.recompute.flags() + cfg.stage_flags())
 
 
-def launch_command(model: ModelSpec, cfg: ParallelConfig, devices_per_node: int) -> str:
+def launch_command(model: ModelShape, cfg: ParallelConfig, devices_per_node: int) -> str:
     """The torchrun line of `cfg`'s flags: the plan's part of a launch. On several servers
     the same line runs on each, `$MASTER_ADDR` standing for the one that hosts the
     rendezvous; `--emit` (launch.py) writes complete launches, data and all."""
@@ -53,7 +54,7 @@ def launch_command(model: ModelSpec, cfg: ParallelConfig, devices_per_node: int)
     return " ".join(w if isinstance(w, Shell) else shlex.quote(w) for w in words)
 
 
-def plan_groups(model: ModelSpec, cfg: ParallelConfig,
+def plan_groups(model: ModelShape, cfg: ParallelConfig,
                 args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """The emitted launch's plan flags: model shape, then parallel sizes, schedule, batch,
     recomputation, number format and the optimizer the memory model counted (its delay
@@ -131,7 +132,7 @@ def to_json(cm: CostModel, result: SearchResult) -> dict:
                    "compute_source": cm.layers.source, "hardware": cm.hardware.to_dict(),
                    "model": {"model": cm.model.model, "num_layers": cm.model.num_layers,
                              "hidden_size": cm.model.hidden_size,
-                             "ffn_hidden_size": cm.model.ffn,
+                             "ffn_hidden_size": cm.model.ffn_size,
                              "num_attention_heads": cm.model.num_attention_heads,
                              "seq_length": cm.model.seq_length,
                              "vocab_size": cm.model.vocab_size,

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from ..schedules import schedule_spec
+from ..shape import ModelShape
 from .cost_model import CostModel, Estimate
-from .spec import (DEFAULT_RECOMPUTE_OPTIONS, SCHEDULES, ModelSpec, ParallelConfig, Recompute,
-                   as_recompute, padded_vocab_size, split_layers)
+from .spec import (DEFAULT_RECOMPUTE_OPTIONS, SCHEDULES, ParallelConfig, Recompute,
+                   as_recompute, split_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +77,16 @@ def tensor_parallel_sizes(cm: CostModel, num_gpus: int) -> list[int]:
     """TP divides the server (groups stay inside it), the device count and the heads."""
     per_node = min(cm.hardware.devices_per_node, num_gpus)
     return [t for t in divisors(per_node) if num_gpus % t == 0
-            and cm.model.num_attention_heads % t == 0 and cm.model.ffn % t == 0]
+            and cm.model.num_attention_heads % t == 0 and cm.model.ffn_size % t == 0]
 
 
-def large_vocabulary(model: ModelSpec) -> bool:
+def large_vocabulary(model: ModelShape) -> bool:
     """Whether the embedding and output layer are worth moving layers for: the word
     embedding (first stage; its tied copy on the last) weighs at least half a transformer
     layer, V h >= layer params / 2, i.e. V >= ~6h, which is also where the logits' 2bshV
     FLOPs pass half a layer's 24bsh^2 (GPT-2.2B: V = 50304, 6h = 13824; the logit layer
     costs ~1.75 layers). Below it a whole layer moved overshoots the imbalance."""
-    vocab = padded_vocab_size(model.vocab_size, 1)
+    vocab = model.padded_vocab(1)
     return 2 * vocab * model.hidden_size >= model.layer_params()
 
 

@@ -1,146 +1,19 @@
-"""What is planned: the model's shape, the parallel configuration, the number formats.
+"""What is planned: the parallel configuration, recomputation, the number formats.
 
-Pure dataclasses and the closed-form sizes of a Megatron GPT/BERT layer (parameters,
-FLOPs, activation bytes), each with its source. No torch import: the planner runs anywhere.
+Pure dataclasses, no torch import: the planner runs anywhere. The model's shape and its
+closed-form sizes (parameters, FLOPs, activation bytes) are `megatron_2bw.shape.ModelShape`,
+which the trainer's ModelConfig shares.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any
 
 from ..schedules.registry import SCHEDULES as REGISTERED, ScheduleSpec, schedule_spec
-from ..vocab import pad_vocab_size
 
-MODEL_KINDS = ("gpt", "bert")
 SCHEDULES = tuple(s.name for s in REGISTERED if s.planned_by_default)
 """The schedules a search tries by default (`ScheduleSpec.planned_by_default`)."""
-
-
-def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
-    """Megatron-LM's padding (see megatron_2bw.vocab), argument order of the planner."""
-    return pad_vocab_size(vocab_size, divisible_by, tensor_parallel)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a Megatron GPT or BERT model, named after Megatron-LM's flags."""
-
-    model: str
-    """"gpt" or "bert" (BERT adds the LM-head transform, pooler and binary head)."""
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    vocab_size: int
-    """Unpadded vocabulary size; padding to 128 * tp is applied per plan."""
-    ffn_hidden_size: Optional[int] = None
-    """MLP inner width; None means Megatron's default 4 * hidden_size."""
-
-    def __post_init__(self) -> None:
-        if self.model not in MODEL_KINDS:
-            raise ValueError(f"--model must be one of {MODEL_KINDS}, got {self.model!r}")
-        for flag, value in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
-                            ("--num-attention-heads", self.num_attention_heads),
-                            ("--seq-length", self.seq_length), ("--vocab-size", self.vocab_size),
-                            ("--ffn-hidden-size", self.ffn)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"--hidden-size {self.hidden_size} must be divisible by "
-                             f"--num-attention-heads {self.num_attention_heads}")
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
-
-    # ---- parameters (counted like Megatron's local layer spec: biases and LayerNorms) ----
-    def layer_params(self) -> int:
-        """One transformer layer: QKV + projection (4h^2 + 4h), MLP (2hf + f + h), 2 LayerNorms."""
-        h, f = self.hidden_size, self.ffn
-        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
-
-    def embedding_params(self, tp: int) -> int:
-        """First stage: word embedding (split over tp) + learned positions (+ BERT token types)."""
-        h = self.hidden_size
-        extra = 2 * h if self.model == "bert" else 0
-        return padded_vocab_size(self.vocab_size, tp) * h // tp + self.seq_length * h + extra
-
-    def output_params(self, tp: int, pp: int) -> int:
-        """Last stage: final LayerNorm, the tied output weight's copy when pp > 1, BERT heads.
-
-        Megatron ties the output layer to the word embedding; with pp > 1 the last stage
-        keeps its own copy, kept equal by an all-reduce over the first and last stage.
-        """
-        h = self.hidden_size
-        vocab = padded_vocab_size(self.vocab_size, tp) // tp
-        params = 2 * h + (vocab * h if pp > 1 else 0)
-        if self.model == "bert":  # LM-head dense + LayerNorm + output bias, pooler, binary head
-            params += h * h + h + 2 * h + vocab + h * h + h + 2 * h + 2
-        return params
-
-    def total_params(self) -> int:
-        return (self.num_layers * self.layer_params() + self.embedding_params(1)
-                + self.output_params(1, 1))
-
-    # ---- FLOPs: Narayanan et al., SC21, "Efficient Large-Scale Language Model Training
-    # on GPU Clusters Using Megatron-LM", Section 5.1: a layer's forward is
-    # 24 b s h^2 (1 + s / 6h) FLOPs for f = 4h, the logit layer 2 b s h V, and backward
-    # costs twice the forward; the whole model gives their 72 B s l h^2 (1 + s/6h + V/12lh).
-    def layer_forward_flops(self, b: int) -> float:
-        """QKV and projection 8bsh^2, MLP 4bshf, attention scores and values 4bs^2h."""
-        h, s, f = self.hidden_size, self.seq_length, self.ffn
-        return 8.0 * b * s * h * h + 4.0 * b * s * h * f + 4.0 * b * s * s * h
-
-    def output_forward_flops(self, b: int, tp: int = 1) -> float:
-        """Logits 2bshV (+ BERT's LM-head transform 2bsh^2)."""
-        h, s = self.hidden_size, self.seq_length
-        flops = 2.0 * b * s * h * padded_vocab_size(self.vocab_size, tp)
-        return flops + (2.0 * b * s * h * h if self.model == "bert" else 0.0)
-
-    # ---- activation bytes: Korthikanti et al. 2022, "Reducing Activation Recomputation in
-    # Large Transformer Models", Section 4: per layer s b h (34 + 5 a s / h) bytes with
-    # 16-bit activations and 1-byte dropout masks; with tensor parallelism t (no sequence
-    # parallelism) s b h (10 + 24/t + 5 a s / (h t)). Written here for any f: the 24 is
-    # 8 + 4f/h, the 10 (LayerNorm inputs, dropout masks, QKV and MLP inputs) is replicated.
-    def layer_activation_bytes(self, b: int, tp: int) -> float:
-        h, s, f, a = self.hidden_size, self.seq_length, self.ffn, self.num_attention_heads
-        replicated = 10.0 * s * b * h
-        split = 8.0 * s * b * h + 4.0 * s * b * f + 5.0 * a * s * s * b
-        return replicated + split / tp
-
-    # ---- the core attention, softmax(QK^T / sqrt(d)) V: what selective recomputation
-    # (Korthikanti et al. 2022, Section 5) drops and recomputes. Its activations are the
-    # s^2 terms: softmax output 2as^2b, dropout mask as^2b, dropout output 2as^2b = 5as^2b
-    # bytes at 16 bit, split by tp with the heads; its FLOPs are QK^T and the attention
-    # over V, 2bs^2h each.
-    def attention_core_forward_flops(self, b: int) -> float:
-        """QK^T (2bs^2h) + attention over V (2bs^2h): the 4bs^2h of `layer_forward_flops`."""
-        return 4.0 * b * self.seq_length * self.seq_length * self.hidden_size
-
-    def attention_core_activation_bytes(self, b: int, tp: int) -> float:
-        """5as^2b / t: the bytes selective recomputation does not keep."""
-        s = self.seq_length
-        return 5.0 * self.num_attention_heads * s * s * b / tp
-
-    def layer_selective_activation_bytes(self, b: int, tp: int) -> float:
-        """A layer under selective recomputation: Korthikanti et al.'s 34sbh at t = 1,
-        sbh(10 + 24/t) with tensor parallelism (no sequence parallelism)."""
-        return self.layer_activation_bytes(b, tp) - self.attention_core_activation_bytes(b, tp)
-
-    def boundary_bytes(self, b: int, activation_bytes: int = 2) -> float:
-        """The [s, b, h] tensor a stage hands the next: a layer's input, the p2p message."""
-        return float(activation_bytes * self.seq_length * b * self.hidden_size)
-
-    def embedding_activation_bytes(self, b: int) -> float:
-        """Embedding dropout mask (1 byte per element); its output is layer 0's input."""
-        return float(self.seq_length * b * self.hidden_size)
-
-    def output_activation_bytes(self, b: int, tp: int) -> float:
-        """Final LayerNorm and logit-layer inputs (4sbh) + fp32 softmax for the loss (4sbV/t)."""
-        s, h = self.seq_length, self.hidden_size
-        vocab = padded_vocab_size(self.vocab_size, tp) // tp
-        return 4.0 * s * b * h + 4.0 * s * b * vocab
 
 
 @dataclass(frozen=True)

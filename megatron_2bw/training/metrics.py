@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Optional
 
+from ..models.config import ModelConfig
 from ..schedules import DEFAULT_SCHEDULE, schedule_spec
 from .config import TrainConfig
 from .log_writers import ScalarWriters, perplexity, step_grad_norm
@@ -25,25 +26,13 @@ from .log_writers import ScalarWriters, perplexity, step_grad_norm
 logger = logging.getLogger("megatron_2bw.train")
 
 
-def transformer_flops(batch: int, model) -> float:
-    """FLOPs of one training step (forward + backward = 3 forwards) of `model` (a
-    ModelConfig), counting what Megatron-LM's num_floating_point_operations counts:
-    query/key/value projections with grouped-query attention and kv-channels, attention
-    scores and context, the output projection, the MLP (two input halves with SwiGLU)
-    and the logits. For a standard GPT (4h MLP, h = heads x head dim) it is Narayanan et
-    al. (SC21) eq. 3, 72 B s l h^2 (1 + s/6h + V/12lh). Full recomputation adds one more
-    forward of the layers; selective one more forward of the attention scores."""
-    s, h, layers = model.seq_length, model.hidden_size, model.num_layers
-    q = model.num_attention_heads * model.head_dim
-    kv = model.query_groups * model.head_dim
-    mlp_in = 2 if model.swiglu else 1
-    per_token_layer = (2 * h * (q + 2 * kv) + 4 * s * q + 2 * q * h
-                       + 2 * h * model.ffn_size * (mlp_in + 1))
-    passes = 4 if model.recompute_granularity == "full" else 3
-    flops = batch * s * (passes * layers * per_token_layer + 3 * 2 * h * model.vocab_size)
-    if model.recompute_granularity == "selective":
-        flops += batch * s * layers * 4 * s * q
-    return float(flops)
+def transformer_flops(batch: int, model: ModelConfig) -> float:
+    """FLOPs of one training step of `model` over `batch` samples, as Megatron-LM's
+    num_floating_point_operations counts them: the shape's formula the planner also uses
+    (`ModelShape.training_flops`: grouped-query attention, kv-channels, SwiGLU, the
+    logits; full recomputation adds a forward of the layers, selective one of their
+    attention scores)."""
+    return model.training_flops(batch, model.recompute_granularity)
 
 
 def megatron_losses(rec: dict, prefix: str = "") -> dict[str, float]:

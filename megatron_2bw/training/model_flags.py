@@ -17,8 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..models.config import (RECOMPUTE_MODULES, ModelConfig, stage_layer_counts,
-                             swiglu_ffn_size)
+from ..models.config import RECOMPUTE_MODULES, ModelConfig, stage_layer_counts
+from ..shape import swiglu_ffn_size
 from .errors import UserError
 
 ROTARY_DEFAULTS = {"rotary_base": 10000, "rotary_percent": 1.0,

@@ -230,7 +230,7 @@ def _bytes(value: Optional[float]) -> str:
     return f"{value / 2 ** 10:.1f} KiB"
 
 
-def _steps_table(summary: dict) -> list[str]:
+def steps_table(summary: dict) -> list[str]:
     lines = ["| step | status | exit | seconds (limit) | why |", "|---|---|---|---|---|"]
     for name, s in summary["steps"].items():
         took = f"{_fmt(s['seconds'], '.0f')} ({_fmt(s['limit_s'], '.0f')})"
@@ -313,7 +313,7 @@ def _collectives_table(summary: dict) -> list[str]:
 
 def to_markdown(summary: dict) -> str:
     lines = [f"# GPU check ({'dry run, ' if summary['dry_run'] else ''}{summary['device']})",
-             "", *_steps_table(summary), "", *_schedules_table(summary), "",
+             "", *steps_table(summary), "", *_schedules_table(summary), "",
              _weight_version_line(summary), "", _overhead_line(summary), "",
              *_collectives_table(summary), "",
              f"GPU tests (pytest -m gpu): {summary['cuda_tests'] or 'no result'}"]

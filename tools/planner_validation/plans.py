@@ -6,8 +6,8 @@ from typing import Optional
 
 from megatron_2bw.planner.report import plan_flags as planner_flags
 from megatron_2bw.planner.search import SearchSpace
-from megatron_2bw.planner.spec import (FULL, NO_RECOMPUTE, ModelSpec, ParallelConfig, Precision,
-                                       Recompute)
+from megatron_2bw.planner.spec import FULL, NO_RECOMPUTE, ParallelConfig, Precision, Recompute
+from megatron_2bw.shape import ModelShape
 
 # fp32 training as pretrain_gpt.py runs it without --fp16/--bf16: one 4-byte weight per
 # version (the optimizer updates the weights in place, no master copy), 4-byte gradient
@@ -61,8 +61,8 @@ class Setup:
     """Model chunks per stage searched: interleaved Flush (v = 2: one layer per chunk at
     PP = 2) adds 8 plans to the 64; (1,) leaves interleaving out."""
 
-    def model(self) -> ModelSpec:
-        return ModelSpec("gpt", self.num_layers, self.hidden_size, self.num_attention_heads,
+    def model(self) -> ModelShape:
+        return ModelShape("gpt", self.num_layers, self.hidden_size, self.num_attention_heads,
                          self.seq_length, self.vocab_size)
 
     def space(self) -> SearchSpace:

@@ -1,0 +1,252 @@
+"""The shape of a Megatron GPT or BERT model, and its closed-form sizes.
+
+One definition for both sides of the package: the planner plans a `ModelShape` (pure,
+no torch), and `models.config.ModelConfig` is a `ModelShape` with precision,
+initialization and the rest of the architecture added, so the trainer counts its FLOPs
+with the same formulas the planner uses. Fields are named after Megatron-LM's flags
+(`--num-layers` is `num_layers`); every formula cites its source.
+
+The one difference between the two is the vocabulary: a planner's shape holds the
+tokenizer's size and pads it per plan (`padded_vocab(tp)`, Megatron-LM's padding to a
+multiple of 128 x tp); a ModelConfig is built for one tensor-parallel size and holds the
+padded size (`vocab_is_padded`), which `padded_vocab` returns as it is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from .vocab import pad_vocab_size
+
+MODEL_KINDS = ("gpt", "bert")
+
+
+def swiglu_ffn_size(hidden_size: int) -> int:
+    """Megatron-LM's default MLP width with --swiglu: 2/3 of 4h, rounded down to 64.
+
+    Two input projections (gate and up) keep the parameter count near the 4h GeLU MLP.
+    """
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def _flag(name: str) -> str:
+    """The Megatron-LM flag of a shape field (`num_layers` -> `--num-layers`)."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Megatron GPT or BERT model, named after Megatron-LM's flags.
+
+    Validated once in `__post_init__`; a bad value raises one ValueError naming the
+    field and its flag. The counts below are per model (or per tensor-parallel rank
+    where they take `tp`).
+    """
+
+    model: str
+    """"gpt" (causal LM) or "bert" (masked LM; adds the LM-head transform, pooler and
+    binary head)."""
+    num_layers: int
+    """Transformer layers in the whole model (all pipeline stages together)."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_attention_heads: int
+    """Attention heads per layer (all tensor-parallel ranks together)."""
+    seq_length: int
+    """Tokens per sample; the boundary tensor between stages is [seq_length, mb, hidden]."""
+    vocab_size: int
+    """The vocabulary: the tokenizer's (unpadded) size in a ModelShape, padded per plan
+    by `padded_vocab`; already padded in a ModelConfig (see `vocab_is_padded`)."""
+    ffn_hidden_size: Optional[int] = None
+    """Inner width of the MLP; None: 4 * hidden_size (swiglu: `swiglu_ffn_size`)."""
+    swiglu: bool = False
+    """Gated MLP with SiLU: fc1 projects to [gate; up] (2 x ffn), fc2 reads gate * up."""
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention: key/value heads; None = num_attention_heads (MHA)."""
+    kv_channels: Optional[int] = None
+    """Channels per attention head; None = hidden_size / num_attention_heads."""
+
+    vocab_is_padded: ClassVar[bool] = False
+    """Whether `vocab_size` already is the padded size (a built model's)."""
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise ValueError(f"invalid {type(self).__name__}: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        """Everything wrong with the values (empty: valid); subclasses add theirs."""
+        return self._shape_problems()
+
+    def _shape_problems(self) -> list[str]:
+        if self.model not in MODEL_KINDS:
+            return [f"model={self.model!r} is not one of {MODEL_KINDS} (--model)"]
+        problems = []
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "vocab_size", "ffn_hidden_size", "num_query_groups", "kv_channels"):
+            value = getattr(self, name)
+            optional = name in ("ffn_hidden_size", "num_query_groups", "kv_channels")
+            if not (optional and value is None) and (not isinstance(value, int) or value < 1):
+                problems.append(f"{name}={value!r} must be a positive integer ({_flag(name)})")
+        if problems:
+            return problems
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            problems.append(f"hidden_size={self.hidden_size} is not divisible by "
+                            f"num_attention_heads={self.num_attention_heads} (--hidden-size, "
+                            f"--num-attention-heads) and kv_channels is not given")
+        if self.num_attention_heads % self.query_groups:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible "
+                            f"by num_query_groups={self.query_groups} (--num-query-groups)")
+        if self.ffn_size <= 0:
+            problems.append(f"swiglu's default MLP width is {self.ffn_size} for hidden_size="
+                            f"{self.hidden_size}; give ffn_hidden_size (--ffn-hidden-size)")
+        return problems
+
+    # ---- derived sizes
+    @property
+    def ffn_size(self) -> int:
+        """The MLP inner width actually used (per gate / up half with swiglu)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return swiglu_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head (kv_channels or hidden / heads)."""
+        return self.kv_channels or self.hidden_size // max(self.num_attention_heads, 1)
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads (num_query_groups or, for MHA, the attention heads)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """The word embedding's rows (all tp ranks together) at tensor-parallel size `tp`:
+        Megatron-LM's padding to a multiple of 128 x tp (megatron_2bw.vocab), or the size
+        as it is when it already is padded (`vocab_is_padded`)."""
+        if self.vocab_is_padded:
+            return self.vocab_size
+        return pad_vocab_size(self.vocab_size, 128, tp)
+
+    # ---- parameters, counted like Megatron's local layer spec with biases and LayerNorms
+    # (--disable-bias-linear and RMSNorm remove O(h) terms of each layer, not counted here)
+    def layer_params(self) -> int:
+        """One transformer layer: QKV (h (q + 2kv) + biases) and projection (q h + h), MLP
+        (h f g + f g + f h + h, g = 2 input halves with swiglu), 2 LayerNorms (4h). With
+        q = kv = h and g = 1: 4h^2 + 4h + 2hf + f + h + 4h."""
+        h, f = self.hidden_size, self.ffn_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.query_groups * self.head_dim
+        g = 2 if self.swiglu else 1
+        return (h * (q + 2 * kv) + q + 2 * kv + q * h + h
+                + h * f * g + f * g + f * h + h + 4 * h)
+
+    def embedding_params(self, tp: int) -> int:
+        """First stage: word embedding (split over tp) + learned positions (+ BERT token types)."""
+        h = self.hidden_size
+        extra = 2 * h if self.model == "bert" else 0
+        return self.padded_vocab(tp) * h // tp + self.seq_length * h + extra
+
+    def output_params(self, tp: int, pp: int) -> int:
+        """Last stage: final LayerNorm, the tied output weight's copy when pp > 1, BERT heads.
+
+        Megatron ties the output layer to the word embedding; with pp > 1 the last stage
+        keeps its own copy, kept equal by an all-reduce over the first and last stage.
+        """
+        h = self.hidden_size
+        vocab = self.padded_vocab(tp) // tp
+        params = 2 * h + (vocab * h if pp > 1 else 0)
+        if self.model == "bert":  # LM-head dense + LayerNorm + output bias, pooler, binary head
+            params += h * h + h + 2 * h + vocab + h * h + h + 2 * h + 2
+        return params
+
+    def total_params(self) -> int:
+        return (self.num_layers * self.layer_params() + self.embedding_params(1)
+                + self.output_params(1, 1))
+
+    # ---- FLOPs: Narayanan et al., SC21, "Efficient Large-Scale Language Model Training
+    # on GPU Clusters Using Megatron-LM", Section 5.1: a layer's forward is
+    # 24 b s h^2 (1 + s / 6h) FLOPs for f = 4h, the logit layer 2 b s h V, and backward
+    # costs twice the forward; the whole model gives their 72 B s l h^2 (1 + s/6h + V/12lh).
+    # Written for grouped-query attention, kv-channels and SwiGLU as Megatron-LM's
+    # num_floating_point_operations counts them. Integer sums, exact below 2^53.
+    def layer_forward_flops(self, b: int) -> float:
+        """QKV 2bsh(q + 2kv) and projection 2bsqh (8bsh^2 for MHA), MLP 2bshf(g + 1)
+        (4bshf without swiglu), attention scores and values 4bs^2q (4bs^2h)."""
+        h, s, f = self.hidden_size, self.seq_length, self.ffn_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.query_groups * self.head_dim
+        g = 2 if self.swiglu else 1
+        per_token = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * f * (g + 1) + 4 * s * q
+        return float(b * s * per_token)
+
+    def logits_forward_flops(self, b: int, tp: int = 1) -> float:
+        """The output layer's logits, 2bshV (V padded at `tp`, all ranks together)."""
+        return float(2 * b * self.seq_length * self.hidden_size * self.padded_vocab(tp))
+
+    def output_forward_flops(self, b: int, tp: int = 1) -> float:
+        """Logits 2bshV (+ BERT's LM-head transform 2bsh^2)."""
+        h, s = self.hidden_size, self.seq_length
+        bert = 2 * b * s * h * h if self.model == "bert" else 0
+        return self.logits_forward_flops(b, tp) + float(bert)
+
+    # ---- activation bytes: Korthikanti et al. 2022, "Reducing Activation Recomputation in
+    # Large Transformer Models", Section 4: per layer s b h (34 + 5 a s / h) bytes with
+    # 16-bit activations and 1-byte dropout masks; with tensor parallelism t (no sequence
+    # parallelism) s b h (10 + 24/t + 5 a s / (h t)). Written here for any f: the 24 is
+    # 8 + 4f/h, the 10 (LayerNorm inputs, dropout masks, QKV and MLP inputs) is replicated.
+    # Multi-head attention and a GeLU MLP: grouped-query attention and SwiGLU (which the
+    # planner has no flag for) are not modelled here.
+    def layer_activation_bytes(self, b: int, tp: int) -> float:
+        h, s, f, a = self.hidden_size, self.seq_length, self.ffn_size, self.num_attention_heads
+        replicated = 10.0 * s * b * h
+        split = 8.0 * s * b * h + 4.0 * s * b * f + 5.0 * a * s * s * b
+        return replicated + split / tp
+
+    # ---- the core attention, softmax(QK^T / sqrt(d)) V: what selective recomputation
+    # (Korthikanti et al. 2022, Section 5) drops and recomputes. Its activations are the
+    # s^2 terms: softmax output 2as^2b, dropout mask as^2b, dropout output 2as^2b = 5as^2b
+    # bytes at 16 bit, split by tp with the heads; its FLOPs are QK^T and the attention
+    # over V, 2bs^2q each.
+    def attention_core_forward_flops(self, b: int) -> float:
+        """QK^T (2bs^2q) + attention over V (2bs^2q): the 4bs^2q of `layer_forward_flops`
+        (q = h with multi-head attention)."""
+        q = self.num_attention_heads * self.head_dim
+        return float(4 * b * self.seq_length * self.seq_length * q)
+
+    def attention_core_activation_bytes(self, b: int, tp: int) -> float:
+        """5as^2b / t: the bytes selective recomputation does not keep."""
+        s = self.seq_length
+        return 5.0 * self.num_attention_heads * s * s * b / tp
+
+    def layer_selective_activation_bytes(self, b: int, tp: int) -> float:
+        """A layer under selective recomputation: Korthikanti et al.'s 34sbh at t = 1,
+        sbh(10 + 24/t) with tensor parallelism (no sequence parallelism)."""
+        return self.layer_activation_bytes(b, tp) - self.attention_core_activation_bytes(b, tp)
+
+    def boundary_bytes(self, b: int, activation_bytes: int = 2) -> float:
+        """The [s, b, h] tensor a stage hands the next: a layer's input, the p2p message."""
+        return float(activation_bytes * self.seq_length * b * self.hidden_size)
+
+    def embedding_activation_bytes(self, b: int) -> float:
+        """Embedding dropout mask (1 byte per element); its output is layer 0's input."""
+        return float(self.seq_length * b * self.hidden_size)
+
+    def output_activation_bytes(self, b: int, tp: int) -> float:
+        """Final LayerNorm and logit-layer inputs (4sbh) + fp32 softmax for the loss (4sbV/t)."""
+        s, h = self.seq_length, self.hidden_size
+        vocab = self.padded_vocab(tp) // tp
+        return 4.0 * s * b * h + 4.0 * s * b * vocab
+
+    def training_flops(self, b: int, recompute_granularity: Optional[str] = None) -> float:
+        """FLOPs of one training step over `b` samples, as Megatron-LM's
+        num_floating_point_operations counts them: forward + backward = 3 forwards of the
+        layers and the logits (not BERT's LM-head transform); "full" recomputation adds
+        a forward of the layers, "selective" one of their core attention. For a standard
+        GPT it is Narayanan et al.'s eq. 3, 72 B s l h^2 (1 + s/6h + V/12lh)."""
+        passes = 4 if recompute_granularity == "full" else 3
+        flops = (passes * self.num_layers * self.layer_forward_flops(b)
+                 + 3 * self.logits_forward_flops(b))
+        if recompute_granularity == "selective":
+            flops += self.num_layers * self.attention_core_forward_flops(b)
+        return flops
