@@ -17,12 +17,14 @@
 #
 #   bash tools/gpu_multi_check.sh [--gpus N]   # N: default all the GPUs nvidia-smi lists
 #   bash tools/gpu_multi_check.sh --dry-run    # CPU, gloo, tiny GPT, 3 iterations; --gpus 4
+#   ... --layouts dp2,tp2                       # only these layouts besides the pp1 reference
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 DRY_RUN=0
 GPUS=""
+LAYOUTS=""
 usage_error() { echo "tools/gpu_multi_check.sh: error: $*" >&2; exit 2; }
 while (( $# )); do
   case "$1" in
@@ -30,8 +32,10 @@ while (( $# )); do
     --gpus) [[ $# -ge 2 ]] || usage_error "--gpus needs a number (e.g. --gpus 8)"
             GPUS=$2; shift ;;
     --gpus=*) GPUS=${1#--gpus=} ;;
+    --layouts) [[ $# -ge 2 ]] || usage_error "--layouts needs a list (e.g. --layouts pp2,dp2)"
+               LAYOUTS=$2; shift ;;
     -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
-    *) usage_error "unknown argument $1 (use --gpus N, --dry-run)" ;;
+    *) usage_error "unknown argument $1 (use --gpus N, --layouts LIST, --dry-run)" ;;
   esac
   shift
 done
@@ -60,7 +64,8 @@ parity() {  # parity COMMAND ARGS...: benchmarks.gpu_parity with this check's --
   local command=$1
   shift
   PYTHONPATH="$ROOT/tools:$PYTHONPATH" "${PY:-python3}" -m benchmarks.gpu_parity "$command" \
-    --gpus "$GPUS" --out "$OUT_DIR" $( ((DRY_RUN)) && echo --dry-run ) "$@"
+    --gpus "$GPUS" --out "$OUT_DIR" $( ((DRY_RUN)) && echo --dry-run ) \
+    ${LAYOUTS:+--layouts "$LAYOUTS"} "$@"
 }
 summarise() { parity summarise "$@"; }
 

@@ -125,12 +125,13 @@ DRY = Sizes(flags=("--num-layers", "4", "--hidden-size", "32", "--num-attention-
 @dataclass(frozen=True)
 class Run:
     """One schedule at one layout, placed in a wave on some devices (wave None: the
-    layout needs more GPUs than the check has)."""
+    layout needs more GPUs than the check has, or --layouts left it out)."""
 
     schedule: str
     layout: Layout
     wave: Optional[int]
     devices: tuple[int, ...]
+    left_out: bool = False
 
     @property
     def name(self) -> str:
@@ -144,15 +145,19 @@ class Run:
         return [*sizes.flags, *self.layout.flags(), "--pipeline-schedule", self.schedule]
 
 
-def plan(gpus: int) -> list[Run]:
+def plan(gpus: int, layouts: Optional[set[str]] = None) -> list[Run]:
     """Every schedule x layout, references first, packed in order into waves of at most
     `gpus` devices (a run that does not fit starts the next wave); a layout wider than
-    `gpus` is not run. On 8 GPUs: 1+1+2+2+2, 2+2+2, 4+4: three waves."""
+    `gpus` is not run. On 8 GPUs: 1+1+2+2+2, 2+2+2, 4+4: three waves. `layouts`: only
+    these besides the reference (None: all)."""
     runs: list[Run] = []
     wave, free = 0, 0
     for layout in LAYOUTS:
         for schedule in SCHEDULES:
             need = layout.processes
+            if layouts is not None and layout.name not in layouts | {REFERENCE}:
+                runs.append(Run(schedule, layout, None, (), left_out=True))
+                continue
             if need > gpus:
                 runs.append(Run(schedule, layout, None, ()))
                 continue
@@ -249,16 +254,19 @@ def _read_line(out: Path, name: str) -> Optional[str]:
 
 
 def summarise(out: Path, gpus: int, dry_run: bool, loss_rtol: float = LOSS_RTOL,
-              grad_norm_rtol: float = GRAD_NORM_RTOL) -> dict:
+              grad_norm_rtol: float = GRAD_NORM_RTOL,
+              layouts: Optional[set[str]] = None) -> dict:
     sizes = DRY if dry_run else GPU
     steps = read_steps(out)
-    runs = plan(gpus)
+    runs = plan(gpus, layouts)
     rows = {r.name: train_rows(out / f"{r.name}.jsonl") for r in runs}
     results = {}
     for run in runs:
         step = steps.get(run.name, {"status": "not run", "rc": None, "seconds": None,
                                     "limit_s": None, "reason": "not planned"})
-        if run.wave is None:
+        if run.left_out:
+            step = {**step, "reason": "left out (--layouts)"}
+        elif run.wave is None:
             step = {**step, "reason": f"needs {run.layout.processes} GPUs, --gpus {gpus}"}
         result = {"schedule": run.schedule, "layout": run.layout.label,
                   "processes": run.layout.processes, "wave": run.wave,
@@ -344,6 +352,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         c.add_argument("--gpus", type=int, required=True, help="GPUs (dry run: processes) at most")
         c.add_argument("--dry-run", action="store_true")
         c.add_argument("--out", required=name == "summarise", help="the check's output directory")
+        c.add_argument("--layouts", help="comma-separated layouts to run besides the "
+                       f"reference {REFERENCE} (default all: "
+                       f"{','.join(x.name for x in LAYOUTS if x.name != REFERENCE)})")
     s = sub.choices["summarise"]
     s.add_argument("--loss-rtol", type=float, default=LOSS_RTOL)
     s.add_argument("--grad-norm-rtol", type=float, default=GRAD_NORM_RTOL)
@@ -352,8 +363,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus}: give at least 1")
     sizes = DRY if args.dry_run else GPU
+    layouts = set(args.layouts.split(",")) if args.layouts else None
+    unknown = sorted((layouts or set()) - {x.name for x in LAYOUTS})
+    if unknown:
+        p.error(f"--layouts {args.layouts}: no layout {', '.join(unknown)} (known: "
+                f"{', '.join(x.name for x in LAYOUTS)})")
     if args.command == "plan":
-        runs = plan(args.gpus)
+        runs = plan(args.gpus, layouts)
         if args.out:
             limits = [("install", sizes.install_limit_s)] + [
                 (r.name, sizes.run_limit_s) for r in runs if r.wave is not None]
@@ -361,7 +377,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.write("".join(line + "\n" for line in plan_lines(runs, sizes)))
         return 0
     out = Path(args.out)
-    summary = summarise(out, args.gpus, args.dry_run, args.loss_rtol, args.grad_norm_rtol)
+    summary = summarise(out, args.gpus, args.dry_run, args.loss_rtol, args.grad_norm_rtol,
+                        layouts)
     _write(out / "gpu_multi_check.json", json.dumps(summary, indent=1) + "\n")
     text = to_markdown(summary)
     _write(out / "gpu_multi_check.md", text)
