@@ -18,6 +18,9 @@ install: $(STAMP)
 test: install
 	$(PY) -m pytest -q -ra --durations=25 tests
 
+# the developer's loop (about 3 min here): every module's unit tests and one end-to-end
+# run per entry point; the slow rest (multi-process equality matrices, launchers, the
+# GPU scripts' dry runs) is in `make test` only
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow" tests
 

@@ -172,6 +172,7 @@ def test_peer_schedules_smoke(tmp_path) -> None:
         "simulated_over_measured"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path) -> None:
     """Every step of the GPU check on CPU at tiny sizes: each schedule's stage program,
     the refused interleaving at depth 1, one extra weight version, the executor against
@@ -243,6 +244,7 @@ def test_gpu_check_summary_shows_steps_not_run(tmp_path) -> None:
     assert "| gpt_gpipe | not run |" in (tmp_path / "gpu_check.md").read_text()
 
 
+@pytest.mark.slow
 def test_gpu_convergence_dry_run(tmp_path) -> None:
     """The GPU convergence script on CPU at tiny sizes: data built with the offline recipe,
     calibration, plan, the three arms on the same tokens, and the summary files alone in
