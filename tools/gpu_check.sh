@@ -25,14 +25,8 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-DRY_RUN=0
-for arg in "$@"; do
-  case "$arg" in
-    --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
-    *) echo "tools/gpu_check.sh: error: unknown argument $arg (use --dry-run)" >&2; exit 2 ;;
-  esac
-done
+source "$ROOT/tools/gpu_common.sh"
+dry_run_args 23 "$@"
 
 OUT_DIR="${OUT:-$ROOT/runs/gpu_check}"
 mkdir -p "$OUT_DIR"
@@ -46,7 +40,6 @@ LOG="$OUT_DIR/gpu_check.log"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-source "$ROOT/tools/gpu_common.sh"
 
 summarise() {  # gpu_check.json and gpu_check.md from what is there so far
   PYTHONPATH="$ROOT/tools:$PYTHONPATH" "${PY:-python3}" -m benchmarks.gpu_summary \

@@ -2,8 +2,22 @@
 # tools/gpu_convergence.sh): choosing the interpreter, installing only what it lacks
 # (the GPU machine has torch with CUDA but no megatron-core and no network: wheels
 # carried in .whl/), and running a step with a time limit into $OUT_DIR.
-# The caller sets ROOT, OUT_DIR, LOG and DRY_RUN before sourcing this file; `record`
-# calls the caller's `summarise` when it defines one.
+# The caller sets ROOT and sources this file first (`dry_run_args` reads its flags), then
+# OUT_DIR and LOG before the steps; `record` calls the caller's `summarise` when it
+# defines one.
+
+dry_run_args() {  # dry_run_args HELP_LAST_LINE ARGS...: DRY_RUN from --dry-run; -h: the header
+  local last=$1 arg
+  shift
+  DRY_RUN=0
+  for arg in "$@"; do
+    case "$arg" in
+      --dry-run) DRY_RUN=1 ;;
+      -h|--help) sed -n "2,${last}p" "$0"; exit 0 ;;
+      *) echo "$0: error: unknown argument $arg (use --dry-run)" >&2; exit 2 ;;
+    esac
+  done
+}
 
 log() { echo "[$(basename "$0" .sh) $(date +%T)] $*" | tee -a "$LOG"; }
 

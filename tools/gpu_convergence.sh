@@ -27,14 +27,8 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-DRY_RUN=0
-for arg in "$@"; do
-  case "$arg" in
-    --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
-    *) echo "tools/gpu_convergence.sh: error: unknown argument $arg (use --dry-run)" >&2; exit 2 ;;
-  esac
-done
+source "$ROOT/tools/gpu_common.sh"
+dry_run_args 25 "$@"
 
 RESULTS="${OUT:-$ROOT/runs/gpu_convergence}"
 mkdir -p "$RESULTS"
@@ -51,7 +45,6 @@ LOG="$RESULTS/gpu_convergence.log"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export PYTHONPATH="$ROOT:$ROOT/tools${PYTHONPATH:+:$PYTHONPATH}"
 
-source "$ROOT/tools/gpu_common.sh"
 
 ARMS=(flush-adam 2bw-adam 2bw-muon-ef)
 if (( DRY_RUN )); then
