@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-fast test-gpu demo clean
+.PHONY: install test test-fast test-matrix test-gpu demo clean
 
 $(STAMP): requirements.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,13 +16,17 @@ $(STAMP): requirements.txt setup.py
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest -q -ra --durations=25 tests
+	$(PY) -m pytest -q -ra --durations=25 -m "not matrix" tests
+
+# the repeated parametrisations `make test` leaves out (a tool run, under a minute)
+test-matrix: install
+	$(PY) -m pytest -q -ra -m matrix tests
 
 # the developer's loop (about 3 min here): every module's unit tests and one end-to-end
 # run per entry point; the slow rest (multi-process equality matrices, launchers, the
 # GPU scripts' dry runs) is in `make test` only
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not slow" tests
+	$(PY) -m pytest -q -ra -m "not slow and not matrix" tests
 
 # the GPU subset (CUDA tests and one multi-process test per launcher path); on a GPU
 # machine without network tools/gpu_check.sh runs it with the machine's own python

@@ -204,7 +204,11 @@ class P2P:
         if src is None:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to receive from")
         buf = self._buffer()
-        work = comm.irecv(buf, src, self._group(src, sending=False))
+        try:
+            work = comm.irecv(buf, src, self._group(src, sending=False))
+        except RuntimeError as err:  # the peer's connection is already gone
+            raise peer_failure(err, self._peer(src), f"stage {self.links.stage}'s receive "
+                                                     f"posted ahead") from err
         self._posted.setdefault(src, deque()).append((work, buf))
 
     def _recv(self, src: Optional[int], kind: Optional[str] = None) -> torch.Tensor:
@@ -243,7 +247,11 @@ class P2P:
             raise RuntimeError(f"stage {self.links.stage} has no neighbour to send to")
         tensor = tensor.detach().contiguous()
         self._tickets += 1
-        work = comm.isend(tensor, dst, self._group(dst, sending=True))
+        try:
+            work = comm.isend(tensor, dst, self._group(dst, sending=True))
+        except RuntimeError as err:  # gloo can find the connection reset when posting
+            raise peer_failure(err, self._peer(dst), f"stage {self.links.stage}'s "
+                                                     f"send") from err
         self._pending[self._tickets] = (work, tensor, dst)
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return self._tickets

@@ -155,7 +155,7 @@ def plan(gpus: int, layouts: Optional[set[str]] = None) -> list[Run]:
     for layout in LAYOUTS:
         for schedule in SCHEDULES:
             need = layout.processes
-            if layouts is not None and layout.name not in layouts | {REFERENCE}:
+            if need <= gpus and layouts is not None and layout.name not in layouts | {REFERENCE}:
                 runs.append(Run(schedule, layout, None, (), left_out=True))
                 continue
             if need > gpus:
