@@ -301,7 +301,7 @@ def test_stop_checks_cost_under_two_percent(d: int, m: int) -> None:
 
 def test_sigterm_is_noted_not_fatal() -> None:
     previous = signal.getsignal(signal.SIGTERM)
-    stop = GracefulStop(on_signal=True, duration_mins=None, device=None)
+    stop = GracefulStop(on_signal=True, duration_mins=None)
     try:
         assert stop.reason() is None
         os.kill(os.getpid(), signal.SIGTERM)
@@ -313,8 +313,8 @@ def test_sigterm_is_noted_not_fatal() -> None:
     # a late SIGTERM (SLURM signals node by node) must not end a rank that saved: it stays
     # ignored after training, not back to the default action (exit 143)
     assert after == signal.SIG_IGN
-    assert not GracefulStop(on_signal=False, duration_mins=0, device=None).active
-    late = GracefulStop(on_signal=False, duration_mins=1e-9, device=None)
+    assert not GracefulStop(on_signal=False, duration_mins=0).active
+    late = GracefulStop(on_signal=False, duration_mins=1e-9)
     assert "(--exit-duration-in-mins 1e-09)" in late.reason()
 
 
@@ -325,20 +325,20 @@ def test_sigterm_after_training_is_ignored_or_the_embedders_handler() -> None:
     seen = []
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        GracefulStop(on_signal=True, duration_mins=None, device=None).close()
+        GracefulStop(on_signal=True, duration_mins=None).close()
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
         os.kill(os.getpid(), signal.SIGTERM)  # ignored: this process goes on
 
         def own(signum, frame):
             seen.append(signum)
         signal.signal(signal.SIGTERM, own)
-        GracefulStop(on_signal=True, duration_mins=None, device=None).close()
+        GracefulStop(on_signal=True, duration_mins=None).close()
         assert signal.getsignal(signal.SIGTERM) is own
         os.kill(os.getpid(), signal.SIGTERM)
         assert seen == [signal.SIGTERM]
 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # without the flag nothing changes
-        GracefulStop(on_signal=False, duration_mins=5, device=None).close()
+        GracefulStop(on_signal=False, duration_mins=5).close()
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)

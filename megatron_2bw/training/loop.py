@@ -185,7 +185,7 @@ class Trainer:
         wait that runs out of time ends the run with the heartbeat's verdict on which
         ranks are frozen."""
         t = self.run.train
-        stop = GracefulStop(t.exit_signal_handler, t.exit_duration_in_mins, self.env.device)
+        stop = GracefulStop(t.exit_signal_handler, t.exit_duration_in_mins)
         heartbeat = Heartbeat.start(self.env.rank, self.env.world_size, self.stage,
                                     self.env.timeout)
         self.housekeeping.start()

@@ -45,9 +45,9 @@ def stop_check_interval(schedule: str, num_stages: int, num_microbatches: int) -
 class GracefulStop:
     """Notes SIGTERM and the time budget; says, agreed by every rank, when to stop."""
 
-    def __init__(self, on_signal: bool, duration_mins: Optional[float],
-                 device: torch.device):
-        self.on_signal, self.duration_mins, self.device = on_signal, duration_mins, device
+    def __init__(self, on_signal: bool, duration_mins: Optional[float]):
+        """The stop check's flags live on the rank's device (`comm.tensor`)."""
+        self.on_signal, self.duration_mins = on_signal, duration_mins
         self.received: Optional[int] = None
         self._installed = on_signal
         self._previous = signal.signal(signal.SIGTERM, self._note) if on_signal else None
