@@ -29,6 +29,7 @@ ARCH = (("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("swi
         ("num_query_groups", 2), ("kv_channels", 8), ("add_bias_linear", False),
         ("untie_embeddings_and_output_weights", True), ("qk_layernorm", True),
         ("layernorm_zero_centered_gamma", True))
+UNFUSED = (("attention_backend", "unfused"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +60,18 @@ def scenarios() -> list[Scenario]:
             Scenario(f"{model}_pp2", model, 1, 2, no_dropout),
             Scenario(f"{model}_tp2", model, 2, 1, no_dropout),
             Scenario(f"{model}_bf16_pp2", model, 1, 2, no_dropout + bf16),
+            # the default backend (auto) runs SDPA; megatron-core's own attention beside it
+            Scenario(f"{model}_unfused", model, 1, 1, no_dropout + UNFUSED),
         ]
     selective = (("recompute_granularity", "selective"),)
     runs.append(Scenario("gpt_dropout_selective", "gpt", 1, 1,
                          (("hidden_dropout", 0.1), ("attention_dropout", 0.1)) + selective))
+    tanh = (("hidden_dropout", 0.0), ("attention_dropout", 0.0), ("bias_gelu_fusion", True))
+    runs += [Scenario("gpt_tanh_gelu", "gpt", 1, 1, tanh),
+             Scenario("gpt_tanh_gelu_pp2", "gpt", 1, 2, tanh),
+             Scenario("gpt_flash_pp2", "gpt", 1, 2, (("hidden_dropout", 0.0),
+                                                     ("attention_dropout", 0.0),
+                                                     ("attention_backend", "flash")))]
     arch = (("hidden_dropout", 0.0), ("attention_dropout", 0.0)) + ARCH
     mqa = arch + (("num_query_groups", 1),)  # fewer key/value heads than TP ranks
     runs += [Scenario("arch_ref", "gpt", 1, 1, arch),
@@ -70,7 +79,8 @@ def scenarios() -> list[Scenario]:
              Scenario("arch_pp2_uneven", "gpt", 1, 2,
                       arch + (("num_layers_in_first_pipeline_stage", 1),)),
              Scenario("arch_mqa_ref", "gpt", 1, 1, mqa),
-             Scenario("arch_mqa_tp2", "gpt", 2, 1, mqa)]
+             Scenario("arch_mqa_tp2", "gpt", 2, 1, mqa),
+             Scenario("arch_unfused", "gpt", 1, 1, arch + UNFUSED)]
     return sorted(runs, key=lambda s: (s.tp, s.pp))
 
 
@@ -185,6 +195,8 @@ def _run_scenario(run: Scenario, rank: int, out_dir: str) -> None:
         shared=None if shared is None else shared.detach().clone(),
         embedding_group=dist.get_process_group_ranks(parallel_state.get_embedding_group()),
         mismatch_error=_mismatch_error(config, stage, run.pp),
+        core_attention=sorted({type(m).__name__ for n, m in stage_module.named_modules()
+                               if n.endswith("core_attention")}),
     )
     torch.save(result, os.path.join(out_dir, f"{run.name}.rank{rank}.pt"))
 

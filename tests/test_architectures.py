@@ -36,6 +36,9 @@ ITERS = ["--train-iters", "5", "--global-batch-size", "8"]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
+from megatron_2bw.models.kernels import gelu_tanh  # noqa: E402
+
+
 def _model(extra: list[str], model: str = "gpt", world: int = 1, base=BASE):
     args = parse_args(model, base + extra)
     return config_from_args(args, model, world, VOCAB).model
@@ -57,7 +60,14 @@ def test_defaults_are_megatron_lms() -> None:
     model, config = _model([]), _mcore([])
     assert (config.normalization, config.layernorm_epsilon) == ("LayerNorm", 1e-5)
     assert config.add_bias_linear and not config.gated_linear_unit
-    assert config.activation_func is F.gelu and config.ffn_hidden_size == 4 * 96
+    # --bias-gelu-fusion, on by default: the tanh GELU (on CUDA megatron-core's fused
+    # kernel, F.gelu named with bias_activation_fusion; on CPU this function)
+    assert config.activation_func is gelu_tanh and not config.bias_activation_fusion
+    assert config.ffn_hidden_size == 4 * 96
+    fused = transformer_config(model, 1, 1, fused=True)
+    assert fused.activation_func is F.gelu and fused.bias_activation_fusion
+    assert fused.bias_dropout_fusion and not config.bias_dropout_fusion
+    assert _mcore(["--no-bias-gelu-fusion"]).activation_func is F.gelu
     assert (config.num_query_groups, config.kv_channels) == (4, 24)
     assert not (config.qk_layernorm or config.layernorm_zero_centered_gamma)
     assert config.recompute_granularity is None and config.recompute_method is None

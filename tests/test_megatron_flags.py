@@ -95,13 +95,54 @@ def test_sample_based_schedule_and_unrounded_warmup_fraction() -> None:
 
 
 def test_kernel_flags_are_mapped_with_one_line_each() -> None:
-    args = parse_args("gpt", BASE + ["--train-iters", "2", "--attention-backend", "flash",
-                                     "--use-flash-attn", "--use-mcore-models"])
+    args = parse_args("gpt", BASE + ["--train-iters", "2", "--transformer-impl",
+                                     "transformer_engine", "--use-flash-attn",
+                                     "--use-mcore-models"])
     notes = M.mapped_notes(args, on_gpu=False)
-    assert len(notes) == 2 and notes[0].startswith("--attention-backend flash selects")
-    assert all("local (unfused) implementation runs here" in n for n in notes)
+    assert len(notes) == 2 and notes[0].startswith("--use-flash-attn selects")
+    assert notes[1].startswith("--transformer-impl transformer_engine selects")
+    assert all("local layer specs run here" in n for n in notes)
     args = parse_args("gpt", BASE + ["--train-iters", "2", "--timing-log-level", "2"])
     assert M.mapped_notes(args, on_gpu=False)[0].startswith("--timing-log-level 2: per-phase")
+
+
+@pytest.mark.parametrize("extra, on_gpu, expected", [
+    ([], False, "attention PyTorch SDPA (auto); GELU, tanh approximation (--bias-gelu-fusion); "
+                "bias-GELU, bias-dropout-add: unfused on CPU (the same mathematics)"),
+    (["--attention-backend", "unfused", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+      "--cross-entropy-loss-fusion"], True,
+     "attention megatron-core's DotProductAttention (unfused softmax); GELU, exact; "
+     "cross entropy: fused"),
+    (["--disable-bias-linear"], True, "GELU, exact; bias-dropout-add: fused"),
+    (["--swiglu", "--compile-transformer-layers"], True,
+     "SwiGLU; bias-SwiGLU, bias-dropout-add: fused; transformer layers compiled"),
+])
+def test_kernel_flags_choose_kernels_and_say_which(extra, on_gpu, expected) -> None:
+    """Megatron-LM's kernel flags with its defaults; the one line says what runs, and the
+    model config gets what the flags mean (no bias-GELU fusion without biases)."""
+    from megatron_2bw.training.model_flags import kernel_config, kernel_note
+
+    args = parse_args("gpt", BASE + ["--train-iters", "2"] + extra)
+    assert kernel_note(args, on_gpu).endswith(expected)
+    fields = kernel_config(args)
+    assert fields["bias_gelu_fusion"] == ("--no-bias-gelu-fusion" not in extra
+                                          and "--disable-bias-linear" not in extra)
+    assert fields["attention_backend"] == ("unfused" if "unfused" in extra else "auto")
+
+
+@pytest.mark.parametrize("backend, model, extra, words", [
+    ("fused", "gpt", [], "need a CUDA device"),
+    ("flash", "bert", [], "takes no attention mask"),
+    ("flash", "gpt", ["--reset-attention-mask"], "takes no attention mask"),
+])
+def test_attention_backend_that_cannot_run_is_refused(backend, model, extra, words) -> None:
+    from megatron_2bw.training.validation import validate_flags
+
+    args = parse_args(model, BASE + ["--train-iters", "2", "--attention-backend", backend]
+                      + extra)
+    with pytest.raises(UserError) as err:
+        validate_flags(args, model, 1)
+    assert err.value.where == "--attention-backend" and words in err.value.what
 
 
 @pytest.mark.parametrize("extra,world,flag", [

@@ -24,13 +24,16 @@ def gpt_reference(tmp_path_factory):
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
          "--recompute-granularity", "full", "--recompute-method", "uniform",
          "--recompute-num-layers", "1"]),  # the paper's per-layer recomputation
-    (2, ["--pipeline-model-parallel-size", "2", "--gpipe"]),
-    (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "flush"]),
+    # megatron-core's own attention against the reference's default (SDPA)
+    (2, ["--pipeline-model-parallel-size", "2", "--gpipe", "--attention-backend", "unfused"]),
+    (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "flush",
+         "--attention-backend", "flash"]),  # SDPA held to its flash kernel
     (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     (4, ["--pipeline-model-parallel-size", "2"]),  # DP = 2
-], ids=["pp2-flush-recompute", "pp2-gpipe", "pp4-flush", "tp2-pp2", "dp2-pp2"])
+], ids=["pp2-flush-recompute", "pp2-gpipe-unfused", "pp4-flush-flash", "tp2-pp2", "dp2-pp2"])
 def test_gpt_pipelined_equals_pp1(tmp_path, gpt_reference, nproc, flags) -> None:
-    """Flush and GPipe are vanilla training: any TP x PP x DP gives PP=1's losses."""
+    """Flush and GPipe are vanilla training: any TP x PP x DP gives PP=1's losses, and
+    so does every attention backend (the reference runs the default, auto: SDPA)."""
     got = losses(launch("gpt", nproc, ITERS + flags, str(tmp_path / "m.jsonl")))
     err = max_rel(got, gpt_reference)
     print(f"{' '.join(flags)}: max relative loss error {err:.2e}")
@@ -44,10 +47,11 @@ def bert_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc,flags", [
-    (2, ["--pipeline-model-parallel-size", "2", "--gpipe"]),
+    # megatron-core's attention with its [b, 1, s, s] padding mask against SDPA's
+    (2, ["--pipeline-model-parallel-size", "2", "--gpipe", "--attention-backend", "unfused"]),
     (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     (4, ["--pipeline-model-parallel-size", "2"]),  # DP = 2
-], ids=["pp2-gpipe", "tp2-pp2", "dp2-pp2"])  # PP = 4: GPT's test and tests/test_engine.py
+], ids=["pp2-gpipe-unfused", "tp2-pp2", "dp2-pp2"])  # PP = 4: GPT's test and test_engine.py
 def test_bert_pipelined_equals_pp1(tmp_path, bert_reference, nproc, flags) -> None:
     records = launch("bert", nproc, ITERS + flags, str(tmp_path / "m.jsonl"))
     got = [(r["loss"], r["lm_loss"], r["sop_loss"]) for r in records]
@@ -55,6 +59,20 @@ def test_bert_pipelined_equals_pp1(tmp_path, bert_reference, nproc, flags) -> No
         err = max_rel([g[column] for g in got], [b[column] for b in bert_reference])
         assert err < 1e-5, (column, err)
     print(f"BERT {' '.join(flags)}: max relative error {err:.2e}")
+
+
+def test_checkpoint_of_one_attention_backend_resumes_under_another(tmp_path,
+                                                                   gpt_reference) -> None:
+    """A checkpoint saved under megatron-core's unfused attention at iteration 3 loads
+    under the default (SDPA) with the same keys and weights: iterations 4-5 continue the
+    uninterrupted run's losses."""
+    saved = str(tmp_path / "ckpt")
+    first = launch("gpt", 1, ["--train-iters", "3", "--global-batch-size", "8",
+                              "--attention-backend", "unfused", "--save", saved,
+                              "--lr-decay-iters", "5"], str(tmp_path / "a.jsonl"))
+    resumed = launch("gpt", 1, ITERS + ["--load", saved], str(tmp_path / "b.jsonl"))
+    assert [r["iteration"] for r in resumed] == [4, 5]
+    assert max_rel(losses(first) + losses(resumed), gpt_reference) < 1e-5
 
 
 # Resuming is proven exact elsewhere: 2BW at PP2 x DP2 resumed at PP4

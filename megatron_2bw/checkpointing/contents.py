@@ -32,7 +32,7 @@ CHECKPOINT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attentio
                    "add_bias_linear", "normalization", "norm_epsilon", "qk_layernorm",
                    "layernorm_zero_centered_gamma", "position_embedding_type", "rotary_base",
                    "rotary_percent", "make_vocab_size_divisible_by", "vocab_size",
-                   "tokenizer_type", "bert_no_binary_head")
+                   "tokenizer_type", "bert_no_binary_head", "bias_gelu_fusion")
 
 
 def megatron_args(run) -> argparse.Namespace:

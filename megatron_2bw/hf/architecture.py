@@ -5,7 +5,7 @@ computes here (fp32 logits equal to 1e-4, tested in tests/test_hf_export.py):
 
 | ours | transformers |
 |---|---|
-| GPT, learned absolute positions, LayerNorm, GELU, biases | `GPT2LMHeadModel` (`activation_function="gelu"`: megatron-core's exact GELU, not GPT-2's tanh approximation) |
+| GPT, learned absolute positions, LayerNorm, GELU, biases | `GPT2LMHeadModel` (`activation_function="gelu_new"`, GPT-2's tanh approximation, as --bias-gelu-fusion computes it; `"gelu"` with --no-bias-gelu-fusion) |
 | GPT, rope, RMSNorm, SwiGLU, optional GQA and biases | `LlamaForCausalLM` |
 | BERT (pre-LayerNorm) | `MegatronBertForPreTraining` (`...ForMaskedLM` with --bert-no-binary-head) |
 
@@ -28,6 +28,8 @@ from ..training.errors import UserError
 logger = logging.getLogger(__name__)
 
 GPT2, LLAMA, BERT = "gpt2", "llama", "megatron-bert"
+TANH_GELU = "gelu_new"
+TANH_GELUS = (TANH_GELU, "gelu_pytorch_tanh", "gelu_fast")
 CLASS_NAMES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
 BERT_CLASSES = ("MegatronBertForPreTraining", "MegatronBertForMaskedLM")
 META = "megatron_2bw"  # our extra key in config.json
@@ -130,7 +132,7 @@ def hf_config(m: ModelConfig, special: SpecialTokens, meta: dict):
     if family == GPT2:
         config = transformers.GPT2Config(
             n_positions=m.max_positions, n_embd=m.hidden_size, n_layer=m.num_layers,
-            n_head=m.num_attention_heads, n_inner=m.ffn_size, activation_function="gelu",
+            n_head=m.num_attention_heads, n_inner=m.ffn_size, activation_function=_gelu(m),
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
             attn_pdrop=m.attention_dropout, layer_norm_epsilon=m.layernorm_epsilon,
             bos_token_id=special.bos, eos_token_id=special.eos, pad_token_id=special.pad,
@@ -149,7 +151,7 @@ def hf_config(m: ModelConfig, special: SpecialTokens, meta: dict):
         config = transformers.MegatronBertConfig(
             hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
             num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_size,
-            hidden_act="gelu", hidden_dropout_prob=m.hidden_dropout,
+            hidden_act=_gelu(m), hidden_dropout_prob=m.hidden_dropout,
             attention_probs_dropout_prob=m.attention_dropout,
             max_position_embeddings=m.max_positions, type_vocab_size=2,
             layer_norm_eps=m.layernorm_epsilon,
@@ -157,6 +159,21 @@ def hf_config(m: ModelConfig, special: SpecialTokens, meta: dict):
     config.dtype = m.params_dtype  # the dtype the weights are written in
     setattr(config, META, meta)
     return config
+
+
+def _gelu(m: ModelConfig) -> str:
+    """transformers' name of the model's GELU: "gelu_new" is the tanh approximation."""
+    return TANH_GELU if m.tanh_gelu else "gelu"
+
+
+def _gelu_flags(act: str, where: str) -> list[str]:
+    """The kernel flag of an HF GELU (the tanh approximation is the default here)."""
+    if act in TANH_GELUS:
+        return []
+    if act == "gelu":
+        return ["--no-bias-gelu-fusion"]
+    raise UserError(f"{where} {act!r}", "config.json", "megatron-core computes GELU, exact "
+                    "(--no-bias-gelu-fusion) or its tanh approximation (the default)")
 
 
 # ------------------------------------------------------------------------ import: flags
@@ -179,10 +196,7 @@ def _dropout_flags(hidden: float, attention: float) -> list[str]:
 
 
 def _gpt2_flags(c) -> list[str]:
-    if c.activation_function != "gelu":
-        logger.warning(f"activation_function {c.activation_function!r}: megatron-core "
-                       "computes the exact GELU here; a tanh-approximated GELU differs by up "
-                       "to about 1e-3 per activation, so logits will differ slightly")
+    gelu = _gelu_flags(c.activation_function, "GPT-2 config with activation_function")
     for name, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                        ("add_cross_attention", False)):
         if getattr(c, name, want) != want:
@@ -194,7 +208,7 @@ def _gpt2_flags(c) -> list[str]:
              "--ffn-hidden-size", str(c.n_inner or 4 * c.n_embd),
              "--max-position-embeddings", str(c.n_positions),
              "--norm-epsilon", f"{c.layer_norm_epsilon:g}"]
-    return flags + _dropout_flags(c.resid_pdrop, c.attn_pdrop)
+    return flags + gelu + _dropout_flags(c.resid_pdrop, c.attn_pdrop)
 
 
 def _llama_flags(c) -> list[str]:
@@ -228,9 +242,7 @@ def _llama_flags(c) -> list[str]:
 
 
 def _bert_flags(c, binary_head: bool) -> list[str]:
-    if c.hidden_act != "gelu":
-        raise UserError(f"MegatronBert config with hidden_act {c.hidden_act!r}", "config.json",
-                        "megatron-core's BERT uses the exact GELU")
+    gelu = _gelu_flags(c.hidden_act, "MegatronBert config with hidden_act")
     if binary_head and c.type_vocab_size != 2:
         raise UserError(f"type_vocab_size {c.type_vocab_size}", "config.json",
                         "megatron-core's BERT with a binary head has two token types")
@@ -241,7 +253,7 @@ def _bert_flags(c, binary_head: bool) -> list[str]:
              "--norm-epsilon", f"{c.layer_norm_eps:g}"]
     if not binary_head:
         flags.append("--bert-no-binary-head")
-    return flags + _dropout_flags(c.hidden_dropout_prob, c.attention_probs_dropout_prob)
+    return flags + gelu + _dropout_flags(c.hidden_dropout_prob, c.attention_probs_dropout_prob)
 
 
 def imported_architecture(c) -> ImportedArchitecture:

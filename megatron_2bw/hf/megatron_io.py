@@ -130,6 +130,8 @@ def _load_args(model: str, root: str, iteration: int, saved: dict) -> argparse.N
     for key in CARRIED:
         if key in saved and hasattr(args, key):
             setattr(args, key, saved[key])
+    if "bias_gelu_fusion" not in saved:  # megatron-2bw before the flag: exact GELU
+        args.bias_gelu_fusion = False
     args.load, args.mock_data = root, True
     args.train_iters = max(iteration, 1)
     args.no_load_optim = args.no_load_rng = True

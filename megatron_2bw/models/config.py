@@ -35,7 +35,21 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 # Engine (it reads FP8GlobalStateManager, undefined without it); the MoE / MLA ones have
 # nothing to act on.
 RECOMPUTE_MODULES = ("core_attn", "mlp")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # see models/attention.py
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def attention_backend_problem(backend: str, on_cuda: bool, masked: bool) -> Optional[str]:
+    """Why --attention-backend `backend` cannot run here (`on_cuda`: the device; `masked`:
+    the model needs an attention mask, as BERT's padding or --reset-attention-mask), else
+    None. models/attention.py runs the backends."""
+    if backend == "fused" and not on_cuda:
+        return ("PyTorch's fused attention kernels (cuDNN, memory-efficient) need a CUDA "
+                "device; on CPU use auto (SDPA's CPU kernel) or unfused")
+    if backend == "flash" and masked:
+        return ("PyTorch's flash-attention kernel takes no attention mask, which BERT's "
+                "padding and --reset-attention-mask need; use auto or fused")
+    return None
 
 
 def stage_layer_counts(num_layers: int, num_stages: int, first: Optional[int] = None,
@@ -157,6 +171,22 @@ class ModelConfig(ModelShape):
     num_choices: int = 1
     """task "multiple_choice": the choices per sample; each is its own encoder row, so
     the boundary between stages carries micro_batch_size x num_choices rows."""
+    attention_backend: str = "auto"
+    """Megatron-LM's --attention-backend: "auto", "flash" or "fused" run PyTorch's
+    scaled_dot_product_attention, "unfused" / "local" megatron-core's DotProductAttention
+    (models/attention.py). The same weights and checkpoint keys under every backend."""
+    bias_gelu_fusion: bool = False
+    """GELU models with biases: the tanh approximation of GELU, as Megatron-LM's
+    --bias-gelu-fusion computes it (fused with the bias on CUDA). False (megatron-core's
+    library default): exact GELU. The command line's default is on, as Megatron-LM's."""
+    bias_swiglu_fusion: bool = False
+    """SwiGLU models: bias + SwiGLU as one fused kernel on CUDA (the same mathematics)."""
+    bias_dropout_fusion: bool = False
+    """Bias + dropout + residual as one fused kernel on CUDA (the same mathematics)."""
+    cross_entropy_loss_fusion: bool = False
+    """The GPT loss as megatron-core's fused vocab-parallel cross entropy on CUDA."""
+    compile_transformer_layers: bool = False
+    """torch.compile every transformer layer (--compile-transformer-layers)."""
 
     def _problems(self) -> list[str]:
         """The shape's problems (`ModelShape`), then the rest of the architecture's; the
@@ -180,7 +210,8 @@ class ModelConfig(ModelShape):
 
     def _choice_problems(self) -> list[str]:
         problems = []
-        for name, allowed in (("normalization", NORMALIZATIONS),
+        for name, allowed in (("attention_backend", ATTENTION_BACKENDS),
+                              ("normalization", NORMALIZATIONS),
                               ("position_embedding_type", POSITION_EMBEDDINGS),
                               ("params_dtype", PARAMS_DTYPES)):
             if getattr(self, name) not in allowed:
@@ -255,6 +286,12 @@ class ModelConfig(ModelShape):
         if self.task == "multiple_choice" and self.num_choices < 2:
             problems.append(f"num_choices={self.num_choices} must be at least 2")
         return problems
+
+    @property
+    def tanh_gelu(self) -> bool:
+        """Whether the MLP's GELU is the tanh approximation: --bias-gelu-fusion, which
+        Megatron-LM turns off for models without biases and which SwiGLU does not use."""
+        return self.bias_gelu_fusion and self.add_bias_linear and not self.swiglu
 
     @property
     def rows_per_sample(self) -> int:

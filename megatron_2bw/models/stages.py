@@ -57,11 +57,14 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
                                                          get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_2bw.models.attention import SdpaAttention
 from megatron_2bw.models.compat import cpu_shims_applied
 from megatron_2bw.models.config import ModelConfig
 from megatron_2bw.models.heads import (FRESH_PREFIXES, attach_task_head, encoder_only,
                                        task_logits, task_loss_and_correct)
 from megatron_2bw.models.init import deterministic_init_, named_global_parameters
+from megatron_2bw.models.kernels import (compile_layers, kernel_fields, on_cuda,
+                                         with_core_attention)
 from megatron_2bw.models.norms import TorchNorm
 
 logger = logging.getLogger(__name__)
@@ -334,7 +337,7 @@ def build_stage(
         raise RuntimeError("building a megatron-core stage on CPU needs the CPU shims: call "
                            "megatron_2bw.models.apply_cpu_shims() at the entry point first")
     _ensure_rng_tracker(config.seed)
-    mcore_config = transformer_config(config, tp, num_stages, num_chunks)
+    mcore_config = transformer_config(config, tp, num_stages, num_chunks, on_cuda(target))
     chunks = [_build_chunk(config, mcore_config, stage, num_stages, c, num_chunks, target)
               for c in range(num_chunks)]
     logger.debug("built %s stage %d/%d (tp=%d, %d chunks) on %s", config.model, stage,
@@ -359,6 +362,8 @@ def _build_chunk(config: ModelConfig, mcore_config: TransformerConfig, stage: in
     model.to(dtype=config.params_dtype)
     deterministic_init_(model, config.seed, config.init_method_std, config.num_layers)
     model.to(target)
+    if config.compile_transformer_layers:
+        compile_layers(model)
     return PipelineStage(config, stage, num_stages, model, chunk, num_chunks)
 
 
@@ -446,13 +451,15 @@ def _ensure_rng_tracker(seed: int) -> None:
 
 
 def transformer_config(config: ModelConfig, tp: int, num_stages: int,
-                       num_chunks: int = 1) -> TransformerConfig:
-    """The megatron-core TransformerConfig for this model and split (local, unfused kernels).
+                       num_chunks: int = 1, fused: bool = False) -> TransformerConfig:
+    """The megatron-core TransformerConfig for this model and split.
 
     Megatron-LM's `core_transformer_config_from_args` mapping: --swiglu is a gated linear
     unit with SiLU, --group-query-attention's groups, the uneven first / last stage, the
     virtual pipeline size (None without chunks, as Megatron-LM sets it) and the three
-    recompute fields as given (megatron-core implements all of them).
+    recompute fields as given (megatron-core implements all of them). The activation and
+    the fusions come from `kernels.kernel_fields` (`fused`: megatron-core's fused CUDA
+    implementations may run); the core attention is chosen in the layer spec.
     """
     return TransformerConfig(
         num_layers=config.num_layers,
@@ -470,7 +477,6 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
         qk_layernorm=config.qk_layernorm,
         add_bias_linear=config.add_bias_linear,
         gated_linear_unit=config.swiglu,
-        activation_func=F.silu if config.swiglu else F.gelu,
         rotary_interleaved=config.rotary_interleaved,
         apply_rope_fusion=False,
         tensor_model_parallel_size=tp,
@@ -493,17 +499,16 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
                            if config.recompute_modules is not None else None),
         sequence_parallel=False,
         attention_backend=AttnBackend.local,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
+        **kernel_fields(config, fused),
     )
 
 
 def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
                    vp_stage: Optional[int] = None
                    ) -> Union[ModuleSpec, TransformerBlockSubmodules]:
-    """megatron-core's local GPT layer spec, with `TorchNorm` where it must differ.
+    """megatron-core's local GPT layer spec, with `TorchNorm` where it must differ and the
+    attention backend's core attention (`kernels.with_core_attention`).
 
     RMSNorm comes from the local spec itself (`WrappedTorchNorm` reads
     config.normalization). Query/key norms become tensor-parallel-shared `TorchNorm`s
@@ -512,8 +517,9 @@ def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
     zero-centred `TorchNorm`, which needs the block spec (a layer spec cannot name the
     final norm).
     """
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
-                                    normalization=config.normalization)
+    spec = with_core_attention(get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                                        normalization=config.normalization),
+                               config, mcore_config)
     layer = spec.submodules
     if config.qk_layernorm:
         shared = ModuleSpec(module=TorchNorm, params={"tp_shared": True})
@@ -554,10 +560,11 @@ def _build_model(
             vp_stage=vp_stage,
         )
     pooled = config.bert_binary_head or config.task is not None  # a task reads the pooler
-    return BertModel(
+    return _BertModel(
         config=mcore_config,
         num_tokentypes=2 if pooled else 0,
-        transformer_layer_spec=bert_layer_local_spec,
+        transformer_layer_spec=with_core_attention(bert_layer_local_spec, config,
+                                                   mcore_config),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_positions,
         pre_process=pre_process,
@@ -567,3 +574,20 @@ def _build_model(
         add_binary_head=pooled,
         vp_stage=vp_stage,
     )
+
+
+class _BertModel(BertModel):
+    """megatron-core's BertModel, told which mask its core attention takes.
+
+    BertModel reads the mask layout from the spec: megatron-core's DotProductAttention
+    takes [b, 1, s, s]; any other core attention is assumed to be Transformer Engine's,
+    and BertModel asks Transformer Engine's version, which is not installed here.
+    `SdpaAttention` takes the key-padding mask as [b, 1, 1, s], which SDPA broadcasts over
+    the queries (so no query row is ever wholly masked, and no NaN can come of it).
+    """
+
+    def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
+        attention = self.transformer_layer_spec.submodules.self_attention.submodules
+        if getattr(attention.core_attention, "module", None) is SdpaAttention:
+            return "b11s"
+        return super()._sanity_check_attention_and_get_attn_mask_dimension()

@@ -16,6 +16,7 @@ from .data_sources import data_sources, tokenizer_from_args
 from .distributed import init_distributed, setup_logging
 from .errors import guarded, watch_peers
 from .megatron_flags import check_megatron_flags, mapped_notes
+from .model_flags import kernel_note
 from .validation import check_output_paths, check_ranges, validate_flags
 
 logger = logging.getLogger("megatron_2bw.train")
@@ -37,6 +38,7 @@ def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     validate_flags(args, model, env.world_size)  # cross-flag rules, before reading any file
     if taken:
         logger.info(f"--use-checkpoint-args: from {args.load}: {', '.join(taken)}")
+    logger.info(kernel_note(args, env.device.type == "cuda"))
     for note in mapped_notes(args, env.device.type == "cuda"):
         logger.info(note)
     check_output_paths(args)                      # before the first iteration

@@ -6,9 +6,11 @@ refused with its reason. Silent acceptance is never an option: a flag that chang
 numbers or the memory and is not implemented is refused, so nobody compares a run
 against one it is not.
 
-- MAPPED: kernel and performance selections. On CPU megatron-core's local (unfused)
-  implementation is what runs; these flags pick among implementations of the same
-  mathematics, so the results do not depend on them beyond rounding.
+- MAPPED: kernel and performance selections this build has no second implementation
+  for (Transformer Engine, apex, overlaps): megatron-core's local layer specs run, and
+  the numbers do not depend on them. The kernel flags that do choose something here
+  (--attention-backend, the bias / dropout / cross-entropy fusions) are model flags
+  (model_flags.py, models/kernels.py).
 - HONORED_NOOP: flags whose Megatron-LM meaning is already what happens here
   (`--use-mcore-models`: there are no legacy models; `--num-workers`: samples come from
   the dataset in the training process, no DataLoader).
@@ -55,15 +57,9 @@ def _value(name: str, type_: type = str, choices: Optional[list] = None) -> Flag
 
 
 MAPPED: tuple[Flag, ...] = (
-    _value("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"]),
     _switch("--use-flash-attn"),
-    _switch("--no-masked-softmax-fusion"),
     _value("--transformer-impl", choices=["local", "transformer_engine", "inference_optimized"]),
-    _switch("--cross-entropy-loss-fusion"),
     _value("--cross-entropy-fusion-impl", choices=["native", "te"]),
-    _switch("--no-bias-gelu-fusion"),
-    _switch("--no-bias-swiglu-fusion"),
-    _switch("--no-bias-dropout-fusion"),
     _switch("--no-rope-fusion"),
     _switch("--no-persist-layer-norm"),
     _switch("--no-gradient-accumulation-fusion"),
@@ -151,8 +147,8 @@ def check_megatron_flags(args: argparse.Namespace, world_size: int) -> None:
 
 def mapped_notes(args: argparse.Namespace, on_gpu: bool) -> list[str]:
     """One line per mapped flag the command line set: what runs instead."""
-    runs = ("megatron-core's local (unfused) implementation runs here" if not on_gpu else
-            "megatron-core's local layer specs run (Transformer Engine is not used)")
+    runs = ("megatron-core's local layer specs run here (no Transformer Engine or apex); "
+            "the attention kernel is --attention-backend's")
     notes = []
     if getattr(args, "timing_log_level", 0):  # parsed with the logging flags
         notes.append(f"--timing-log-level {args.timing_log_level}: per-phase timers are not "

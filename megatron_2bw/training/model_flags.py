@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..models.config import RECOMPUTE_MODULES, ModelConfig, stage_layer_counts
+from ..models.config import (ATTENTION_BACKENDS, RECOMPUTE_MODULES, ModelConfig,
+                             stage_layer_counts)
 from ..shape import swiglu_ffn_size
 from .errors import UserError
 
@@ -48,6 +49,7 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     _position_flags(p)
     _stage_flags(p)
     _recompute_flags(p)
+    _kernel_flags(p)
 
 
 def _architecture_flags(p: argparse.ArgumentParser) -> None:
@@ -72,6 +74,32 @@ def _architecture_flags(p: argparse.ArgumentParser) -> None:
                    help="no biases in the attention and MLP linear layers")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="GPT: normalise queries and keys per head before attention")
+
+
+def _kernel_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's attention backend and fusion switches (models/kernels.py), with both
+    spellings of each switch: Megatron-LM's `--no-...` and the positive one."""
+    g = p.add_argument_group("kernels (Megatron-LM's attention backend and fusions)")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto",
+                   help="auto / flash / fused: PyTorch's scaled_dot_product_attention (auto "
+                        "lets PyTorch pick its kernel; flash and fused restrict it); "
+                        "unfused / local: megatron-core's DotProductAttention")
+    switch = argparse.BooleanOptionalAction
+    g.add_argument("--bias-gelu-fusion", action=switch, default=True,
+                   help="GELU as its tanh approximation, fused with the bias on CUDA "
+                        "(Megatron-LM's default; off without linear biases)")
+    g.add_argument("--bias-swiglu-fusion", action=switch, default=True,
+                   help="bias + SwiGLU fused on CUDA (same mathematics)")
+    g.add_argument("--bias-dropout-fusion", action=switch, default=True,
+                   help="bias + dropout + residual fused on CUDA (same mathematics)")
+    g.add_argument("--masked-softmax-fusion", action=switch, default=True,
+                   help="scale + mask + softmax fused: inside SDPA with auto / flash / "
+                        "fused; the unfused backend's kernel needs apex, absent here")
+    g.add_argument("--cross-entropy-loss-fusion", action=switch, default=False,
+                   help="GPT: megatron-core's fused vocab-parallel cross entropy on CUDA")
+    g.add_argument("--compile-transformer-layers", action="store_true",
+                   help="torch.compile each transformer layer (not a Megatron-LM flag; "
+                        "parameter names and checkpoints do not change)")
 
 
 def _position_flags(p: argparse.ArgumentParser) -> None:
@@ -321,4 +349,42 @@ def model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfi
         kv_channels=args.kv_channels, add_bias_linear=args.add_bias_linear,
         qk_layernorm=args.qk_layernorm,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers)
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        **kernel_config(args))
+
+
+def kernel_config(args: argparse.Namespace) -> dict:
+    """The ModelConfig fields of the kernel flags (Megatron-LM turns the bias-GELU
+    fusion off for models without linear biases; `ModelConfig.tanh_gelu` says so too)."""
+    return dict(attention_backend=args.attention_backend,
+                bias_gelu_fusion=args.bias_gelu_fusion and args.add_bias_linear,
+                bias_swiglu_fusion=args.bias_swiglu_fusion,
+                bias_dropout_fusion=args.bias_dropout_fusion,
+                cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+                compile_transformer_layers=args.compile_transformer_layers)
+
+
+def kernel_note(args: argparse.Namespace, on_gpu: bool) -> str:
+    """One line: the attention and activation kernels this run uses, and what the fusion
+    switches do on this device (fused on CUDA, the same mathematics unfused on CPU)."""
+    sdpa = args.attention_backend not in ("unfused", "local")
+    attention = (f"PyTorch SDPA ({args.attention_backend})" if sdpa
+                 else "megatron-core's DotProductAttention (unfused softmax)")
+    if args.swiglu:
+        activation = "SwiGLU"
+    elif args.bias_gelu_fusion and args.add_bias_linear:
+        activation = "GELU, tanh approximation (--bias-gelu-fusion)"
+    else:
+        activation = "GELU, exact"
+    fusions = [name for name, on in (("bias-GELU", not args.swiglu and args.bias_gelu_fusion
+                                      and args.add_bias_linear),
+                                     ("bias-SwiGLU", args.swiglu and args.bias_swiglu_fusion),
+                                     ("bias-dropout-add", args.bias_dropout_fusion),
+                                     ("cross entropy", args.cross_entropy_loss_fusion)) if on]
+    where = "fused" if on_gpu else "unfused on CPU (the same mathematics)"
+    line = f"kernels: attention {attention}; {activation}"
+    if fusions:
+        line += f"; {', '.join(fusions)}: {where}"
+    if args.compile_transformer_layers:
+        line += "; transformer layers compiled"
+    return line

@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ..models.config import attention_backend_problem
 from ..optim.muon import COEFFICIENT_SETS
 from ..schedules import (DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES, ScheduleSpec,
                          canonical_name, names_where, schedule_spec)
@@ -156,6 +157,15 @@ class Flags:
     args: argparse.Namespace
     model: str
     world_size: int
+
+    @property
+    def attention_problem(self) -> Optional[str]:
+        """Why --attention-backend cannot run on this machine for this model, else None."""
+        import torch
+
+        masked = self.model == "bert" or bool(getattr(self.args, "reset_attention_mask", False))
+        return attention_backend_problem(self.args.attention_backend,
+                                         torch.cuda.is_available(), masked)
 
     @property
     def grid(self) -> int:
@@ -552,6 +562,9 @@ RULES: tuple[Rule, ...] = (
          "--reset-attention-mask needs the data loader's mask, which "
          "--no-create-attention-mask-in-dataloader turns off",
          "drop one of the two"),
+    Rule("--attention-backend", lambda f: f.attention_problem is None,
+         "--attention-backend {a.attention_backend}: {f.attention_problem}",
+         "choose another backend"),
     Rule("--calculate-per-token-loss", lambda f: not f.args.calculate_per_token_loss
          or f.model == "gpt", "--calculate-per-token-loss is a GPT loss: Megatron-LM's "
          "pretrain_bert.py averages its LM and sentence-order losses per microbatch "
