@@ -83,7 +83,8 @@ def compile_layers(model: nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
         layer.compile(backend=backend)
-    logger.debug("compiled %d transformer layers (%s)", len(layers), backend)
+    logger.info("compiling %d transformer layers with torch.compile (backend %s)",
+                len(layers), backend)
     return len(layers)
 
 
