@@ -5,8 +5,9 @@
   re-run here on that calculator).
 - A ramped 2BW run equals the independent delayed-update loop, the minibatches drawn at
   the ramp's sizes; a ramped flush run at PP=2 equals PP=1.
-- Kernel flags are mapped with one line, refused flags name themselves and the reason,
-  removed spellings say what replaced them, unknown flags point to the flag table.
+- Kernel flags are mapped with one line, refused flags name themselves and the reason
+  (several at once in one line), removed spellings say what replaced them, unknown flags
+  point to the flag table; a quoted --split means its numbers.
 """
 from __future__ import annotations
 
@@ -115,6 +116,50 @@ def test_refused_flags_name_themselves_and_why(extra, world, flag) -> None:
     err = _refused(["--train-iters", "2"] + extra, world)
     assert err.where == flag and err.what == f"{flag} is not supported"
     assert err.fix.endswith(f"({M.DOC})")
+
+
+FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo",
+       "max", "--fp8-param-gather"]
+FP8_FLAGS = [a for a in FP8 if a.startswith("--")]
+
+
+def test_several_refused_flags_are_named_in_one_line() -> None:
+    """Megatron-LM's Llama example with its fp8 flags: one line names the four under one
+    reason; with a removed spelling and sequence parallelism at TP 2 too, every flag is
+    named and each reason given once."""
+    err = _refused(["--train-iters", "2"] + FP8)
+    assert err.where.split(", ") == FP8_FLAGS and err.what.startswith("4 ")
+    assert err.fix.count("Transformer Engine on a GPU") == 1 and err.fix.endswith(f"({M.DOC})")
+    err = _refused(["--train-iters", "2", "--checkpoint-activations", "--sequence-parallel",
+                    "--tensor-model-parallel-size", "2"] + FP8, world=2)
+    named = ["--checkpoint-activations", "--sequence-parallel"] + FP8_FLAGS
+    assert err.where.split(", ") == named and err.what.startswith(f"{len(named)} ")
+    reasons = err.fix.removesuffix(f" ({M.DOC})").split(" | ")
+    assert [r.split(": ")[0] for r in reasons] == [*named[:2], ", ".join(FP8_FLAGS)]
+    assert "--recompute-activations" in reasons[0] and "[s/TP, b, h]" in reasons[1]
+    assert "Transformer Engine on a GPU" in reasons[2]
+    assert "\n" not in str(err)  # the entry point's one `error:` line
+
+
+@pytest.mark.parametrize("quoted", ["'99,1,0'", '"99,1,0"'])
+def test_quoted_split_means_its_numbers(quoted: str) -> None:
+    """As megatron-core reads a split (Megatron-LM's Llama example passes the quotes on);
+    a malformed split, quoted or not, is still refused in one line."""
+    from megatron.core.datasets.blended_megatron_dataset_config import \
+        parse_and_normalize_split
+
+    split = _run(["--train-iters", "2", "--split", quoted]).data.split
+    assert parse_and_normalize_split(split) == parse_and_normalize_split(quoted)
+    assert not split.startswith(quoted[0])
+    for bad in ("'a,b'", "'1,2,3,4'", "'99,1,0", "''"):
+        err = _refused(["--train-iters", "2", "--split", bad])
+        assert err.where == "--split" and "invalid split" in err.what
+
+
+def test_sequence_parallel_at_tp1_is_said_to_be_off() -> None:
+    notes = M.inert_notes(parse_args("gpt", BASE + ["--train-iters", "2", "--sequence-parallel"]))
+    assert len(notes) == 1 and notes[0].startswith("--sequence-parallel is off")
+    assert M.inert_notes(parse_args("gpt", BASE + ["--train-iters", "2"])) == []
 
 
 def test_refused_flags_pass_where_they_change_nothing() -> None:
