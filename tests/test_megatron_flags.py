@@ -8,6 +8,8 @@
 - Kernel flags are mapped with one line, refused flags name themselves and the reason
   (several at once in one line), removed spellings say what replaced them, unknown flags
   point to the flag table; a quoted --split means its numbers.
+- What Megatron-LM reads of a run: the logged learning rate (after the step's scheduler
+  update) and the sample counters in a checkpoint's args.
 """
 from __future__ import annotations
 
@@ -206,6 +208,50 @@ def test_ramped_2bw_equals_delayed_oracle(tmp_path) -> None:
                                     "--pipeline-schedule", "2bw"], str(tmp_path / "m.jsonl"))
     assert [r["consumed_samples"] for r in rows] == [4, 8, 12, 18, 24, 32, 40]
     assert max_rel(losses(rows), oracle) < 1e-5
+
+
+@pytest.mark.slow
+def test_logged_lr_sample_counters_and_sequence_parallel_note(tmp_path) -> None:
+    """What Megatron-LM reads of a PP 2 run with warm-up, a batch ramp and validation:
+    - the logged rate is the one after the step's scheduler update (Megatron-LM's), so
+      iteration 1 of a warm-up shows step 1's rate, not the initial 0;
+    - each checkpoint's args carry the samples consumed so far, which Megatron-LM's
+      loader resumes its data order and ramp from (validation at a multiple of
+      --eval-interval counts before that iteration's checkpoint, as in Megatron-LM);
+    - --sequence-parallel at TP 1 is said to be off, in one line of the whole job."""
+    import argparse
+    import glob
+    import json
+    import os
+
+    ckpt, warmup, gbs, interval = tmp_path / "ckpt", 16, 4, 2
+    flags = ["--pipeline-model-parallel-size", "2", "--global-batch-size", str(gbs),
+             "--rampup-batch-size", "2", "2", "4", "--train-iters", "3",
+             "--lr-warmup-iters", str(warmup // gbs), "--lr-decay-iters", "8",
+             "--eval-interval", str(interval), "--save", str(ckpt), "--save-interval", "2",
+             "--sequence-parallel"]
+    rows = launch("gpt", 2, flags, str(tmp_path / "m.jsonl"))
+    with open(tmp_path / "m.jsonl") as f:
+        valid = [r for r in map(json.loads, f) if r["split"] == "valid"]
+    peak = float(TINY[TINY.index("--lr") + 1])  # constant after the warm-up from 0
+    for row in rows:
+        assert row["lr"] == pytest.approx(peak * row["consumed_samples"] / warmup, rel=1e-6)
+    assert rows[0]["lr"] > 0
+    eval_iters = int(TINY[TINY.index("--eval-iters") + 1])
+    for row in rows[1:]:  # saved at 2 (--save-interval) and 3 (the end)
+        it = row["iteration"]
+        path = ckpt / f"iter_{it:07d}" / "common.pt"
+        args = torch.load(path, map_location="cpu", weights_only=False)["args"]
+        assert isinstance(args, argparse.Namespace)
+        evaluated = [r for r in valid if r["iteration"] <= it and r["iteration"] % interval == 0]
+        assert evaluated  # the counter below is not vacuously 0
+        assert (args.consumed_train_samples, args.consumed_valid_samples,
+                args.skipped_train_samples) == (row["consumed_samples"],
+                                                len(evaluated) * eval_iters * gbs, 0)
+    logs = glob.glob(str(tmp_path / "job-*.rank*.log"))
+    if os.environ.get("M2BW_TEST_LAUNCHER") != "torchrun":  # torchrun keeps no logs here
+        said = sum(open(p).read().count("--sequence-parallel is off") for p in logs)
+        assert len(logs) == 2 and said == 1
 
 
 def test_manual_gc_collects_on_schedule(monkeypatch) -> None:
