@@ -5,8 +5,11 @@
   re-run here on that calculator).
 - A ramped 2BW run equals the independent delayed-update loop, the minibatches drawn at
   the ramp's sizes; a ramped flush run at PP=2 equals PP=1.
-- Kernel flags are mapped with one line, refused flags name themselves and the reason,
-  removed spellings say what replaced them, unknown flags point to the flag table.
+- Kernel flags are mapped with one line, refused flags name themselves and the reason
+  (several at once in one line), removed spellings say what replaced them, unknown flags
+  point to the flag table; a quoted --split means its numbers.
+- What Megatron-LM reads of a run: the logged learning rate (after the step's scheduler
+  update) and the sample counters in a checkpoint's args.
 """
 from __future__ import annotations
 
@@ -158,6 +161,50 @@ def test_refused_flags_name_themselves_and_why(extra, world, flag) -> None:
     assert err.fix.endswith(f"({M.DOC})")
 
 
+FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo",
+       "max", "--fp8-param-gather"]
+FP8_FLAGS = [a for a in FP8 if a.startswith("--")]
+
+
+def test_several_refused_flags_are_named_in_one_line() -> None:
+    """Megatron-LM's Llama example with its fp8 flags: one line names the four under one
+    reason; with a removed spelling and sequence parallelism at TP 2 too, every flag is
+    named and each reason given once."""
+    err = _refused(["--train-iters", "2"] + FP8)
+    assert err.where.split(", ") == FP8_FLAGS and err.what.startswith("4 ")
+    assert err.fix.count("Transformer Engine on a GPU") == 1 and err.fix.endswith(f"({M.DOC})")
+    err = _refused(["--train-iters", "2", "--checkpoint-activations", "--sequence-parallel",
+                    "--tensor-model-parallel-size", "2"] + FP8, world=2)
+    named = ["--checkpoint-activations", "--sequence-parallel"] + FP8_FLAGS
+    assert err.where.split(", ") == named and err.what.startswith(f"{len(named)} ")
+    reasons = err.fix.removesuffix(f" ({M.DOC})").split(" | ")
+    assert [r.split(": ")[0] for r in reasons] == [*named[:2], ", ".join(FP8_FLAGS)]
+    assert "--recompute-activations" in reasons[0] and "[s/TP, b, h]" in reasons[1]
+    assert "Transformer Engine on a GPU" in reasons[2]
+    assert "\n" not in str(err)  # the entry point's one `error:` line
+
+
+@pytest.mark.parametrize("quoted", ["'99,1,0'", '"99,1,0"'])
+def test_quoted_split_means_its_numbers(quoted: str) -> None:
+    """As megatron-core reads a split (Megatron-LM's Llama example passes the quotes on);
+    a malformed split, quoted or not, is still refused in one line."""
+    from megatron.core.datasets.blended_megatron_dataset_config import \
+        parse_and_normalize_split
+
+    split = _run(["--train-iters", "2", "--split", quoted]).data.split
+    assert parse_and_normalize_split(split) == parse_and_normalize_split(quoted)
+    assert not split.startswith(quoted[0])
+    for bad in ("'a,b'", "'1,2,3,4'", "'99,1,0", "''"):
+        err = _refused(["--train-iters", "2", "--split", bad])
+        assert err.where == "--split" and "invalid split" in err.what
+
+
+def test_sequence_parallel_at_tp1_is_said_to_be_off() -> None:
+    notes = M.inert_notes(parse_args("gpt", BASE + ["--train-iters", "2", "--sequence-parallel"]))
+    assert len(notes) == 1 and notes[0].startswith("--sequence-parallel is off")
+    assert M.inert_notes(parse_args("gpt", BASE + ["--train-iters", "2"])) == []
+
+
 def test_refused_flags_pass_where_they_change_nothing() -> None:
     """As in Megatron-LM: sequence parallelism is off at TP=1; one data-parallel rank
     has nothing to shard; context parallel size 1 and the torch format are what runs."""
@@ -202,6 +249,50 @@ def test_ramped_2bw_equals_delayed_oracle(tmp_path) -> None:
                                     "--pipeline-schedule", "2bw"], str(tmp_path / "m.jsonl"))
     assert [r["consumed_samples"] for r in rows] == [4, 8, 12, 18, 24, 32, 40]
     assert max_rel(losses(rows), oracle) < 1e-5
+
+
+@pytest.mark.slow
+def test_logged_lr_sample_counters_and_sequence_parallel_note(tmp_path) -> None:
+    """What Megatron-LM reads of a PP 2 run with warm-up, a batch ramp and validation:
+    - the logged rate is the one after the step's scheduler update (Megatron-LM's), so
+      iteration 1 of a warm-up shows step 1's rate, not the initial 0;
+    - each checkpoint's args carry the samples consumed so far, which Megatron-LM's
+      loader resumes its data order and ramp from (validation at a multiple of
+      --eval-interval counts before that iteration's checkpoint, as in Megatron-LM);
+    - --sequence-parallel at TP 1 is said to be off, in one line of the whole job."""
+    import argparse
+    import glob
+    import json
+    import os
+
+    ckpt, warmup, gbs, interval = tmp_path / "ckpt", 16, 4, 2
+    flags = ["--pipeline-model-parallel-size", "2", "--global-batch-size", str(gbs),
+             "--rampup-batch-size", "2", "2", "4", "--train-iters", "3",
+             "--lr-warmup-iters", str(warmup // gbs), "--lr-decay-iters", "8",
+             "--eval-interval", str(interval), "--save", str(ckpt), "--save-interval", "2",
+             "--sequence-parallel"]
+    rows = launch("gpt", 2, flags, str(tmp_path / "m.jsonl"))
+    with open(tmp_path / "m.jsonl") as f:
+        valid = [r for r in map(json.loads, f) if r["split"] == "valid"]
+    peak = float(TINY[TINY.index("--lr") + 1])  # constant after the warm-up from 0
+    for row in rows:
+        assert row["lr"] == pytest.approx(peak * row["consumed_samples"] / warmup, rel=1e-6)
+    assert rows[0]["lr"] > 0
+    eval_iters = int(TINY[TINY.index("--eval-iters") + 1])
+    for row in rows[1:]:  # saved at 2 (--save-interval) and 3 (the end)
+        it = row["iteration"]
+        path = ckpt / f"iter_{it:07d}" / "common.pt"
+        args = torch.load(path, map_location="cpu", weights_only=False)["args"]
+        assert isinstance(args, argparse.Namespace)
+        evaluated = [r for r in valid if r["iteration"] <= it and r["iteration"] % interval == 0]
+        assert evaluated  # the counter below is not vacuously 0
+        assert (args.consumed_train_samples, args.consumed_valid_samples,
+                args.skipped_train_samples) == (row["consumed_samples"],
+                                                len(evaluated) * eval_iters * gbs, 0)
+    logs = glob.glob(str(tmp_path / "job-*.rank*.log"))
+    if os.environ.get("M2BW_TEST_LAUNCHER") != "torchrun":  # torchrun keeps no logs here
+        said = sum(open(p).read().count("--sequence-parallel is off") for p in logs)
+        assert len(logs) == 2 and said == 1
 
 
 def test_manual_gc_collects_on_schedule(monkeypatch) -> None:

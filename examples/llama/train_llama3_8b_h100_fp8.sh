@@ -125,7 +125,7 @@ if [[ "$TOKENIZER_ARG" == "MOCK" ]] || [[ "$DATA_ARG" == "MOCK" ]] || [[ -z "$TO
         --vocab-size 1024
         --data-cache-path "$DATA_CACHE_PATH"
         --tiktoken-pattern v2
-        --split '99,1,0'
+        --split "'99,1,0'"  # the quotes reach the program, as from Megatron-LM's array
         --no-create-attention-mask-in-dataloader
         --no-mmap-bin-files
         --num-workers 1
@@ -136,7 +136,7 @@ else
         --tokenizer-type HuggingFaceTokenizer
         --tokenizer-model "$TOKENIZER_ARG"
         --data-cache-path "$DATA_CACHE_PATH"
-        --split '99,1,0'
+        --split "'99,1,0'"  # the quotes reach the program, as from Megatron-LM's array
         --no-create-attention-mask-in-dataloader
         --no-mmap-bin-files
         --num-workers 1

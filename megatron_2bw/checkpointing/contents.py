@@ -33,10 +33,14 @@ CHECKPOINT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attentio
                    "layernorm_zero_centered_gamma", "position_embedding_type", "rotary_base",
                    "rotary_percent", "make_vocab_size_divisible_by", "vocab_size",
                    "tokenizer_type", "bert_no_binary_head", "bias_gelu_fusion")
+# Megatron-LM's data position in its args (`sample_counters`)
+SAMPLE_COUNTERS = ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples")
 
 
-def megatron_args(run) -> argparse.Namespace:
-    """The flags as Megatron-LM saves them, with the fields its loaders derive."""
+def megatron_args(run, iteration: int = 0, validates: bool = False) -> argparse.Namespace:
+    """The flags as Megatron-LM saves them, with the fields its loaders derive and the
+    sample counters after `iteration` steps (`validates`: the run evaluates, i.e. it has
+    a validation split and --eval-iters)."""
     m = run.model
     derived = dict(padded_vocab_size=m.vocab_size, params_dtype=m.params_dtype,
                    data_parallel_size=run.parallel.data_parallel,
@@ -45,7 +49,28 @@ def megatron_args(run) -> argparse.Namespace:
                    use_rotary_position_embeddings=m.position_embedding_type == "rope",
                    bert_binary_head=m.bert_binary_head,
                    apply_layernorm_1p=m.layernorm_zero_centered_gamma)
-    return argparse.Namespace(**{**run.flags, **derived})
+    # counters among the flags are a converted checkpoint's own (a conversion trains nothing)
+    counters = sample_counters(run, iteration, validates)
+    return argparse.Namespace(**{**counters, **run.flags, **derived})
+
+
+def sample_counters(run, iteration: int, validates: bool) -> dict[str, int]:
+    """Megatron-LM's `consumed_train_samples`, `consumed_valid_samples` and
+    `skipped_train_samples` after `iteration` steps, as its training loop counts them.
+
+    Its loader resumes the training data order and the batch-size ramp from these (a
+    checkpoint without them restarts both), so they are written for it; a resume here
+    derives the same numbers from the iteration and does not read them back. Validation
+    runs at every multiple of --eval-interval before the checkpoint of that iteration is
+    written, --eval-iters batches of --global-batch-size samples each (the one after
+    training comes after the last save). Skipped samples count only the batches of
+    Megatron-LM's --iterations-to-skip, which is not a flag here (an fp16 step skipped on
+    overflow consumed its samples): always 0.
+    """
+    t = run.train
+    evaluations = iteration // t.eval_interval if validates and t.eval_interval else 0
+    return dict(zip(SAMPLE_COUNTERS, (run.batch_sizes.consumed(iteration),
+                                      evaluations * t.eval_iters * t.global_batch_size, 0)))
 
 
 def to_megatron_names(weights: dict) -> dict:

@@ -225,7 +225,10 @@ class MegatronUpdater:
             if coef < 1.0:
                 flat_grad.mul_(coef)
         self._step(newest, target, grads)
-        return {"grad_norm": norm, "skipped": 0.0, "loss_scale": self.scaler.scale, "lr": lr}
+        # the logged rate is the one after the scheduler's step, as Megatron-LM logs it (a
+        # skipped step above leaves the schedule, and so the rate, where it was)
+        return {"grad_norm": norm, "skipped": 0.0, "loss_scale": self.scaler.scale,
+                "lr": self.param_groups.lr}
 
     def _step(self, newest: list[torch.Tensor], target: list[torch.Tensor],
               grads: list[torch.Tensor]) -> None:

@@ -265,10 +265,21 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                         "way to give the same")
 
 
+def _unquoted(value: str) -> str:
+    """`value` without one pair of surrounding quotes. Megatron-LM's Llama example keeps
+    `"--split '99,1,0'"` as one item of a bash array and expands the array unquoted, so
+    the quotes reach the program; megatron-core reads only the numbers of a split, so
+    `'99,1,0'` means 99,1,0 there, and here too."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
 def _data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=[], help="[weight] prefix ... (blend)")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
+    g.add_argument("--split", default="969,30,1", type=_unquoted,
+                   help="train,valid,test proportions")
     g.add_argument("--mock-data", action="store_true", help="synthetic data (benchmarks)")
     g.add_argument("--tokenizer-type", help="GPT2BPETokenizer, HuggingFaceTokenizer, "
                    "SentencePieceTokenizer, BertWordPieceLowerCase, BertWordPieceCase, "

@@ -15,7 +15,7 @@ import logging
 from typing import Optional, Sequence
 
 from .arguments import config_from_args, parse_args
-from ..checkpointing.contents import saved_args
+from ..checkpointing.contents import SAMPLE_COUNTERS, saved_args
 from ..checkpointing.files import read_tracker
 from .data_sources import DataSources
 from .distributed import init_distributed, setup_logging
@@ -68,6 +68,9 @@ def _training_args(conv: argparse.Namespace, saved: dict) -> argparse.Namespace:
     args.overwrite_checkpoints = conv.overwrite_checkpoints
     args.mock_data, args.data_path, args.train_iters = True, [], iteration
     args.use_checkpoint_opt_param_scheduler = True
+    for key in SAMPLE_COUNTERS:  # Megatron-LM's data position: the source's, unchanged
+        if key in saved:
+            setattr(args, key, saved[key])
     return args
 
 

@@ -15,7 +15,7 @@ from ..checkpointing.contents import apply_checkpoint_args
 from .data_sources import data_sources, tokenizer_from_args
 from .distributed import init_distributed, setup_logging
 from .errors import guarded, watch_peers
-from .megatron_flags import check_megatron_flags, mapped_notes
+from .megatron_flags import check_megatron_flags, inert_notes, mapped_notes
 from .model_flags import kernel_note
 from .validation import check_output_paths, check_ranges, validate_flags
 
@@ -41,6 +41,9 @@ def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     logger.info(kernel_note(args, env.device.type == "cuda"))
     for note in mapped_notes(args, env.device.type == "cuda"):
         logger.info(note)
+    if env.rank == env.world_size - 1:  # the logging rank: one line per job, not per rank
+        for note in inert_notes(args):
+            logger.warning(f"WARNING: {note}")
     check_output_paths(args)                      # before the first iteration
     tokenizer = tokenizer_from_args(args, model)
     run = config_from_args(args, model, env.world_size, tokenizer.vocab_size)

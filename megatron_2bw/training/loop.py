@@ -210,7 +210,9 @@ class Trainer:
 
     def _save(self, end: int) -> None:
         t = self.run.train
-        save_checkpoint(t.save, end, self.executor, self.updater, megatron_args(self.run),
+        validates = self.sources.valid is not None and bool(t.eval_iters)
+        save_checkpoint(t.save, end, self.executor, self.updater,
+                        megatron_args(self.run, end, validates),
                         self.run.parallel.schedule, overwrite=t.overwrite_checkpoints,
                         options=SaveOptions(t.ckpt_format, not t.no_save_optim,
                                             not t.no_save_rng))

@@ -19,6 +19,10 @@ against one it is not.
   change something (Megatron-LM itself turns sequence parallelism off at TP=1).
 - REMOVED: spellings Megatron-LM dropped, with what replaced them (as Megatron-LM says).
 
+A command line with several refused or removed flags hears of all of them in one line
+(the four fp8 flags under their one reason), not one per run. `--sequence-parallel` at
+TP=1 is accepted with one warning that it is off, as Megatron-LM warns.
+
 Every flag not in arguments.py or here is unknown: the parser names it and points to
 docs/megatron-flags.md, which lists Megatron-LM's flags and their status here.
 """
@@ -79,6 +83,10 @@ HONORED_NOOP: tuple[tuple[Flag, str], ...] = (
      "mask itself; Megatron-LM's data-loader mask is the same mask"),
 )
 
+# the four fp8 flags share one reason, so a command line with all of them hears it once
+FP8_WHY = ("fp8 needs Transformer Engine on a GPU, which this build does not use; drop the "
+           "fp8 flags and use --bf16")
+
 # (flag, does it change something here? (flags, world size), why it is refused)
 REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...] = (
     (_switch("--sequence-parallel"),
@@ -93,14 +101,12 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
      "numbers would not change, the memory per rank would); drop the flag, or run "
      "with data-parallel size 1, where it changes nothing"),
     (_value("--fp8-format", choices=["e4m3", "hybrid"]), lambda a, w: a.fp8_format is not None,
-     "fp8 needs Transformer Engine on a GPU, which this build does not use; use --bf16"),
+     FP8_WHY),
     (_value("--fp8-amax-history-len", int), lambda a, w: a.fp8_amax_history_len is not None,
-     "goes with --fp8-format, which is not supported"),
+     FP8_WHY),
     (_value("--fp8-amax-compute-algo", choices=["max", "most_recent"]),
-     lambda a, w: a.fp8_amax_compute_algo is not None,
-     "goes with --fp8-format, which is not supported"),
-    (_switch("--fp8-param-gather"), lambda a, w: a.fp8_param_gather,
-     "goes with --fp8-format, which is not supported"),
+     lambda a, w: a.fp8_amax_compute_algo is not None, FP8_WHY),
+    (_switch("--fp8-param-gather"), lambda a, w: a.fp8_param_gather, FP8_WHY),
 )
 
 # Megatron-LM's removed spellings and what it tells the user instead
@@ -135,14 +141,60 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
         g.add_argument(name, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
 
 
-def check_megatron_flags(args: argparse.Namespace, world_size: int) -> None:
-    """Refuse a removed spelling or a refused flag that would change something."""
+@dataclass(frozen=True)
+class Refusal:
+    """Flags the command line sets that are refused for one reason (the fp8 flags share
+    theirs). `removed`: Megatron-LM's dropped spellings, told what replaced them."""
+
+    flags: tuple[str, ...]
+    why: str
+    removed: bool = False
+
+
+def refusals(args: argparse.Namespace, world_size: int) -> list[Refusal]:
+    """Every removed spelling and every refused flag that would change something, in the
+    tables' order, flags with the same reason together."""
+    found: dict[tuple[str, bool], list[str]] = {}
     for name, instead in REMOVED.items():
         if getattr(args, name[2:].replace("-", "_")) is not None:
-            raise UserError(f"{name} is no longer a Megatron-LM flag", name, instead)
+            found.setdefault((instead, True), []).append(name)
     for flag, changes, why in REFUSED:
         if changes(args, world_size):
-            raise UserError(f"{flag.name} is not supported", flag.name, f"{why} ({DOC})")
+            found.setdefault((why, False), []).append(flag.name)
+    return [Refusal(tuple(flags), why, removed) for (why, removed), flags in found.items()]
+
+
+def check_megatron_flags(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse removed spellings and refused flags that would change something: all of them
+    in one line, so a copied command line is fixed in one go, not one flag per run."""
+    found = refusals(args, world_size)
+    if not found:
+        return
+    if len(found) == 1 and len(found[0].flags) == 1:
+        (name,), why = found[0].flags, found[0].why
+        if found[0].removed:
+            raise UserError(f"{name} is no longer a Megatron-LM flag", name, why)
+        raise UserError(f"{name} is not supported", name, f"{why} ({DOC})")
+    names = [name for refusal in found for name in refusal.flags]
+    if len(found) == 1:
+        fix = found[0].why
+    else:  # " | " between reasons: a reason may hold a ";" of its own
+        fix = " | ".join(f"{', '.join(r.flags)}: "
+                         + (f"no longer a Megatron-LM flag, {r.why}" if r.removed else r.why)
+                         for r in found)
+    raise UserError(f"{len(names)} Megatron-LM flags are not supported", ", ".join(names),
+                    f"{fix} ({DOC})")
+
+
+def inert_notes(args: argparse.Namespace) -> list[str]:
+    """One line per refused flag that the command line set where it changes nothing and
+    that Megatron-LM then turns off with a warning: --sequence-parallel at
+    --tensor-model-parallel-size 1 (said, not silently dropped)."""
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        return ["--sequence-parallel is off: it splits activations over tensor-parallel "
+                "ranks, and at --tensor-model-parallel-size 1 there is one (as in "
+                "Megatron-LM, which turns it off there too)"]
+    return []
 
 
 def mapped_notes(args: argparse.Namespace, on_gpu: bool) -> list[str]:
