@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from tests.devices import needs_cuda
 from tests.entry_harness import launch, losses, max_rel
 
 ITERS = ["--train-iters", "5", "--global-batch-size", "8"]
@@ -146,3 +147,22 @@ def test_compiled_transformer_layers_train_as_eager(tmp_path, gpt_reference) -> 
     assert max_rel(compiled[:1], gpt_reference[:1]) < 1e-5
     logs = "".join(open(p).read() for p in glob.glob(str(tmp_path / "job-*.rank*.log")))
     assert "compiling 2 transformer layers with torch.compile (backend aot_eager)" in logs
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("flags, on_cuda", [
+    # SDPA (auto), fused bias-GELU (tanh), bias-dropout-add, cross entropy
+    (["--cross-entropy-loss-fusion"], []),
+    # fused bias-SwiGLU; SDPA held to cuDNN / memory-efficient (CPU: auto)
+    (["--swiglu"], ["--attention-backend", "fused"]),
+], ids=["gelu-ce", "swiglu-fused-attention"])
+def test_cuda_fused_kernels_compute_the_cpu_mathematics(tmp_path, flags, on_cuda) -> None:
+    """On a GPU megatron-core's fused (compiled) kernels run; on the CPU their unfused
+    forms: the same fp32 losses (TF32 is off; SDPA's kernels and the fused kernels
+    accumulate in their own order, hence 1e-4)."""
+    run = ITERS + ["--pipeline-schedule", "2bw"] + flags
+    cpu = losses(launch("gpt", 1, run, str(tmp_path / "cpu.jsonl")))
+    cuda = losses(launch("gpt", 1, run + on_cuda, str(tmp_path / "cuda.jsonl"),
+                         device="cuda"))
+    assert max_rel(cuda, cpu) < 1e-4

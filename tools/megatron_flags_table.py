@@ -61,10 +61,13 @@ ISSUE = """--use-flash-attn --no-masked-softmax-fusion --recompute-activations
 --min-loss-scale --loss-scale-window --hysteresis --make-vocab-size-divisible-by
 --exit-interval --exit-signal-handler --optimizer --num-layers-per-virtual-pipeline-stage
 --override-opt_param-scheduler --use-checkpoint-opt_param-scheduler --ffn-hidden-size"""
+# Megatron-LM's kernel switches (its defaults: the fusions on, cross-entropy fusion off)
+KERNELS = """--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion
+--no-masked-softmax-fusion --cross-entropy-loss-fusion"""
 # GPT data flags that go with --calculate-per-token-loss in Megatron-LM's users' scripts
 DATA = """--eod-mask-loss --reset-position-ids --reset-attention-mask"""
 SOURCES = {"GPT-3 175B": GPT3, "BERT 340M": BERT, "Llama-3 8B fp8": LLAMA, "issue 12": ISSUE,
-           "GPT data": DATA}
+           "GPT data": DATA, "kernels": KERNELS}
 
 
 def checked_flags() -> dict[str, list[str]]:
@@ -78,6 +81,17 @@ def checked_flags() -> dict[str, list[str]]:
 
 def _parsed(model: str) -> set[str]:
     return {s for a in build_parser(model)._actions for s in a.option_strings}
+
+
+def _kernel_help(flag: str) -> str:
+    """The parser's help of a kernel flag (what runs on CUDA and on CPU), else ""."""
+    for group in build_parser("gpt")._action_groups:
+        if group.title and group.title.startswith("kernels"):
+            for action in group._group_actions:
+                if flag in action.option_strings:
+                    off = flag.startswith("--no-") and action.default
+                    return ("turns off (on by default): " if off else "") + (action.help or "")
+    return ""
 
 
 def classify(flag: str) -> tuple[str, str]:
@@ -95,7 +109,7 @@ def classify(flag: str) -> tuple[str, str]:
     if flag in ("--timing-log-level", "--timing-log-option"):
         return "mapped", "per-phase timers are not measured; above level 0 one line says so"
     if flag in _parsed("gpt") | _parsed("bert"):
-        return "honored", ""
+        return "honored", _kernel_help(flag)
     return "unknown", "not implemented; the parser names it"
 
 
