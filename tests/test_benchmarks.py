@@ -174,9 +174,12 @@ def test_peer_schedules_smoke(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path) -> None:
-    """Every step of the GPU check on CPU at tiny sizes: each schedule's stage program,
-    the refused interleaving at depth 1, one extra weight version, the executor against
-    a plain megatron-core loop on the same model and data."""
+    """Every step of the GPU check on CPU at tiny sizes: our trainer against the plain
+    PyTorch reference (eager, compiled) and the anchor on one shape, each schedule's stage
+    program, the refused interleaving at depth 1, one extra weight version, the executor
+    against a plain megatron-core loop on the same model and data."""
+    from benchmarks.gpu_reference import Shape
+
     proc = _run(["bash", "tools/gpu_check.sh", "--dry-run"], env={"OUT": str(tmp_path)},
                 timeout=420)
     assert "Stage programs at pipeline depth 1" in proc.stdout
@@ -184,14 +187,36 @@ def test_gpu_check_dry_run(tmp_path) -> None:
     assert summary["dry_run"] is True
     steps = summary["steps"]
     assert {n: s["status"] for n, s in steps.items()} == {
-        "install": "ok", "gpt_flush": "ok", "gpt_2bw": "ok", "gpt_gpipe": "ok",
-        "gpt_flush_interleaved": "refused", "overhead": "ok", "collectives": "ok",
-        "cuda_tests": "ok"}
+        "install": "ok", "gpt_1p3b": "ok", "reference_1p3b": "ok", "anchor_1p3b": "ok",
+        "gpt_flush": "ok", "gpt_2bw": "ok", "gpt_flush_interleaved": "refused",
+        "overhead": "ok", "collectives": "ok", "cuda_tests": "ok"}
+    versus = summary["versus_reference"]
+    systems = versus["systems"]
+    assert list(systems) == ["ours", "reference eager", "reference compiled", "anchor"]
+    # the tiny GPT with the trainer's vocabulary (128 ids and EOD, padded to 192): every
+    # side counts the same FLOPs per iteration, so the ratios compare like with like
+    flops = Shape(layers=2, hidden=64, heads=4, seq=32, vocab=192, micro=2,
+                  microbatches=2).flops_per_iteration()
+    for name, system in systems.items():
+        assert system["status"] == "ok" and system["reason"] is None, (name, system)
+        assert system["tflops"] > 0 and 0 < system["mfu"] < 1
+        assert system["tflops"] * 1e12 * system["s_per_iter"] == pytest.approx(flops, rel=1e-9)
+        assert system["peak_bytes"] is None  # CPU
+        assert system["vs_reference_eager"] == pytest.approx(
+            system["tflops"] / systems["reference eager"]["tflops"])
+    assert systems["reference compiled"]["compile_backend"] == "aot_eager"
+    assert systems["reference compiled"]["vs_reference_compiled"] == 1.0
+    targets = versus["targets"]
+    assert targets["ours_vs_reference_eager"]["value"] == systems["ours"]["vs_reference_eager"]
+    assert targets["ours_peak_vs_reference_eager"]["met"] is None  # no CUDA memory
+    assert targets["reference_eager_vs_anchor"]["value"] == pytest.approx(
+        1 / systems["anchor"]["vs_reference_eager"])
     assert steps["gpt_flush_interleaved"]["rc"] == 2
     assert "--pipeline-model-parallel-size 1" in steps["gpt_flush_interleaved"]["reason"]
     stages = summary["schedules"]
+    assert list(stages) == ["flush", "2bw", "flush interleaved (2 chunks)"]
     assert stages["flush interleaved (2 chunks)"]["measured"] is None
-    for name, versions in (("flush", 1), ("2bw", 2), ("gpipe", 1)):
+    for name, versions in (("flush", 1), ("2bw", 2)):
         measured = stages[name]["measured"]
         assert measured["iterations"] == 4 and measured["timed_iterations"] == 3
         assert measured["median_tflops"] > 0 and 0 < measured["mfu"] < 1
@@ -219,6 +244,12 @@ def test_gpu_check_dry_run(tmp_path) -> None:
     assert "selected" in summary["cuda_tests"]  # the GPU subset, listed
     text = (tmp_path / "gpu_check.md").read_text()
     assert text.startswith("# GPU check (dry run")
+    assert "## Against plain PyTorch: tiny GPT" in text
+    for row in ("ours: pretrain_gpt.py (flush, default flags) | ok |",
+                "reference, eager | ok |", "reference, torch.compile (aot_eager) | ok |",
+                "anchor: gpu_anchor.py --variants sdpa | ok |"):
+        assert f"| {row}" in text, row
+    assert "- ours >= 0.9x the eager reference: " in text
     assert "| flush interleaved (2 chunks) | refused |" in text
     assert "Collectives in the exercise mode" in text
     assert (tmp_path / "raw.tar.gz").exists() and not (tmp_path / "steps.tsv").exists()
@@ -242,6 +273,85 @@ def test_gpu_check_summary_shows_steps_not_run(tmp_path) -> None:
     assert summary["schedules"]["gpipe"]["status"] == "not run"
     assert summary["weight_version_memory"] is None
     assert "| gpt_gpipe | not run |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_summary_against_the_reference_cut_short(tmp_path) -> None:
+    """The comparison with plain PyTorch when its steps did not all finish: the reference
+    timed out while compiling (its eager row came out first), the anchor was absent
+    (gpu_common.sh's not_run), our trainer ran; the ratios use what there is."""
+    from benchmarks import gpu_summary
+
+    (tmp_path / "plan.tsv").write_text("gpt_1p3b\t90\nreference_1p3b\t130\n"
+                                       "anchor_1p3b\t45\n")
+    (tmp_path / "steps.tsv").write_text("gpt_1p3b\t0\t40\t90\nreference_1p3b\t124\t130\t130\n"
+                                        "anchor_1p3b\t-\t0\t45\n")
+    (tmp_path / "anchor_1p3b.out").write_text("no /x/gpu_anchor.py (set GPU_ANCHOR to its path)\n")
+    rows = [{"split": "train", "iteration": i, "loss": 10.0, "tflops": t,
+             "iteration_time_s": 1.0 / t, "cuda_max_allocated_bytes": 60 * 2 ** 30}
+            for i, t in enumerate([100.0, 300.0, 310.0, 320.0], start=1)]
+    (tmp_path / "gpt_1p3b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    eager = {"system": "reference", "variant": "eager", "tflops": 400.0, "s_per_iter": 0.25,
+             "peak_bytes": 50 * 2 ** 30, "compile_backend": None}
+    (tmp_path / "reference_1p3b.out").write_text("loading\n" + json.dumps(eager) + "\n")
+    assert gpu_summary.main(["--out", str(tmp_path), "--quiet", "--skip-iterations", "1"]) == 0
+    versus = json.loads((tmp_path / "gpu_check.json").read_text())["versus_reference"]
+    ours, ref = versus["systems"]["ours"], versus["systems"]["reference eager"]
+    assert ours["status"] == "ok" and ours["tflops"] == 310.0 and ref["tflops"] == 400.0
+    assert ours["vs_reference_eager"] == pytest.approx(310 / 400)
+    assert ours["peak_vs_reference_eager"] == pytest.approx(60 / 50)
+    compiled, anchor = versus["systems"]["reference compiled"], versus["systems"]["anchor"]
+    assert compiled["status"] == "timed out" and compiled["tflops"] is None
+    assert anchor["status"] == "not run" and anchor["reason"].startswith("no /x/gpu_anchor.py")
+    targets = versus["targets"]
+    assert targets["ours_vs_reference_eager"]["met"] is False  # 0.775 < 0.9
+    assert targets["ours_peak_vs_reference_eager"]["met"] is False  # 1.2 > 1.15
+    assert targets["ours_vs_reference_compiled"]["met"] is None
+    assert targets["reference_eager_vs_anchor"]["met"] is None
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "| anchor_1p3b | not run | – |" in text
+    assert "| reference, torch.compile | timed out: stopped after 130 s" in text
+    assert "- ours >= 0.9x the eager reference: 0.78x (missed)" in text
+
+
+def test_reference_counts_megatrons_flops_and_parameters() -> None:
+    """The reference GPT is Megatron's default GPT: its FLOP count per step is the one
+    pretrain_gpt.py reports (ModelShape.training_flops) at the 1.3B shape, and its
+    parameters are 12Lh^2 + 13Lh + Vh + sh + 2h (biases, a 4h MLP, learned positions,
+    the output layer tied to the embedding)."""
+    from benchmarks.gpu_reference import GPT, Shape, padded_vocab
+
+    from megatron_2bw.shape import ModelShape
+
+    vocab = padded_vocab(50257 + 1, 128)  # the NullTokenizer's ids and EOD
+    assert vocab == 50304
+    shape = Shape(layers=24, hidden=2048, heads=16, seq=2048, vocab=vocab, micro=2,
+                  microbatches=4)
+    megatron = ModelShape("gpt", 24, 2048, 16, 2048, 50257).training_flops(2 * 4)
+    assert shape.flops_per_iteration() == pytest.approx(megatron, rel=1e-12)
+    tiny = Shape(layers=3, hidden=32, heads=4, seq=16, vocab=96, micro=1, microbatches=1)
+    count = sum(p.numel() for p in GPT(tiny, dropout=0.0).parameters())
+    l, h, v, s = 3, 32, 96, 16
+    assert count == 12 * l * h * h + 13 * l * h + v * h + s * h + 2 * h
+
+
+def test_reference_trains_and_refuses_bad_flags(tmp_path, capsys) -> None:
+    """One eager variant of the tiny reference on the CPU: a JSON row per variant with
+    its measurements, finite losses; a bad flag is one line naming it."""
+    from benchmarks import gpu_reference
+
+    out = tmp_path / "reference.json"
+    assert gpu_reference.main(["--tiny", "--variants", "eager", "--dropout", "0.1",
+                               "--json", str(out)]) == 0
+    [row] = json.loads(out.read_text())
+    assert row["variant"] == "eager" and row["dropout"] == 0.1
+    assert row["iterations"] == 4 and row["timed_iterations"] == 3
+    assert row["tflops"] > 0 and row["peak_bytes"] is None
+    assert math.isfinite(row["first_loss"]) and math.isfinite(row["last_loss"])
+    with pytest.raises(SystemExit) as refused:
+        gpu_reference.main(["--tiny", "--variants", "eager,fast"])
+    assert refused.value.code == 2
+    assert "--variants 'eager,fast': give one or more of eager, compiled" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -27,6 +27,13 @@ record() {  # record NAME RC START_SECONDS LIMIT_S
   if declare -F summarise >/dev/null; then summarise --quiet; fi
 }
 
+not_run() {  # not_run NAME LIMIT_S REASON: a planned step that cannot run here, and why
+  echo "$3" > "$OUT_DIR/$1.out"
+  printf '%s\t-\t0\t%s\n' "$1" "$2" >> "$OUT_DIR/steps.tsv"  # exit "-": not run
+  log "step $1: not run: $3"
+  if declare -F summarise >/dev/null; then summarise --quiet; fi
+}
+
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit; output in NAME.out and the log
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2

@@ -192,6 +192,9 @@ def train_command(work: Path, dry_run: bool, arm: str, iterations: int, eval_int
             *data["flags"], "--split", SPLIT, "--data-cache-path", str(work / "index-cache"),
             *arm_flags(arm), "--seed", str(SEED),
             "--hidden-dropout", "0", "--attention-dropout", "0",
+            # the exact GELU of the CPU study's cells, whatever the trainer's default
+            # (Megatron-LM's --bias-gelu-fusion is a tanh approximation)
+            "--no-bias-gelu-fusion",
             "--lr", repr(LR), "--min-lr", repr(MIN_LR), "--lr-decay-style", "cosine",
             "--lr-warmup-iters", str(warmup), "--train-iters", str(iterations),
             "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters),

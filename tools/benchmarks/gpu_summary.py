@@ -1,17 +1,21 @@
 """Summarise what tools/gpu_check.sh measured into gpu_check.json and gpu_check.md.
 
     PYTHONPATH=tools python -m benchmarks.gpu_summary --out DIR [--peak-tflops 790]
-        [--skip-iterations 5] [--model LABEL] [--dry-run] [--quiet]
+        [--skip-iterations 5] [--model LABEL] [--reference-model LABEL] [--dry-run]
+        [--quiet]
 
 Reads, from DIR: plan.tsv (name, time limit of each planned step), steps.tsv (name, exit
-status, seconds, limit of each step that ran), NAME.out (each step's output),
-gpt_SCHEDULE.jsonl (pretrain_gpt.py's --metrics-file, with benchmarks.gpu_stage's memory
-fields), overhead.json (benchmarks.gpu_overhead), collectives.json
-(benchmarks.gpu_collectives), cuda_tests.txt (pytest's output) and device.txt. Every planned step appears with its status: ok, failed, timed out, refused
-(the trainer's one-line refusal of a configuration, exit 2) or not run; a missing piece is
-reported as missing, so a step that failed or ran out of time still leaves a readable
-summary. gpu_check.sh rewrites the summary after every step, so even a run cut short
-leaves one.
+status, seconds, limit of each step that ran; exit "-": not run, why in NAME.out),
+NAME.out (each step's output), gpt_SCHEDULE.jsonl and gpt_1p3b.jsonl (pretrain_gpt.py's
+--metrics-file, with benchmarks.gpu_stage's memory fields), reference.json
+(benchmarks.gpu_reference), anchor.json (../shared/bench/gpu_anchor.py; for either, the
+JSON lines of NAME.out when the file is missing), overhead.json
+(benchmarks.gpu_overhead), collectives.json (benchmarks.gpu_collectives), cuda_tests.txt
+(pytest's output) and device.txt. Every planned step appears with its status: ok,
+failed, timed out, refused (the trainer's one-line refusal of a configuration, exit 2)
+or not run; a missing piece is reported as missing, so a step that failed or ran out of
+time still leaves a readable summary. gpu_check.sh rewrites the summary after every
+step, so even a run cut short leaves one.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ H200_BF16_DENSE_TFLOPS = 790.0
 PAPER_V100_TFLOPS = 45.0  # the paper's single-GPU speed on a 355M GPT (fp16, V100)
 TIMEOUT_CODES = (124, 137)  # timeout(1): limit reached, then killed after the grace period
 REFUSED_CODE = 2  # the trainer's exit status for a configuration it refuses (one line)
+NOT_RUN = "-"  # steps.tsv's exit status of a step that could not run (gpu_common.sh not_run)
 # schedule label -> gpu_check.sh step name (each schedule's stage program at depth 1)
 SCHEDULE_STEPS = {"flush": "gpt_flush", "2bw": "gpt_2bw", "gpipe": "gpt_gpipe",
                   "flush interleaved (2 chunks)": "gpt_flush_interleaved"}
@@ -73,6 +78,10 @@ def read_steps(out: Path) -> dict[str, dict]:
                        "status": "not run", "reason": "the check ended before this step"}
     for name, rc, seconds, *limit in _read_tsv(out / "steps.tsv"):
         lim = float(limit[0]) if limit and limit[0] else steps.get(name, {}).get("limit_s")
+        if rc == NOT_RUN:  # gpu_common.sh's not_run: what it lacked, in NAME.out
+            steps[name] = {"rc": None, "seconds": None, "limit_s": lim, "status": "not run",
+                           "reason": _reason(out, name)}
+            continue
         steps[name] = {"rc": int(rc), "seconds": float(seconds), "limit_s": lim,
                        **_status(name, int(rc), float(seconds), lim, out)}
     return steps
@@ -118,7 +127,9 @@ def schedules(out: Path, steps: dict[str, dict], peak: float, skip: int) -> dict
     """Each schedule's stage program: its step's status beside what its run measured."""
     result = {}
     for label, name in SCHEDULE_STEPS.items():
-        step = steps.get(name, {"status": "not run", "reason": "not planned", "rc": None})
+        if name not in steps:  # not in this check's plan (GPipe: for time)
+            continue
+        step = steps[name]
         result[label] = {"step": name, "status": step["status"], "reason": step["reason"],
                          "measured": stage_program(out / f"{name}.jsonl", peak, skip)}
     return result
@@ -136,7 +147,7 @@ def weight_version_memory(stages: dict[str, dict]) -> Optional[dict]:
     """What 2BW's second weight version costs: 2bw minus flush at depth 1, where the two
     differ only in it (same gradient buffers, one stashed microbatch each), against the
     bytes of one version of the parameters. None unless both ran."""
-    flush, tbw = (stages[k]["measured"] for k in ("flush", "2bw"))
+    flush, tbw = (stages.get(k, {}).get("measured") for k in ("flush", "2bw"))
     if not flush or not tbw or flush.get("weight_bytes") is None:
         return None
     param_bytes = flush["weight_bytes"] / flush["weight_versions"]
@@ -155,6 +166,105 @@ def weight_version_memory(stages: dict[str, dict]) -> Optional[dict]:
                                      "2bw": tbw["cuda_allocated_bytes"]},
             "cuda_max_allocated_bytes": {"flush": flush["cuda_max_allocated_bytes"],
                                          "2bw": tbw["cuda_max_allocated_bytes"]}}
+
+
+# ---- against plain PyTorch (issue 29): our trainer, the reference loop, the anchor
+# system key -> (step, label); the reference's variants come from one step
+VERSUS_STEPS = {"ours": "gpt_1p3b", "reference eager": "reference_1p3b",
+                "reference compiled": "reference_1p3b", "anchor": "anchor_1p3b"}
+TARGET_VS_EAGER = 0.9  # ours at least 0.9x the eager SDPA reference
+STRETCH_VS_COMPILED = 1.0  # stretch: ours at least the compiled reference
+MEMORY_VS_REFERENCE = 1.15  # ours' peak at most 1.15x the eager reference's
+
+
+def _json_rows(path: Path, out_path: Path) -> list[dict]:
+    """A tool's result list (its --json file), else the JSON lines of its output (a run
+    cut short before it wrote the file)."""
+    if path.exists():
+        return json.loads(path.read_text())
+    if not out_path.exists():
+        return []
+    lines = [ln for ln in out_path.read_text(errors="replace").splitlines()
+             if ln.startswith("{")]
+    return [json.loads(ln) for ln in lines]
+
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    """None for a missing or NaN value (the anchor writes NaN memory on the CPU)."""
+    return None if value is None or value != value else value
+
+
+def _measured(step: dict, row: Optional[dict], peak: float, **values) -> dict:
+    """One system's row: its status (the step's, or `failed` with the variant's error)
+    and what it measured (TFLOP/s, s/iteration, peak bytes), MFU from TFLOP/s."""
+    if row is not None and row.get("error"):
+        return {"status": "failed", "reason": row["error"], "tflops": None, "mfu": None,
+                "s_per_iter": None, "peak_bytes": None}
+    tflops = values.get("tflops")
+    status = "ok" if tflops is not None else step["status"]
+    reason = None if tflops is not None else (step["reason"] if step["status"] != "ok"
+                                              else "no result in its output")
+    return {"status": status, "reason": reason, **values,
+            "mfu": None if tflops is None else tflops / peak}
+
+
+def _step(steps: dict[str, dict], name: str) -> dict:
+    return steps.get(name, {"status": "not run", "reason": "not planned", "rc": None})
+
+
+def _systems(out: Path, steps: dict[str, dict], peak: float, skip: int) -> dict[str, dict]:
+    """What each side measured: ours from its metrics file (as the stage programs), the
+    reference's two variants and the anchor from their JSON."""
+    ours = stage_program(out / "gpt_1p3b.jsonl", peak, skip) or {}
+    systems = {"ours": _measured(_step(steps, "gpt_1p3b"), None, peak,
+                                 tflops=ours.get("median_tflops"),
+                                 s_per_iter=ours.get("median_iteration_time_s"),
+                                 peak_bytes=ours.get("cuda_max_allocated_bytes"))}
+    reference = {r["variant"]: r for r in _json_rows(out / "reference.json",
+                                                     out / "reference_1p3b.out")}
+    for variant in ("eager", "compiled"):
+        row = reference.get(variant)
+        systems[f"reference {variant}"] = _measured(
+            _step(steps, "reference_1p3b"), row, peak, tflops=(row or {}).get("tflops"),
+            s_per_iter=(row or {}).get("s_per_iter"), peak_bytes=(row or {}).get("peak_bytes"),
+            compile_backend=(row or {}).get("compile_backend"))
+    anchor = next((r for r in _json_rows(out / "anchor.json", out / "anchor_1p3b.out")
+                   if r.get("variant") == "sdpa"), None)
+    gib = _finite((anchor or {}).get("peak_gib"))
+    systems["anchor"] = _measured(_step(steps, "anchor_1p3b"), anchor, peak,
+                                  tflops=(anchor or {}).get("tflops"),
+                                  s_per_iter=(anchor or {}).get("s_per_iter"),
+                                  peak_bytes=None if gib is None else gib * 2 ** 30)
+    for name, system in systems.items():
+        system["step"] = VERSUS_STEPS[name]
+    return systems
+
+
+def _target(value: Optional[float], bound: float, at_most: bool = False) -> dict:
+    met = None if value is None else (value <= bound if at_most else value >= bound)
+    return {"value": value, "bound": bound, "met": met}
+
+
+def versus_reference(out: Path, steps: dict[str, dict], peak: float, skip: int,
+                     model: str) -> dict:
+    """Our trainer, the plain-PyTorch reference (eager and compiled) and the anchor on
+    one shape, each with its ratios to the reference, and the issue's targets."""
+    systems = _systems(out, steps, peak, skip)
+    eager, compiled = systems["reference eager"], systems["reference compiled"]
+    for system in systems.values():
+        system["vs_reference_eager"] = _ratio(system["tflops"], eager["tflops"])
+        system["vs_reference_compiled"] = _ratio(system["tflops"], compiled["tflops"])
+        system["peak_vs_reference_eager"] = _ratio(system["peak_bytes"], eager["peak_bytes"])
+    ours = systems["ours"]
+    targets = {
+        "ours_vs_reference_eager": _target(ours["vs_reference_eager"], TARGET_VS_EAGER),
+        "ours_vs_reference_compiled": _target(ours["vs_reference_compiled"],
+                                              STRETCH_VS_COMPILED),
+        "ours_peak_vs_reference_eager": _target(ours["peak_vs_reference_eager"],
+                                                MEMORY_VS_REFERENCE, at_most=True),
+        "reference_eager_vs_anchor": _target(_ratio(eager["tflops"],
+                                                    systems["anchor"]["tflops"]), 1.0)}
+    return {"model": model, "systems": systems, "targets": targets}
 
 
 def engine_overhead(out: Path) -> Optional[dict]:
@@ -206,11 +316,14 @@ def device_name(out: Path) -> str:
     return path.read_text().strip() if path.exists() else "unknown"
 
 
-def summarise(out: Path, peak: float, dry_run: bool, skip: int, model: str) -> dict:
+def summarise(out: Path, peak: float, dry_run: bool, skip: int, model: str,
+              reference_model: str = "GPT") -> dict:
     steps = read_steps(out)
     stages = schedules(out, steps, peak, skip)
     return {"dry_run": dry_run, "device": device_name(out), "model": model,
-            "peak_tflops": peak, "steps": steps, "schedules": stages,
+            "peak_tflops": peak, "steps": steps,
+            "versus_reference": versus_reference(out, steps, peak, skip, reference_model),
+            "schedules": stages,
             "weight_version_memory": weight_version_memory(stages),
             "engine_overhead": engine_overhead(out), "cuda_tests": cuda_tests(out),
             "collectives": collectives(out)}
@@ -257,6 +370,62 @@ def _schedules_table(summary: dict) -> list[str]:
             f"| {_fmt(m.get('weight_versions'), '.0f')} | {_bytes(m.get('weight_bytes'))} "
             f"| {_bytes(m.get('cuda_allocated_bytes'))} "
             f"| {_bytes(m.get('cuda_max_allocated_bytes'))} |")
+    return lines
+
+
+def _versus_label(name: str, system: dict) -> str:
+    if name == "ours":
+        return "ours: pretrain_gpt.py (flush, default flags)"
+    if name == "anchor":
+        return "anchor: gpu_anchor.py --variants sdpa"
+    if name == "reference eager":
+        return "reference, eager"
+    backend = system.get("compile_backend")
+    return f"reference, torch.compile ({backend})" if backend else "reference, torch.compile"
+
+
+def _target_line(what: str, target: dict, unit: str = "x") -> str:
+    if target["met"] is None:
+        return f"- {what}: not measured"
+    return (f"- {what}: {target['value']:.2f}{unit} "
+            f"({'met' if target['met'] else 'missed'})")
+
+
+def _versus_section(summary: dict) -> list[str]:
+    v = summary["versus_reference"]
+    lines = [f"## Against plain PyTorch: {v['model']}", "",
+             "One device, bf16; dropout 0 on every side (pretrain_gpt.py --hidden-dropout 0 "
+             "--attention-dropout 0, benchmarks.gpu_reference --dropout 0; the anchor has "
+             "none). TFLOP/s for every row by Megatron-LM's count 3·tokens·(L(24h²+4sh)+2hV); "
+             f"MFU against {summary['peak_tflops']:g} TFLOP/s; peak: "
+             "torch.cuda.max_memory_allocated over the run.", "",
+             "| system | status | TFLOP/s | MFU | s/iteration | peak | x reference eager "
+             "| x reference compiled | peak / reference eager's |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, system in v["systems"].items():
+        why = f": {system['reason']}" if system["reason"] else ""
+        status = (system["status"] + why).replace("|", "\\|")
+        mfu = system["mfu"]
+        lines.append(
+            f"| {_versus_label(name, system)} | {status} | {_fmt(system['tflops'], '.3g')} "
+            f"| {_fmt(mfu, '.1f', 100)}{'%' if mfu is not None else ''} "
+            f"| {_fmt(system['s_per_iter'], '.3f')} | {_bytes(system['peak_bytes'])} "
+            f"| {_fmt(system['vs_reference_eager'], '.2f')} "
+            f"| {_fmt(system['vs_reference_compiled'], '.2f')} "
+            f"| {_fmt(system['peak_vs_reference_eager'], '.2f')} |")
+    t = v["targets"]
+    lines += ["", "Targets (issue 29):",
+              _target_line(f"ours >= {TARGET_VS_EAGER}x the eager reference",
+                           t["ours_vs_reference_eager"]),
+              _target_line(f"stretch: ours >= {STRETCH_VS_COMPILED}x the compiled reference",
+                           t["ours_vs_reference_compiled"]),
+              _target_line(f"ours' peak memory <= {MEMORY_VS_REFERENCE}x the eager "
+                           "reference's", t["ours_peak_vs_reference_eager"]),
+              _target_line("the eager reference >= the anchor (not a weak reference)",
+                           t["reference_eager_vs_anchor"])]
+    if summary["dry_run"]:
+        lines += ["", "Dry run: tiny sizes on the CPU, the compiled reference through "
+                  "aot_eager; the numbers show that every row is produced, not speed."]
     return lines
 
 
@@ -313,10 +482,12 @@ def _collectives_table(summary: dict) -> list[str]:
 
 def to_markdown(summary: dict) -> str:
     lines = [f"# GPU check ({'dry run, ' if summary['dry_run'] else ''}{summary['device']})",
-             "", *steps_table(summary), "", *_schedules_table(summary), "",
+             "", *steps_table(summary), "", *_versus_section(summary), "",
+             *_schedules_table(summary), "",
              _weight_version_line(summary), "", _overhead_line(summary), "",
              *_collectives_table(summary), "",
-             f"GPU tests (pytest -m gpu): {summary['cuda_tests'] or 'no result'}"]
+             "GPU tests (pytest -m gpu, less its CPU parametrisations and test_comm's "
+             f"exercised CUDA runs): {summary['cuda_tests'] or 'no result'}"]
     return "\n".join(lines) + "\n"
 
 
@@ -327,11 +498,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     p.add_argument("--skip-iterations", type=int, default=5, help="warm-up iterations to skip")
     p.add_argument("--model", default="GPT", help="what the stage programs trained (a label)")
+    p.add_argument("--reference-model", default="GPT",
+                   help="the shape of the comparison with plain PyTorch (a label)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--quiet", action="store_true", help="write the files, print nothing")
     args = p.parse_args(argv)
     out = Path(args.out)
-    summary = summarise(out, args.peak_tflops, args.dry_run, args.skip_iterations, args.model)
+    summary = summarise(out, args.peak_tflops, args.dry_run, args.skip_iterations, args.model,
+                        args.reference_model)
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = to_markdown(summary)
     (out / "gpu_check.md").write_text(text)
