@@ -188,8 +188,11 @@ def save_checkpoint(root: str, iteration: int, executor, updater, args: argparse
         _save_sharded(root, iteration, executor, updater, args, schedule, options)
         return
     entries, error = {}, None
+    # a distributed optimizer gathers its state: every data-parallel rank takes part
+    state = (_state(iteration, executor, updater, args, schedule, options)
+             if ps.get_data_parallel_rank() == 0 or getattr(updater, "collective_state", False)
+             else None)
     if ps.get_data_parallel_rank() == 0:
-        state = _state(iteration, executor, updater, args, schedule, options)
         error = _attempt(lambda: entries.update(_write_rank_file(root, iteration, state)))
     gathered = comm.all_gather_object((entries, error))
     failed = next((e for _, e in gathered if e), None)

@@ -113,6 +113,23 @@ def all_gather(parts: list[torch.Tensor], t: torch.Tensor, group: Group) -> None
     dist.all_gather(parts, t, group=group)
 
 
+def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group,
+                          async_op: bool = False) -> Optional[dist.Work]:
+    """Sum `t` over the group; this rank's 1/size of it into `out` (may be that part of
+    `t` itself: in place)."""
+    _check("reduce_scatter_tensor", group, out, t)
+    return dist.reduce_scatter_tensor(out, t, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group,
+                           async_op: bool = False) -> Optional[dist.Work]:
+    """Every member's `t`, end to end in rank order, into `out`."""
+    _check("all_gather_into_tensor", group, out, t)
+    # torch 2.13 renamed it all_gather_single (the old name warns); earlier ones lack it
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, t, group=group, async_op=async_op)
+
+
 def gather_concat(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Every member's `t`, concatenated along `dim` in rank order."""
     parts = [torch.empty_like(t) for _ in range(size(group))]

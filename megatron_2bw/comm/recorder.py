@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 RECORD_ENV = "MEGATRON_2BW_RECORD_COLLECTIVES"
-OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+       "reduce_scatter",
        "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all_single", "isend", "irecv",
        "send", "recv", "barrier", "all_gather_object", "broadcast_object_list",
        "gather_object", "batch_isend_irecv")

@@ -90,6 +90,9 @@ class StepGroups:
     """Process groups the step reduces over (None: this rank alone)."""
 
     model_parallel: Optional[dist.ProcessGroup] = None
+    # --use-distributed-optimizer: each data-parallel rank holds a shard of the gradient,
+    # so the norm and the inf flag are summed over the data-parallel group first
+    data_parallel: Optional[dist.ProcessGroup] = None
 
 
 class _ParamGroups:
@@ -203,6 +206,10 @@ class MegatronUpdater:
         if counted and not local_inf:
             sq = torch.stack([g.pow(2).sum() for g in counted]).sum()
         stats = torch.stack([sq, torch.full_like(sq, float(local_inf))])
+        if comm.runs(self.groups.data_parallel):
+            # the replicas reach this step at the same point of the same action list:
+            # waiting for them cannot wait for another stage
+            comm.all_reduce(stats, self.groups.data_parallel)
         group, work = self.groups.model_parallel, None
         if comm.runs(group):
             work = comm.all_reduce(stats, group, async_op=True)

@@ -109,7 +109,9 @@ class PipelineExecutor:
 
     `transport` and `reducer` replace the point-to-point transfers (`P2P` over
     torch.distributed) and the data-parallel reduction (`GradReducer`): the seam through
-    which tools/schedule_mutations.py runs every stage of a pipeline in one process.
+    which tools/schedule_mutations.py runs every stage of a pipeline in one process, and
+    through which the distributed optimizer reduce-scatters (`ShardedGradReducer`, with
+    `grad_numel` its padded buffer size).
     """
 
     def __init__(self, module: nn.Module, links: StageLinks, updater: Updater, *,
@@ -119,7 +121,8 @@ class PipelineExecutor:
                  tied: Optional[TiedGradSync] = None,
                  grads: GradReduceConfig = GradReduceConfig(),
                  count_tokens: Optional[TokenCount] = None, num_chunks: int = 1,
-                 transport: Optional[Transport] = None, reducer: Optional[GradReducer] = None):
+                 transport: Optional[Transport] = None, reducer: Optional[GradReducer] = None,
+                 grad_numel: int = 0):
         if num_chunks > 1 and len(getattr(module, "chunks", ())) != num_chunks:
             raise ValueError(f"num_chunks={num_chunks} needs a module with that many "
                              "`chunks`")
@@ -130,7 +133,7 @@ class PipelineExecutor:
         # docs/performance.md "Posting receives ahead")
         self.receive_lookahead = 2 * num_chunks - 1
         self.weights = WeightStore(module, weight_versions, grad_buffers, first_version,
-                                   make_copy, grad_dtype=grads.dtype)
+                                   make_copy, grad_dtype=grads.dtype, grad_numel=grad_numel)
         self.weights.loss_scale_of[first_version] = updater.loss_scale
         self.p2p: Transport = transport if transport is not None else P2P(links)
         self.reducer = reducer if reducer is not None else GradReducer(dp_group, grads)

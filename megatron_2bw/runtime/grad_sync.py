@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..comm.sharding import ShardLayout, reduce_scatter
 from .p2p import PeerTimeout, describe_timeout, is_timeout
 
 
@@ -123,6 +124,95 @@ class GradReducer:
             flat_grad.mul_(1.0 / count.item())
             if self.config.low_precision:  # Megatron-LM scales its bf16 main_grad
                 flat_grad.copy_(flat_grad.to(self.config.dtype))
+
+
+class ShardedGradReducer(GradReducer):
+    """--use-distributed-optimizer: the gradient reduce-scattered, not all-reduced.
+
+    Each data-parallel rank gets the average (or, per-token, the sum over the global
+    token count) of its own shard of the elements (comm.sharding.ShardLayout), written
+    into the flat gradient where those elements live; the rest of the flat gradient
+    stays this replica's own and is not read by the step. The tied word embedding's
+    gradient (`full`: its flat ranges, on the first and last stage) is all-reduced
+    whole besides, because the sum between the two stages (TiedGradSync) adds whole
+    tensors whose shards sit at different places on the two stages.
+
+    Started after the minibatch's last backward and waited for at the step, as the
+    all-reduce is: under 2BW it overlaps the next minibatch's compute.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], layout: ShardLayout,
+                 config: GradReduceConfig = GradReduceConfig(),
+                 full: tuple[tuple[int, int], ...] = ()):
+        super().__init__(group, config)
+        self.layout, self.full = layout, full
+        self.rank = comm.rank(group) if group is not None else 0
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._whole: dict[int, list] = {}
+
+    def start(self, minibatch: int, flat_grad: torch.Tensor,
+              tokens: Optional[torch.Tensor] = None) -> None:
+        if minibatch in self._pending:
+            raise RuntimeError(f"gradient reduction of minibatch {minibatch} started twice")
+        scale = 1.0 if tokens is not None else 1.0 / self.size
+        buffer = self._chunk_order(flat_grad)
+        work, low = None, None
+        if self.active:
+            if self.config.low_precision:
+                low = (buffer * scale).to(self.config.dtype)
+            work = reduce_scatter(low if low is not None else buffer, self.layout, self.group)
+            self._whole[minibatch] = [
+                (comm.all_reduce(t, self.group, async_op=True), offset, t)
+                for offset, t in self._copies(flat_grad, scale)]
+        self._pending[minibatch] = (work, flat_grad, low)
+        self._buffers[minibatch] = buffer
+        if tokens is not None:
+            count = tokens.detach().to(torch.float64).clone()
+            self._tokens[minibatch] = (comm.all_reduce(count, self.group, async_op=True)
+                                       if self.active else None, count)
+
+    def _chunk_order(self, flat_grad: torch.Tensor) -> torch.Tensor:
+        """The buffer the reduce-scatter reads: the flat gradient itself (padded to
+        w x C), or its pieces packed in chunk order (whole parameters)."""
+        if self.layout.contiguous:
+            return flat_grad[:self.layout.padded]
+        packed = torch.zeros(self.layout.padded, dtype=torch.float32, device=flat_grad.device)
+        self.layout.pack(flat_grad, packed)
+        return packed  # one per minibatch: 2BW may start the next before this one's step
+
+    def _copies(self, flat_grad: torch.Tensor, scale: float) -> list[tuple[int, torch.Tensor]]:
+        dtype = self.config.dtype if self.config.low_precision else torch.float32
+        return [(offset, (flat_grad[offset:offset + n] * scale).to(dtype))
+                for offset, n in self.full]
+
+    def wait(self, minibatch: int) -> torch.Tensor:
+        work, flat_grad, low = self._pending.pop(minibatch)
+        buffer = self._buffers.pop(minibatch)
+        if work is not None:
+            wait_collective(work, self.group, f"the data-parallel gradient reduce-scatter "
+                                              f"of minibatch {minibatch}")
+            own = self._own(low if low is not None else buffer)
+            if low is None and minibatch not in self._tokens:
+                own.div_(self.size)
+            self._write_own(own, flat_grad)
+            for w, offset, t in self._whole.pop(minibatch):
+                wait_collective(w, self.group, f"the data-parallel all-reduce of the tied "
+                                               f"embedding gradient of minibatch {minibatch}")
+                flat_grad[offset:offset + t.numel()].copy_(t)
+        if minibatch in self._tokens:
+            self._divide_by_tokens(minibatch, flat_grad)
+        return flat_grad
+
+    def _own(self, buffer: torch.Tensor) -> torch.Tensor:
+        lo = self.rank * self.layout.chunk
+        return buffer[lo:lo + self.layout.chunk]
+
+    def _write_own(self, own: torch.Tensor, flat_grad: torch.Tensor) -> None:
+        """This rank's reduced chunk into the flat gradient, where its elements live."""
+        if self.layout.contiguous and own.dtype == flat_grad.dtype:
+            return  # reduced in place
+        for p in self.layout.owned(self.rank):
+            flat_grad[p.flat:p.flat + p.numel].copy_(own[p.slot:p.slot + p.numel])
 
 
 class TiedGradSync:

@@ -32,7 +32,7 @@ class WeightStore:
 
     def __init__(self, module: nn.Module, num_buffers: int, num_grad_buffers: int,
                  first_version: int = 0, make_copy: Optional[Callable[[], nn.Module]] = None,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, grad_numel: int = 0):
         if num_buffers not in (1, 2):
             raise ValueError(f"num_buffers must be 1 or 2, got {num_buffers}")
         make_copy = make_copy or (lambda: copy.deepcopy(module))
@@ -44,7 +44,9 @@ class WeightStore:
         if grad_dtype != torch.float32 and any(p.dtype == torch.float32 for p in self.params[0]):
             raise ValueError(f"{grad_dtype} gradients need low-precision parameters (--bf16); "
                              "this stage has fp32 ones")
-        numel = sum(p.numel() for p in self.params[0])
+        # grad_numel: room for the distributed optimizer's padding (w x C elements, so
+        # the reduce-scatter runs on the buffer itself); the views cover the parameters
+        numel = max(sum(p.numel() for p in self.params[0]), grad_numel)
         device = self.params[0][0].device if self.params[0] else torch.device("cpu")
         self.grad_buffers = [torch.zeros(numel, dtype=torch.float32, device=device)
                              for _ in range(num_grad_buffers)]

@@ -196,6 +196,10 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     _compensation_flags(p)
     g.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
     g.add_argument("--bf16", action="store_true", help="bf16 (fp32 master weights)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the fp32 master weights and the optimizer state over the "
+                        "data-parallel ranks (Megatron-LM's distributed optimizer): the "
+                        "gradient is reduce-scattered, the new weights all-gathered")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: accumulate and all-reduce gradients in bf16 instead "
                         "of fp32 (Megatron-LM's)")
@@ -370,6 +374,7 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
     parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size, view.schedule,
                               grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+                              distributed_optimizer=args.use_distributed_optimizer,
                               virtual_stages=view.virtual_stages)
     gbs, precision = view.gbs, view.precision
     dtype = _precision(precision)

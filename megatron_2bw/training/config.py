@@ -25,6 +25,8 @@ class ParallelConfig:
     pipeline_parallel: int = 1
     schedule: str = DEFAULT_SCHEDULE  # canonical name (schedules.registry)
     grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16 (with --bf16): bf16 main grads
+    # --use-distributed-optimizer: masters and optimizer state sharded over data parallelism
+    distributed_optimizer: bool = False
     # model chunks per pipeline rank (Megatron-LM's virtual_pipeline_model_parallel_size,
     # from --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank);
     # above 1 a schedule with an interleaved form (flush: Megatron-LM's interleaved 1F1B)

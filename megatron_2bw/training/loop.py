@@ -21,9 +21,11 @@ from ..data.datasets import microbatches
 from ..models import build_stage, model_parallel_manual_seed
 from ..optim.muon import (MuonParamSpec, TensorParallel, is_megatron_muon_param,
                           is_megatron_qkv_param, qkv_split_rows)
+from ..comm.sharding import ShardLayout
+from ..optim.distributed import DistributedUpdater
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
-from ..runtime.grad_sync import GradReduceConfig, TiedGradSync
+from ..runtime.grad_sync import GradReduceConfig, ShardedGradReducer, TiedGradSync
 from ..runtime.p2p import PeerTimeout, is_timeout
 from ..runtime.topology import data_parallel_group, stage_links
 from ..schedules import Schedule, build_eval_schedule, build_schedule, schedule_spec
@@ -80,6 +82,22 @@ def _grad_reduce(run: RunConfig) -> GradReduceConfig:
     """Megatron-LM's gradient precision: fp32 unless --grad-reduce-in-bf16."""
     return GradReduceConfig(torch.bfloat16 if run.parallel.grad_reduce_in_bf16
                             else torch.float32)
+
+
+def _sharding(params: list, infos: list[ParamInfo], run: RunConfig,
+              schedule: Schedule) -> tuple[ShardLayout, ShardedGradReducer]:
+    """--use-distributed-optimizer: the stage's shard layout over data parallelism (Muon's
+    matrices whole) and the reducer that reduce-scatters into it; on the stages that
+    sum the tied embedding gradient, that gradient is all-reduced whole besides."""
+    group = data_parallel_group()
+    layout = ShardLayout([p.numel() for p in params], [i.muon is not None for i in infos],
+                         comm.size(group) if group is not None else 1)
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    full = tuple((offsets[i], params[i].numel()) for i, info in enumerate(infos)
+                 if info.tied and ps.get_pipeline_model_parallel_rank() in schedule.tied_stages)
+    return layout, ShardedGradReducer(group, layout, _grad_reduce(run), full)
 
 
 def _tied_sync(schedule: Schedule, stage: int, infos: list[ParamInfo],
@@ -140,8 +158,14 @@ class Trainer:
         gather = functools.partial(comm.gather_concat, group=tp_group) if comm.runs(tp_group) else None
         tp = TensorParallel(ps.get_tensor_model_parallel_rank(),
                             ps.get_tensor_model_parallel_world_size(), gather)
-        updater = MegatronUpdater(params, infos, run.optimizer,
-                                  StepGroups(model_parallel=ps.get_model_parallel_group()), tp)
+        groups = StepGroups(model_parallel=ps.get_model_parallel_group())
+        reducer, layout = None, None
+        if run.parallel.distributed_optimizer:
+            layout, reducer = _sharding(params, infos, run, schedule)
+            updater = DistributedUpdater(params, infos, run.optimizer, layout,
+                                         data_parallel_group(), groups, tp)
+        else:
+            updater = MegatronUpdater(params, infos, run.optimizer, groups, tp)
         links = stage_links(module.boundary_shape(run.train.micro_batch_size),
                             module.boundary_dtype, self.env.device,
                             wrap=schedule.num_chunks > 1)
@@ -151,7 +175,8 @@ class Trainer:
             first_version=self.iteration, tied=_tied_sync(schedule, self.stage, infos, run),
             grads=_grad_reduce(run),
             count_tokens=module.num_tokens if run.model.per_token_loss else None,
-            make_copy=self._build_stage, num_chunks=schedule.num_chunks)
+            make_copy=self._build_stage, num_chunks=schedule.num_chunks, reducer=reducer,
+            grad_numel=layout.padded if layout is not None else 0)
         return executor, updater
 
     def _schedule(self, count: int) -> Schedule:

@@ -95,11 +95,6 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
      "not implemented; at --tensor-model-parallel-size 1 it is off, as in Megatron-LM"),
     (_value("--context-parallel-size", int), lambda a, w: (a.context_parallel_size or 1) > 1,
      "context parallelism is not implemented; use 1"),
-    (_switch("--use-distributed-optimizer"),
-     lambda a, w: a.use_distributed_optimizer and _data_parallel(a, w) > 1,
-     "sharding the optimizer state over data-parallel ranks is not implemented (the "
-     "numbers would not change, the memory per rank would); drop the flag, or run "
-     "with data-parallel size 1, where it changes nothing"),
     (_value("--fp8-format", choices=["e4m3", "hybrid"]), lambda a, w: a.fp8_format is not None,
      FP8_WHY),
     (_value("--fp8-amax-history-len", int), lambda a, w: a.fp8_amax_history_len is not None,
