@@ -59,11 +59,12 @@ def test_example_script_runs(tmp_path, name: str, schedule: str) -> None:
 def test_llama_example_runs(tmp_path, schedule: str) -> None:
     """Megatron-LM's Llama-3 8B flag set (RoPE, GQA, SwiGLU, --bf16 --grad-reduce-in-bf16,
     --decoupled-lr, --calculate-per-token-loss, sample-based schedule, --ckpt-format
-    torch_dist, ...) for 4 steps of 8 samples at PP=2 (--use-distributed-optimizer then
-    changes nothing: one data-parallel rank)."""
+    torch_dist, --use-distributed-optimizer, ...) for 4 steps of 8 samples at PP=2 x DP=2:
+    the optimizer state sharded over the two data-parallel ranks."""
     extra = "--pipeline-model-parallel-size 2 --pipeline-schedule " + schedule
     out = _run("examples/llama/train_llama3_8b_h100_fp8.sh", tmp_path, extra,
-               TRAIN_SAMPLES="32", LR_DECAY_SAMPLES="32", LR_WARMUP_SAMPLES="8")
+               TRAIN_SAMPLES="32", LR_DECAY_SAMPLES="32", LR_WARMUP_SAMPLES="8",
+               NPROC_PER_NODE="4")
     lines = [ln for ln in out.splitlines() if "] iteration " in ln]
     assert len(lines) == 4 and f"pipeline schedule: {schedule}" in lines[-1], out[-3000:]
     assert "(torch_dist)" in out and "lm loss value:" in out

@@ -150,7 +150,6 @@ def test_attention_backend_that_cannot_run_is_refused(backend, model, extra, wor
 
 @pytest.mark.parametrize("extra,world,flag", [
     (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2, "--sequence-parallel"),
-    (["--use-distributed-optimizer"], 2, "--use-distributed-optimizer"),
     (["--fp8-format", "hybrid"], 1, "--fp8-format"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1,
      "--num-layers-per-virtual-pipeline-stage"),

@@ -7,9 +7,10 @@
 #
 # Status (docs/megatron-flags.md): --decoupled-lr/--decoupled-min-lr,
 # --grad-reduce-in-bf16, --calculate-per-token-loss and --ckpt-format torch_dist run with
-# Megatron-LM's meaning (docs/training.md, docs/checkpoints.md). --sequence-parallel and
-# --use-distributed-optimizer change nothing at TP=1 and one data-parallel rank, and are
-# refused where they would (run it with EXTRA_ARGS="--pipeline-model-parallel-size 2").
+# Megatron-LM's meaning (docs/training.md, docs/checkpoints.md), and so does
+# --use-distributed-optimizer (run it with NPROC_PER_NODE=4
+# EXTRA_ARGS="--pipeline-model-parallel-size 2": two data-parallel ranks share the
+# optimizer state). --sequence-parallel is off at TP=1, as Megatron-LM says.
 #
 #   bash examples/llama/train_llama3_8b_h100_fp8.sh [CKPT] [TB] [TOKENIZER|MOCK] [DATA|MOCK]
 set -euo pipefail

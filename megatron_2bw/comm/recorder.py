@@ -3,7 +3,8 @@
 With MEGATRON_2BW_RECORD_COLLECTIVES=PREFIX the trainer wraps torch.distributed's
 collective and point-to-point functions for the whole run and writes, per rank,
 PREFIX.rank{R}.json: one entry per distinct (op, group, device, dtype, caller) with its
-call count. It sees megatron-core's own calls too (the vocab-parallel cross-entropy, the
+call count and elements (the largest tensor of each call, summed: what a reduce-scatter
+or all-gather moves is its whole buffer's size). It sees megatron-core's own calls too (the vocab-parallel cross-entropy, the
 tensor-parallel mappings, the checkpoint writer), since they go through the same module
 attributes. The GPU check reads these files to show every collective a training step
 issues and on which device its tensors lived: evidence from the run, not a hand-written
@@ -78,6 +79,7 @@ class CollectiveRecorder:
 
     def __init__(self) -> None:
         self.counts: Counter = Counter()
+        self.elements: Counter = Counter()  # per key: the largest tensor of each call, summed
         self._originals: dict[str, Callable] = {}
 
     def install(self) -> "CollectiveRecorder":
@@ -117,10 +119,12 @@ class CollectiveRecorder:
         key = (op, group_name(group), dist.get_world_size(group) if dist.is_initialized()
                else 1, backend, ",".join(devices), ",".join(dtypes), _caller())
         self.counts[key] += 1
+        self.elements[key] += max((t.numel() for t in tensors), default=0)
 
     def entries(self) -> list[dict]:
         fields = ("op", "group", "group_size", "backend", "device", "dtype", "caller")
-        return [dict(zip(fields, key), calls=n) for key, n in sorted(self.counts.items())]
+        return [dict(zip(fields, key), calls=n, elements=self.elements[key])
+                for key, n in sorted(self.counts.items())]
 
     def write(self, path: str) -> None:
         with open(path, "w") as f:
