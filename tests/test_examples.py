@@ -46,7 +46,7 @@ def test_example_script_runs(tmp_path, name: str, schedule: str) -> None:
     lines = [ln for ln in out.splitlines() if "] iteration " in ln]
     assert len(lines) == 4 and "iteration        4/       4" in lines[-1], out[-3000:]
     assert f"pipeline schedule: {schedule}" in lines[-1]
-    assert "--attention-backend auto selects a kernel" in out
+    assert "kernels: attention PyTorch SDPA (auto)" in out
     assert "lm loss value:" in out  # validation ran
     with open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert f.read().strip() == "4"

@@ -209,7 +209,8 @@ class DistributedUpdater:
         """This rank's pieces (`pieces`: indices into its piece list) of per-parameter
         `tensors` given for `params`."""
         by_param = dict(zip(params, tensors))
-        views = self.layout.views([by_param.get(i, torch.empty(0)) for i in
+        empty = torch.empty(0, device=self.device)
+        views = self.layout.views([by_param.get(i, empty) for i in
                                    range(len(self.infos))], self.rank)
         return [views[j] for j in pieces]
 
