@@ -5,7 +5,8 @@ and the planner, one probe at a time, each in its own temporary directory with a
         --json runs/fault_matrix.json [--only CLASS] [--probe NAME] [--jobs 1]
 
 Classes: 1 resume semantics, 2 checkpoints, 3 late failures / output paths, 4 graceful stop,
-5 hangs, 6 tracebacks for user errors, 7 bad data, 8 launcher misdetection, 9 the bugs.
+5 hangs, 6 tracebacks for user errors, 7 bad data, 8 launcher misdetection, 9 the bugs,
+10 a run that stopped learning (NaN, skipped iterations; issue 31).
 
 A probe expects one of
 - "error": a clean refusal: the expected exit status (2 for the trainer, 1 for preprocessing,
@@ -49,7 +50,7 @@ PREP = os.path.join(ROOT, "tools", "preprocess_data.py")
 TIMEOUT_ENV = "MEGATRON_2BW_TIMEOUT_SECONDS"
 CLASSES = {1: "resume semantics", 2: "checkpoints", 3: "late failures / output paths",
            4: "graceful stop", 5: "hangs", 6: "tracebacks for user errors", 7: "bad data",
-           8: "launcher misdetection", 9: "the bugs"}
+           8: "launcher misdetection", 9: "the bugs", 10: "a run that stopped learning"}
 TB = "Traceback (most recent call last)"
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -889,9 +890,97 @@ def class9() -> list:
     ]
 
 
+# --------------------------------------------------------- 10: a run that stopped learning
+
+# a learning rate that makes the weights NaN after one step (fp32) or a few (fp16)
+HUGE = [a if a != "1e-2" else "1e6" for a in TINY]
+
+
+def _stops(flags: list, nproc: int = 1) -> Callable[[Ctx], Run]:
+    """A run with --save into a fresh directory (the "data intact" column reads it)."""
+    def act(ctx: Ctx) -> Run:
+        ctx.ckpt = os.path.join(ctx.work, "ckpt")
+        argv = [PY, GPT, *flags, "--save", ctx.ckpt, "--metrics-file", "m.jsonl"]
+        if nproc == 1:
+            return run1(argv, ctx.work, timeout=120)
+        return Ranks(argv, nproc, ctx.work).wait(120)
+    return act
+
+
+def _holds(it: int, same_as: Optional[int] = None,
+           ranks: tuple = ("mp_rank_00",)) -> Callable[[Ctx, Run], str]:
+    """The tracker says `it`; with `same_as`, that iteration's checkpoint is still there
+    and iteration `it` holds its weights (the skipped steps changed nothing)."""
+    def check(ctx: Ctx, r: Run) -> str:
+        from megatron_2bw.checkpointing import files as cf
+
+        import torch
+        why = tracker_is(it)(ctx, r)
+        if why or same_as is None:
+            return why
+        if same_as not in cf.list_iterations(ctx.ckpt):
+            return f"iteration {same_as}'s checkpoint is gone"
+        for rank in ranks:
+            rel = f"{rank}/model_optim_rng.pt"
+            a = cf.load_state(ctx.ckpt, same_as, rel)["model"]
+            b = cf.load_state(ctx.ckpt, it, rel)["model"]
+            if a.keys() != b.keys() or not all(
+                    torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor)):
+                return f"{rank}: iteration {it} holds other weights than iteration {same_as}"
+        return ""
+    return check
+
+
+def _one_line_each(check: Callable[[Ctx, Run], str]) -> Callable[[Ctx, Run], str]:
+    """`check`, and the ranks' output holds exactly one `error:` line, from a rank that
+    exited with status 2 like the others."""
+    def both(ctx: Ctx, r: Run) -> str:
+        lines = [ln for ln in r.out.splitlines() if ln.startswith("error:")]
+        if len(lines) != 1 or r.codes != [2] * len(r.codes):
+            return f"{len(lines)} error lines, exit {r.codes}"
+        return check(ctx, r)
+    return both
+
+
+def _start_skips_then_ends(ctx: Ctx, r: Run) -> str:
+    rows = metrics_rows(os.path.join(ctx.work, "m.jsonl"))
+    skipped = sum(row["skipped"] for row in rows)
+    if len(rows) != 25 or skipped < 10:
+        return f"{len(rows)} iterations ({skipped} skipped), expected 25 with >= 10 skipped"
+    return ""
+
+
+def class10() -> list:
+    return [
+        Probe("huge --lr (fp32): the first NaN ends the run, state saved", 10, "error",
+              _stops([*HUGE, "--train-iters", "8"]), "stopped at iteration 2",
+              check=_holds(2)),
+        Probe("huge --lr stopping at a --save-interval iteration keeps the earlier one",
+              10, "error", _stops([*HUGE, "--train-iters", "8", "--save-interval", "1"]),
+              "weights after iteration 1 are saved as iteration 2", check=_holds(2, 1)),
+        Probe("huge --lr (fp16): the skip bound ends the run", 10, "error",
+              _stops([*HUGE, "--fp16", "--train-iters", "100"]),
+              "--max-consecutive-skipped-iterations 10"),
+        Probe("huge --lr with --no-check-for-nan-in-loss-and-grad: 11 skips end the run", 10,
+              "error", _stops([*HUGE, "--no-check-for-nan-in-loss-and-grad",
+                               "--train-iters", "50"]), "11 iterations in a row"),
+        Probe("fp16 start skips while the scale falls: a bound of 1 does not trip", 10, "ok",
+              _stops([*TINY, "--fp16", "--train-iters", "25",
+                      "--max-consecutive-skipped-iterations", "1"]),
+              check=_start_skips_then_ends),
+        Probe("validation of a NaN loss prints PPL NAN", 10, "ok",
+              _stops([*HUGE, "--fp16", "--train-iters", "20"]), "lm loss PPL: NAN"),
+        Probe("huge --lr (2BW PP2): both ranks stop mid-segment, one line", 10, "error",
+              _stops([*HUGE, *PP2, "--pipeline-schedule", "2bw", "--train-iters", "8",
+                      "--save-interval", "2"], nproc=2), "stopped at iteration 3",
+              check=_one_line_each(_holds(3, 2, ("mp_rank_00_000", "mp_rank_00_001"))),
+              slow=True),
+    ]
+
+
 def all_probes() -> list:
     probes = class1() + class2() + class3() + class4() + class5() + class6() + class7() + \
-        class8() + class9()
+        class8() + class9() + class10()
     # the 'another pipeline layout' probe resumes a PP2 checkpoint in one process
     for p in probes:
         if p.name == "checkpoint of another pipeline layout":
@@ -951,7 +1040,8 @@ def judge(p: Probe, r: Run, ctx: Ctx) -> tuple:
             return "wrong", f"exit {codes}"
         if missing:
             return "wrong", missing
-        return "pass", ""
+        why = p.check(ctx, r) if p.check else ""  # what the refusal left (checkpoints)
+        return ("wrong", why) if why else ("pass", "")
     if p.expect == "ok":
         if any(c != 0 for c in codes):
             return ("traceback" if tb else "wrong"), f"exit {codes}"

@@ -66,8 +66,16 @@ KERNELS = """--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fus
 --no-masked-softmax-fusion --cross-entropy-loss-fusion"""
 # GPT data flags that go with --calculate-per-token-loss in Megatron-LM's users' scripts
 DATA = """--eod-mask-loss --reset-position-ids --reset-attention-mask"""
+# a run that stopped learning (issue 31)
+NAN = """--no-check-for-nan-in-loss-and-grad"""
 SOURCES = {"GPT-3 175B": GPT3, "BERT 340M": BERT, "Llama-3 8B fp8": LLAMA, "issue 12": ISSUE,
-           "GPT data": DATA, "kernels": KERNELS}
+           "GPT data": DATA, "kernels": KERNELS, "issue 31": NAN}
+# what an honored flag's row adds (where this project's meaning has a part of its own)
+NOTES = {"--no-check-for-nan-in-loss-and-grad":
+         "the check is on by default and ends the run at the first NaN/inf (one error line, "
+         "a checkpoint with --save); off under fp16's dynamic loss scaling, as Megatron-LM; "
+         "this project's --max-consecutive-skipped-iterations (default 10) bounds skipped "
+         "iterations then (docs/training.md)"}
 
 
 def checked_flags() -> dict[str, list[str]]:
@@ -109,7 +117,7 @@ def classify(flag: str) -> tuple[str, str]:
     if flag in ("--timing-log-level", "--timing-log-option"):
         return "mapped", "per-phase timers are not measured; above level 0 one line says so"
     if flag in _parsed("gpt") | _parsed("bert"):
-        return "honored", _kernel_help(flag)
+        return "honored", _kernel_help(flag) or NOTES.get(flag, "")
     return "unknown", "not implemented; the parser names it"
 
 

@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, ROOT)
 from megatron_2bw.optim.torch_updater import TorchOptimizerUpdater
-from megatron_2bw.runtime.executor import PipelineExecutor, RunResult
+from megatron_2bw.runtime.executor import PipelineExecutor, RunResult, StepCallback
 from megatron_2bw.runtime.grad_sync import GradReducer, TiedGradSync
 from megatron_2bw.runtime.p2p import StageLinks
 from megatron_2bw.schedules import Schedule, ScheduleError, build_schedule, validate
@@ -394,14 +394,16 @@ def _record(executor: PipelineExecutor, result: RunResult) -> dict:
     return {"losses": dict(result.losses), "steps": {k: dict(v) for k, v in result.steps.items()},
             "gradients": dict(executor.updater.gradients),
             "versions": (store.newest, tuple(sorted(store.valid))),
+            "stopped_after": result.stopped_after,
             "weights": [p.detach().clone() for params in store.params for p in params]}
 
 
-def run_pipeline(schedule: Schedule, timeout: float = TIMEOUT_S, checked: bool = False
-                 ) -> Outcome:
+def run_pipeline(schedule: Schedule, timeout: float = TIMEOUT_S, checked: bool = False,
+                 on_step: Optional[StepCallback] = None) -> Outcome:
     """Run every stage of `schedule` with the real executor, one thread each: without
     the executor's precondition (`PipelineExecutor._execute`), what it does with the
-    schedule as written; `checked`: through `PipelineExecutor.run`, precondition and all."""
+    schedule as written; `checked`: through `PipelineExecutor.run`, precondition and all.
+    `on_step`: every stage's step callback (a true return stops the run there)."""
     world = World(schedule.num_stages, timeout)
     executors = _executors(schedule, world)
     results: dict[int, object] = {}
@@ -410,7 +412,8 @@ def run_pipeline(schedule: Schedule, timeout: float = TIMEOUT_S, checked: bool =
         data: Iterator[dict] = (microbatch(i) for i in schedule.microbatches)
         try:
             executor = executors[stage]
-            results[stage] = (executor.run if checked else executor._execute)(schedule, data)
+            results[stage] = (executor.run if checked else executor._execute)(schedule, data,
+                                                                             on_step)
         except BaseException as err:  # noqa: BLE001 - the outcome is what is wanted
             results[stage] = err
         finally:

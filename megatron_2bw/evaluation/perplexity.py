@@ -73,5 +73,6 @@ def perplexity(scorer: Scorer, stream: Tensor, seq_length: int, stride: int,
         done += len(inputs)
         progress.update(done)
     loss = nll / tokens
-    ppl = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float past ~709
+    # exp overflows a float past ~709; a NaN loss stays NaN (not inf)
+    ppl = math.exp(loss) if loss < 700 or math.isnan(loss) else math.inf
     return PerplexityResult(loss, ppl, tokens, done, seq_length, stride)

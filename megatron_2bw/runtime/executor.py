@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Optional, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..schedules.actions import ActionKind as K
-from ..schedules.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Schedule
-from ..schedules.channels import send_releases
+from ..schedules.actions import SEND_KINDS, Action, Schedule
+from ..schedules.channels import receives_ahead, send_releases
+from ..schedules.stop import last_step, stop_cut
 from ..schedules.validate import require_valid
 from .grad_sync import GradReduceConfig, GradReducer, TiedGradSync
 from .p2p import P2P, StageLinks, Transport
@@ -65,30 +66,14 @@ class RunResult:
     steps: dict[int, dict[str, float]] = field(default_factory=dict)  # minibatch -> step info
     peak_stashes: int = 0
     peak_sends: int = 0  # most sent tensors held at once (not yet known to have arrived)
+    stopped_after: Optional[int] = None  # the last minibatch stepped, when a step callback
+    #                                      ended the run early (else None: all of it ran)
 
 
-StepCallback = Callable[[int, RunResult], None]
+# called after each optimizer step with (minibatch, result so far); a true return ends the
+# run after that step on every stage (every rank's callback must decide alike: `stop_cut`)
+StepCallback = Callable[[int, RunResult], Optional[bool]]
 Key = tuple[int, int]  # (microbatch, model chunk)
-
-
-def receives_ahead(actions: Sequence[Action], lookahead: int = 1) -> dict[int, list[Action]]:
-    """{index of a forward or backward: the receive actions the executor posts before
-    running it}. Each receive is posted `lookahead` compute actions before the one that
-    needs it (1: just before the compute that precedes its action; receives before the
-    first compute action wait at their own action).
-
-    Posting early matters on gloo: a message moves only once its receive is posted, and
-    when it waits for one, its transfer costs gloo's I/O threads more wake-ups, on the
-    cores the compute uses. Posts keep list order, hence every link's order, which is
-    what untagged messages match by."""
-    ahead: dict[int, list[Action]] = {}
-    computes: list[int] = []
-    for i, action in enumerate(actions):
-        if action.kind in COMPUTE_KINDS:
-            computes.append(i)
-        elif action.kind in RECV_KINDS and computes:
-            ahead.setdefault(computes[max(0, len(computes) - lookahead)], []).append(action)
-    return ahead
 
 
 TokenCount = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
@@ -179,20 +164,31 @@ class PipelineExecutor:
         after an action, wait for and free the sends the schedule says are done there
         (`send_releases`: after a receive that proves them arrived, or, where nothing
         comes back, before sending `SEND_WINDOW` more). So a run holds a bounded number of
-        sent tensors, however many minibatches or validation microbatches it spans."""
+        sent tensors, however many minibatches or validation microbatches it spans.
+
+        When the step callback asks to stop, the stage posts nothing more ahead and runs
+        on to its end of `stop_cut`, where every transfer it started has its partner."""
         actions = schedule[self.links.stage]
         ahead = receives_ahead(actions, self.receive_lookahead)
         arrived = send_releases(schedule, self.links.stage)
         tickets: dict[int, int] = {}  # index of a send action -> its P2P ticket
+        end = len(actions)
         for i, action in enumerate(actions):
-            for recv in ahead.get(i, ()):
-                self.p2p.post(self._peer(recv))
+            if i >= end:
+                break
+            if self._stop_after is None:
+                for recv in ahead.get(i, ()):
+                    self.p2p.post(self._peer(recv))
             ticket = self._handlers[action.kind](action)
             if action.kind in SEND_KINDS:
                 tickets[i] = ticket
                 self._result.peak_sends = max(self._result.peak_sends, self.p2p.pending_sends)
             for sent in arrived.get(i, ()):
                 self.p2p.release(tickets.pop(sent))
+            if self._stop_after is not None and self._result.stopped_after is None:
+                cut = stop_cut(schedule, self._stop_after, self.receive_lookahead)
+                end = cut[self.links.stage]
+                self._result.stopped_after = last_step(schedule, cut)
 
     def _check_declarations(self, schedule: Schedule) -> None:
         held = (self.weights.num_buffers, self.weights.num_grad_buffers,
@@ -271,6 +267,7 @@ class PipelineExecutor:
         self._grad_version: dict[int, int] = {}
         self._reduced: set[int] = set()
         self._result = RunResult()
+        self._stop_after: Optional[int] = None  # a step callback asked to end after it
 
     # --- compute --------------------------------------------------------------------
     def _module(self, a: Action) -> nn.Module:
@@ -407,8 +404,9 @@ class PipelineExecutor:
         self._reduced.discard(k)
         self._result.steps[k] = info
         self._finish_losses(k)
-        if self._on_step is not None:
-            self._on_step(k, self._result)
+        if self._on_step is not None and self._on_step(k, self._result) \
+                and self._stop_after is None:
+            self._stop_after = k
 
     def _finish_losses(self, k: int) -> None:
         """Minibatch k's mean loss and metrics (last stage), read once its step is done:

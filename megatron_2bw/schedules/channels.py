@@ -23,8 +23,10 @@ models it and the validator proves, per schedule, that it cannot deadlock.
 """
 from __future__ import annotations
 
-from .actions import (RECV_BACKWARD, RECV_FORWARD, SEND_BACKWARD, SEND_FORWARD, SEND_KINDS,
-                      Action, Schedule)
+from typing import Sequence
+
+from .actions import (COMPUTE_KINDS, RECV_BACKWARD, RECV_FORWARD, RECV_KINDS, SEND_BACKWARD,
+                      SEND_FORWARD, SEND_KINDS, Action, Schedule)
 
 # sends a stage holds at once on a link nothing comes back on (`send_waits`): as many as
 # training holds on its last link. Only a stage that runs ahead of its peer waits, which
@@ -141,3 +143,30 @@ def peak_held_sends(schedule: Schedule, stage: int) -> int:
             peak = max(peak, held)
         held -= len(releases.get(idx, ()))
     return peak
+
+
+def receives_ahead(actions: Sequence[Action], lookahead: int = 1) -> dict[int, list[Action]]:
+    """{index of a forward or backward: the receive actions the executor posts before
+    running it}. Each receive is posted `lookahead` compute actions before the one that
+    needs it (1: just before the compute that precedes its action; receives before the
+    first compute action wait at their own action).
+
+    Posting early matters on gloo: a message moves only once its receive is posted, and
+    when it waits for one, its transfer costs gloo's I/O threads more wake-ups, on the
+    cores the compute uses. Posts keep list order, hence every link's order, which is
+    what untagged messages match by."""
+    return {i: [actions[j] for j in recvs]
+            for i, recvs in receive_posts(actions, lookahead).items()}
+
+
+def receive_posts(actions: Sequence[Action], lookahead: int = 1) -> dict[int, list[int]]:
+    """`receives_ahead` by index: {index of a compute action: indices of the receives
+    posted right before it}."""
+    posts: dict[int, list[int]] = {}
+    computes: list[int] = []
+    for i, action in enumerate(actions):
+        if action.kind in COMPUTE_KINDS:
+            computes.append(i)
+        elif action.kind in RECV_KINDS and computes:
+            posts.setdefault(computes[max(0, len(computes) - lookahead)], []).append(i)
+    return posts

@@ -25,6 +25,7 @@ from .config import DataConfig, ParallelConfig, RunConfig, TrainConfig
 from .errors import UserError
 from .housekeeping import HousekeepingConfig
 from .megatron_flags import DOC, add_megatron_flags, check_megatron_flags
+from .skip_guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipGuardConfig, skip_guard_config
 from .model_flags import model_config, model_flags
 from .validation import Flags, check_ranges, validate_flags
 
@@ -120,6 +121,29 @@ def _housekeeping_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-step-end", type=int, default=12, help="step that ends profiling")
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0],
                    help="global ranks to profile")
+
+
+def _skip_guard_flags(p: argparse.ArgumentParser) -> None:
+    """What ends a run that stopped learning (skip_guard.py)."""
+    g = p.add_argument_group("a run that stopped learning (NaN / skipped iterations)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=None,
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="end the run at the first NaN or inf in the loss or gradient (the "
+                        "default; off under fp16's dynamic loss scaling, as Megatron-LM)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="skip such iterations instead (Megatron-LM's spelling)")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int,
+                   default=DEFAULT_MAX_CONSECUTIVE_SKIPS, metavar="N",
+                   help="end the run after more than N skipped iterations in a row (fp16 "
+                        "with dynamic loss scaling: counted at --min-loss-scale only); "
+                        "0: no bound")
+
+
+def _skip_guard_config(args: argparse.Namespace, precision: str) -> SkipGuardConfig:
+    return skip_guard_config(args.check_for_nan_in_loss_and_grad,
+                             args.max_consecutive_skipped_iterations, precision,
+                             args.loss_scale, args.min_loss_scale)
 
 
 def _housekeeping_config(args: argparse.Namespace) -> HousekeepingConfig:
@@ -317,7 +341,8 @@ def build_parser(model: str) -> argparse.ArgumentParser:
         prog=f"pretrain_{model}.py", allow_abbrev=False,  # as Megatron-LM
         description=f"Pretrain {model.upper()} with megatron-2bw (Megatron-LM flags).")
     for add in (model_flags, add_megatron_flags, _train_flags, _logging_flags,
-                _housekeeping_flags, _optimizer_flags, _parallel_flags, _data_flags):
+                _housekeeping_flags, _skip_guard_flags, _optimizer_flags, _parallel_flags,
+                _data_flags):
         add(parser)
     return parser
 
@@ -408,6 +433,7 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                         exit_duration_in_mins=args.exit_duration_in_mins,
                         distributed_timeout_minutes=args.distributed_timeout_minutes,
                         housekeeping=_housekeeping_config(args),
+                        skip_guard=_skip_guard_config(args, precision),
                         **_logging_config(args))
     return RunConfig(model=model_config(args, model, dtype, padded), parallel=parallel,
                      optimizer=_optimizer_config(args, view, gbs, precision), data=data,

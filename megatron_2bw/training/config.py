@@ -14,6 +14,7 @@ from ..optim.updater import OptimizerConfig
 from ..schedules import DEFAULT_SCHEDULE
 from .batch_sizes import BatchSizes
 from .housekeeping import HousekeepingConfig
+from .skip_guard import SkipGuardConfig
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class TrainConfig:
     train_samples: Optional[int] = None   # --train-samples (train_iters then derived from it)
     rampup_batch_size: Optional[tuple[int, int, int]] = None  # --rampup-batch-size
     housekeeping: HousekeepingConfig = HousekeepingConfig()  # --manual-gc, --profile
+    skip_guard: SkipGuardConfig = SkipGuardConfig()  # --check-for-nan-in-loss-and-grad,
+    #                                                  --max-consecutive-skipped-iterations
     # Megatron-LM's logging flags (arguments.py `_logging_flags`; used by metrics.py)
     log_throughput: bool = False                     # --log-throughput
     log_timers_to_tensorboard: bool = False          # --log-timers-to-tensorboard

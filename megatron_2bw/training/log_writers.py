@@ -121,7 +121,11 @@ def step_grad_norm(rec: dict) -> Optional[float]:
 
 
 def perplexity(loss: float) -> float:
-    """exp(loss), capped at exp(20) as Megatron-LM's validation does."""
+    """exp(loss), capped at exp(20) as Megatron-LM's validation does; NaN for a NaN loss
+    and inf for an infinite one (Megatron-LM's min(20, loss) turns both into exp(20),
+    a finite perplexity for a loss that is none)."""
+    if not math.isfinite(loss):
+        return loss if math.isnan(loss) or loss > 0 else 0.0
     return math.exp(min(20.0, loss))
 
 

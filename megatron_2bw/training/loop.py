@@ -10,7 +10,6 @@ import functools
 import logging
 import time
 import itertools
-import math
 from typing import Optional
 
 import torch
@@ -35,9 +34,12 @@ from ..checkpointing.save_load import (SaveOptions, prepare_resume, read_checkpo
 from .config import RunConfig
 from .data_sources import DataSources
 from .distributed import DistEnv
+from .errors import describe
 from .housekeeping import Housekeeping
+from .log_writers import perplexity
 from .metrics import MetricsSink, transformer_flops
 from .signals import GracefulStop, stop_check_interval
+from .skip_guard import SkipGuard, Verdict, stopped
 from .watchdog import Heartbeat
 
 logger = logging.getLogger("megatron_2bw.train")
@@ -140,6 +142,12 @@ class Trainer:
                                 flags=run.flags, delayed=schedule_spec(par.schedule).delayed)
         self.history: dict[int, dict] = {}
         self.housekeeping = Housekeeping(t.housekeeping, env.rank, env.device)
+        self.skip_guard = SkipGuard(t.skip_guard, self.iteration)
+        self._verdict: Optional[Verdict] = None  # why the run stops mid-segment, once known
+        if t.skip_guard.check_ignored:
+            logger.info("--check-for-nan-in-loss-and-grad is off under fp16's dynamic loss "
+                        "scaling, where an inf is the loss scaler's signal (as Megatron-LM); "
+                        "--max-consecutive-skipped-iterations bounds the skips instead")
 
     def _build_stage(self):
         """This rank's model part: one stage, or its model chunks (virtual stages)."""
@@ -273,7 +281,9 @@ class Trainer:
             data = self._microbatches(self.sources.train, first_sample)
             self._set_batch_size(self.run.batch_sizes.size(self.iteration))
             self._last_time = time.monotonic()
-            self.executor.run(schedule, data, on_step=self._on_step)
+            result = self.executor.run(schedule, data, on_step=self._on_step)
+            if result.stopped_after is not None:
+                self._stop_learning(result.stopped_after + 1)
             self.iteration = end
             if self._save_due(end):
                 self._save(end)
@@ -282,6 +292,20 @@ class Trainer:
                 self.evaluate(end)
             if self._stops(stop, end):
                 return
+
+    def _stop_learning(self, iteration: int) -> None:
+        """Every rank stopped after the same step (`skip_guard`): save that state with
+        --save (the skipped steps changed nothing since the last step taken), then end
+        the run with the verdict's one line."""
+        t = self.run.train
+        self.iteration, failed = iteration, None
+        if t.save:
+            try:
+                self._save(iteration)
+            except (ValueError, OSError) as err:  # agreed by every rank (save_checkpoint)
+                failed = describe(err)
+        self.sink.close()
+        raise stopped(self._verdict, iteration, self.skip_guard.last_step, t.save, failed)
 
     def _set_batch_size(self, size: int) -> None:
         """The steps of the next segment count `size` samples; say when the ramp moves."""
@@ -328,7 +352,7 @@ class Trainer:
         loss, *values = self._dp_mean([loss, *parts.values()],
                                       self.executor.evaluation_tokens)
         return {"split": "valid", "iteration": iteration, "val_loss": loss,
-                "val_ppl": math.exp(min(loss, 20.0)),
+                "val_ppl": perplexity(loss),
                 **{f"val_{name}": value for name, value in zip(parts, values)},
                 "consumed_samples": self.run.batch_sizes.consumed(iteration)}
 
@@ -358,11 +382,13 @@ class Trainer:
             comm.all_reduce(stats, group)
         return (stats[:-1] / max(stats[-1].item(), 1.0)).tolist()
 
-    def _on_step(self, k: int, result: RunResult) -> None:
-        """After minibatch k's step on this stage: average its loss over DP and record."""
+    def _on_step(self, k: int, result: RunResult) -> bool:
+        """After minibatch k's step on this stage: average its loss over DP and record;
+        True when the run must end here (`skip_guard`, decided alike on every rank)."""
         self.housekeeping.after_step(k + 1)
+        stop = self._stop_learning_after(k + 1, result.steps[k])
         if not self.executor.links.is_last:
-            return
+            return stop
         stats = self._dp_mean([result.losses[k]] + list(result.metrics.get(k, {}).values()),
                               result.tokens.get(k))
         now = time.monotonic()
@@ -371,6 +397,14 @@ class Trainer:
                            result.steps[k], elapsed)
         self.history[k + 1] = rec
         self.sink.record(rec)
+        return stop
+
+    def _stop_learning_after(self, iteration: int, step: dict) -> bool:
+        """The skip guard's verdict on `iteration`'s step, kept from the first that ends the
+        run (it still learns of later steps the executor's cut runs: the last one taken)."""
+        verdict = self.skip_guard.observe(iteration, step)
+        self._verdict = self._verdict or verdict
+        return self._verdict is not None
 
     def _record(self, k: int, stats: list[float], names: list[str], step: dict,
                 elapsed: float) -> dict:

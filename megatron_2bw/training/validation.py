@@ -109,6 +109,7 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--min-loss-scale", POSITIVE, ""),
     ("--loss-scale-window", COUNT, ""),
     ("--hysteresis", COUNT, ""),
+    ("--max-consecutive-skipped-iterations", COUNT_OR_ZERO, "(0: no bound)"),
     ("--muon-momentum", PROBABILITY, ""),
     ("--muon-num-ns-steps", COUNT, ""),
     ("--muon-extra-scale-factor", POSITIVE, ""),
