@@ -119,6 +119,8 @@ def test_kernel_flags_are_mapped_with_one_line_each() -> None:
     (["--disable-bias-linear"], True, "GELU, exact; bias-dropout-add: fused"),
     (["--swiglu", "--compile-transformer-layers"], True,
      "SwiGLU; bias-SwiGLU, bias-dropout-add: fused; transformer layers compiled"),
+    (["--attention-backend", "fused", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion"],
+     False, "PyTorch SDPA (fused), its CPU kernel (the fused kernels are CUDA's); GELU, exact"),
 ])
 def test_kernel_flags_choose_kernels_and_say_which(extra, on_gpu, expected) -> None:
     """Megatron-LM's kernel flags with its defaults; the one line says what runs, and the
@@ -130,11 +132,11 @@ def test_kernel_flags_choose_kernels_and_say_which(extra, on_gpu, expected) -> N
     fields = kernel_config(args)
     assert fields["bias_gelu_fusion"] == ("--no-bias-gelu-fusion" not in extra
                                           and "--disable-bias-linear" not in extra)
-    assert fields["attention_backend"] == ("unfused" if "unfused" in extra else "auto")
+    assert fields["attention_backend"] == next(
+        (extra[i + 1] for i, f in enumerate(extra) if f == "--attention-backend"), "auto")
 
 
 @pytest.mark.parametrize("backend, model, extra, words", [
-    ("fused", "gpt", [], "need a CUDA device"),
     ("flash", "bert", [], "takes no attention mask"),
     ("flash", "gpt", ["--reset-attention-mask"], "takes no attention mask"),
 ])

@@ -169,6 +169,7 @@ BERT_CROSS = [
     (["--eod-mask-loss"], "--eod-mask-loss", "GPT's documents"),
     (["--reset-position-ids"], "--reset-position-ids", "GPT's documents"),
     (["--reset-attention-mask"], "--reset-attention-mask", "GPT's documents"),
+    (["--attention-backend", "flash"], "--attention-backend", "takes no attention mask"),
 ]
 
 

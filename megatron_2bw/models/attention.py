@@ -18,8 +18,9 @@ runs a flash / memory-efficient / cuDNN kernel on CUDA and its own fused kernel 
   (`sdpa_limits`: none of this project's models today).
 - flash: SDPA restricted to the flash-attention kernel (it takes no mask: causal GPT
   without --reset-attention-mask only).
-- fused: SDPA restricted to the fused cuDNN and memory-efficient kernels (CUDA only, as
-  Megatron-LM's fused attention is Transformer Engine's cuDNN kernel).
+- fused: SDPA restricted to the fused cuDNN and memory-efficient kernels (as Megatron-LM's
+  fused attention is Transformer Engine's cuDNN kernel). Those are CUDA kernels: on CPU,
+  where Megatron-LM's example scripts ask for fused too, SDPA's CPU kernel runs instead.
 - unfused, local: megatron-core's `DotProductAttention`.
 """
 from __future__ import annotations
@@ -114,7 +115,7 @@ class SdpaAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask
         dropout = self.dropout_p if self.training else 0.0
-        with self._rng(dropout), self._kernels():
+        with self._rng(dropout), self._kernels(query.device):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                 scale=self.softmax_scale, enable_gqa=self.heads != self.groups)
@@ -128,9 +129,12 @@ class SdpaAttention(MegatronModule):
             return contextlib.nullcontext()
         return tensor_parallel.get_cuda_rng_tracker().fork()
 
-    def _kernels(self):
-        return (contextlib.nullcontext() if self.kernels is None
-                else sdpa_kernel(list(self.kernels)))
+    def _kernels(self, device: torch.device):
+        """The kernels the backend allows (fused: CUDA ones only, so none on CPU)."""
+        if self.kernels is None or (device.type != "cuda"
+                                    and SDPBackend.FLASH_ATTENTION not in self.kernels):
+            return contextlib.nullcontext()
+        return sdpa_kernel(list(self.kernels))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:

@@ -39,13 +39,10 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # see model
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def attention_backend_problem(backend: str, on_cuda: bool, masked: bool) -> Optional[str]:
-    """Why --attention-backend `backend` cannot run here (`on_cuda`: the device; `masked`:
-    the model needs an attention mask, as BERT's padding or --reset-attention-mask), else
-    None. models/attention.py runs the backends."""
-    if backend == "fused" and not on_cuda:
-        return ("PyTorch's fused attention kernels (cuDNN, memory-efficient) need a CUDA "
-                "device; on CPU use auto (SDPA's CPU kernel) or unfused")
+def attention_backend_problem(backend: str, masked: bool) -> Optional[str]:
+    """Why --attention-backend `backend` cannot compute this model (`masked`: it needs an
+    attention mask, as BERT's padding or --reset-attention-mask), else None.
+    models/attention.py runs the backends."""
     if backend == "flash" and masked:
         return ("PyTorch's flash-attention kernel takes no attention mask, which BERT's "
                 "padding and --reset-attention-mask need; use auto or fused")

@@ -370,6 +370,8 @@ def kernel_note(args: argparse.Namespace, on_gpu: bool) -> str:
     sdpa = args.attention_backend not in ("unfused", "local")
     attention = (f"PyTorch SDPA ({args.attention_backend})" if sdpa
                  else "megatron-core's DotProductAttention (unfused softmax)")
+    if args.attention_backend == "fused" and not on_gpu:
+        attention += ", its CPU kernel (the fused kernels are CUDA's)"
     if args.swiglu:
         activation = "SwiGLU"
     elif args.bias_gelu_fusion and args.add_bias_linear:

@@ -161,12 +161,9 @@ class Flags:
 
     @property
     def attention_problem(self) -> Optional[str]:
-        """Why --attention-backend cannot run on this machine for this model, else None."""
-        import torch
-
+        """Why --attention-backend cannot compute this model, else None."""
         masked = self.model == "bert" or bool(getattr(self.args, "reset_attention_mask", False))
-        return attention_backend_problem(self.args.attention_backend,
-                                         torch.cuda.is_available(), masked)
+        return attention_backend_problem(self.args.attention_backend, masked)
 
     @property
     def grid(self) -> int:
