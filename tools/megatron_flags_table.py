@@ -91,10 +91,15 @@ def _parsed(model: str) -> set[str]:
     return {s for a in build_parser(model)._actions for s in a.option_strings}
 
 
+# honored flags whose row quotes the parser's help (beside the kernel flags)
+NOTED = ("--use-distributed-optimizer",)
+
+
 def _kernel_help(flag: str) -> str:
-    """The parser's help of a kernel flag (what runs on CUDA and on CPU), else ""."""
+    """The parser's help of a kernel flag (what runs on CUDA and on CPU) or of a NOTED
+    one, else ""."""
     for group in build_parser("gpt")._action_groups:
-        if group.title and group.title.startswith("kernels"):
+        if flag in NOTED or (group.title and group.title.startswith("kernels")):
             for action in group._group_actions:
                 if flag in action.option_strings:
                     off = flag.startswith("--no-") and action.default
@@ -109,6 +114,8 @@ def classify(flag: str) -> tuple[str, str]:
     for f, _, why in M.REFUSED:
         if f.name == flag:
             return "refused where it changes something", why
+    if flag in M.INSTEAD:
+        return "mapped", M.INSTEAD[flag]
     if any(f.name == flag for f in M.MAPPED):
         return "mapped", "selects a kernel or an overlap; megatron-core's local code runs"
     for f, why in M.HONORED_NOOP:

@@ -140,6 +140,7 @@ class Trainer:
         self.sink = MetricsSink(is_logger, t, schedule=label,
                                 world_size=env.world_size, start_iteration=self.iteration,
                                 flags=run.flags, delayed=schedule_spec(par.schedule).delayed)
+        self._report_optimizer_memory()
         self.history: dict[int, dict] = {}
         self.housekeeping = Housekeeping(t.housekeeping, env.rank, env.device)
         self.skip_guard = SkipGuard(t.skip_guard, self.iteration)
@@ -186,6 +187,22 @@ class Trainer:
             make_copy=self._build_stage, num_chunks=schedule.num_chunks, reducer=reducer,
             grad_numel=layout.padded if layout is not None else 0)
         return executor, updater
+
+    def _report_optimizer_memory(self) -> None:
+        """Every rank's optimizer state bytes (masters, moments, compensation buffers;
+        measured on the tensors held), one line and one "memory" row of the metrics file:
+        with --use-distributed-optimizer each holds about 1/DP of it."""
+        held = comm.all_gather_object(self.updater.state_bytes()) if comm.world_runs() \
+            else [self.updater.state_bytes()]
+        par = self.run.parallel
+        sharded = par.distributed_optimizer and par.data_parallel > 1
+        logger.info(f"optimizer state per rank: {max(held) / 2**20:.2f} MiB at most, "
+                    f"{min(held) / 2**20:.2f} MiB at least"
+                    + (f" (sharded over {par.data_parallel} data-parallel ranks)" if sharded
+                       else ""))
+        self.sink.note({"split": "memory", "iteration": self.iteration,
+                        "optimizer_state_bytes": held, "data_parallel": par.data_parallel,
+                        "distributed_optimizer": par.distributed_optimizer})
 
     def _schedule(self, count: int) -> Schedule:
         """`count` minibatches from the current iteration, all of this phase's batch size."""

@@ -192,6 +192,19 @@ def inert_notes(args: argparse.Namespace) -> list[str]:
     return []
 
 
+# mapped flags whose line says more than "selects a kernel": what runs instead
+INSTEAD: dict[str, str] = {
+    "--overlap-grad-reduce": "the data-parallel gradient reduction (all-reduce, or the "
+    "distributed optimizer's reduce-scatter) is one asynchronous call per minibatch: 2BW "
+    "starts it after the minibatch's last backward and waits at the step, overlapping the "
+    "next minibatch's compute; flush and GPipe run it at the flush (not in buckets during "
+    "the backward)",
+    "--overlap-param-gather": "the distributed optimizer all-gathers the new weights at the "
+    "optimizer step, before the next forward (not overlapped with it); under 2BW the step "
+    "already sits where the next weight version is first needed",
+}
+
+
 def mapped_notes(args: argparse.Namespace, on_gpu: bool) -> list[str]:
     """One line per mapped flag the command line set: what runs instead."""
     runs = ("megatron-core's local layer specs run here (no Transformer Engine or apex); "
@@ -204,6 +217,9 @@ def mapped_notes(args: argparse.Namespace, on_gpu: bool) -> list[str]:
         value = getattr(args, flag.dest)
         if value not in (None, False):
             shown = flag.name if value is True else f"{flag.name} {value}"
+            if flag.name in INSTEAD:
+                notes.append(f"{shown}: {INSTEAD[flag.name]}")
+                continue
             notes.append(f"{shown} selects a kernel or an overlap: {runs}; the numbers "
                          "do not depend on it")
     return notes

@@ -114,6 +114,11 @@ class MetricsSink:
                         "which this run trains again")
         return open(path, "a")
 
+    def note(self, rec: dict) -> None:
+        """A row that is not an iteration's (its own "split"), in the metrics file only."""
+        if self.enabled:
+            self._write_row(rec)
+
     def record(self, rec: dict) -> None:
         """One training iteration: its row, its scalars, and the line when one is due."""
         if not self.enabled:
