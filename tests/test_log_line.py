@@ -284,6 +284,9 @@ def test_tiny_bert_run_prints_megatron_lines(tmp_path) -> None:
                 "lm loss validation", "sop loss validation"):
         assert {tag, tag + " vs samples"} <= tags, tag
     rows = [json.loads(x) for x in open(metrics)]
+    memory = [r for r in rows if r["split"] == "memory"]
+    assert len(memory) == 1 and len(memory[0]["optimizer_state_bytes"]) == 1
+    rows = [r for r in rows if r["split"] != "memory"]
     assert KEYS | {"sop_loss", "global_batch_size", "weight_version"} <= set(rows[0])
     assert [r["iteration"] for r in rows if r["split"] == "train"] == [1, 2, 3]
 
