@@ -97,7 +97,8 @@ def test_flush_steps_as_without_it_and_reduce_scatters(tmp_path, replicated) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [
     ["--optimizer", "muon", "--delay-compensation", "error-feedback"],
-    ["--bf16", "--delay-compensation", "weight-prediction", "--calculate-per-token-loss"],
+    pytest.param(["--bf16", "--delay-compensation", "weight-prediction",
+                  "--calculate-per-token-loss"], marks=pytest.mark.matrix),
 ], ids=["muon-error-feedback", "bf16-weight-prediction-per-token"])
 def test_2bw_steps_as_without_it(tmp_path, flags) -> None:
     """2BW: the all-gather writes the version the step publishes while the shadow
@@ -109,7 +110,7 @@ def test_2bw_steps_as_without_it(tmp_path, flags) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("fmt", [pytest.param("torch", marks=pytest.mark.matrix), "torch_dist"])
 def test_checkpoint_reshards_to_another_dp_size_and_back(tmp_path, replicated, fmt) -> None:
     """Saved sharded at DP = 2 (iteration 3), resumed not sharded at DP = 1 (PP = 2 on 2
     processes); saved not sharded at DP = 2, resumed sharded at DP = 2: both continue the
