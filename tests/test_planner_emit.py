@@ -217,12 +217,40 @@ def test_default_time_is_the_predicted_run_time_with_room(capsys):
     (["--bf16"], "--bf16"),
     (["--", "--hidden-dropout", "0"], "--hidden-dropout"),
     (["--emit", "script"], "--emit"),
+    (["--emit", "command", "--train-iters", "10", "--lr", "1"] + DATA
+     + ["--", "--use-distributed-optimizer"], "--distributed-optimizer on"),
 ])
 def test_bad_launch_input_is_one_line_naming_the_flag(change, flag, capsys):
     gpus = [] if "--num-gpus" in change else ["--num-gpus", "8"]
     code, out, err = planner(SMALL + ["--hardware", "p4d.24xlarge"] + gpus + change, capsys)
     assert code == 2 and not out and err.count("\n") == 1 and flag in err, err
     assert err.startswith("python -m megatron_2bw.planner: error: ")
+
+
+def test_a_plan_that_fits_only_sharded_launches_with_the_distributed_optimizer(tmp_path,
+                                                                              capsys):
+    """On a device that fits only the sharded optimizer's plans (3 layers on 2 devices:
+    DP = 2), the emitted launch passes --use-distributed-optimizer, which the trainer's
+    parser and checks accept at that size; planned without it, nothing fits."""
+    from megatron_2bw.planner import PRESETS, SearchSpace
+    from tests.test_planner_sharding import THREE, _capacity_between, cost_model
+    space = SearchSpace(2, 8, tensor_parallel_sizes=(1,))
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({**PRESETS["p3.16xlarge"].to_dict(), "name": "tight",
+                              "memory_per_device_gb": _capacity_between(cost_model(THREE),
+                                                                        space)}))
+    plan = tmp_path / "plan.json"
+    argv = ["--num-layers", "3", "--hidden-size", "512", "--num-attention-heads", "8",
+            "--seq-length", "128", "--vocab-size", "1024", "--global-batch-size", "8",
+            "--num-gpus", "2", "--tensor-parallel-sizes", "1", "--hardware", str(hw),
+            "--json", str(plan)]
+    code, text, err = planner(argv + ["--emit", "command", "--mock-data"] + LENGTH, capsys)
+    assert code == 0, err
+    _, args = trainer_args(launched_words("command", text, tmp_path, 1))
+    assert args.use_distributed_optimizer
+    assert json.loads(plan.read_text())["best"]["distributed_optimizer"] is True
+    code, _, err = planner(argv + ["--distributed-optimizer", "off"], capsys)
+    assert code == 1 and "no configuration" in err
 
 
 def test_bad_launch_object_in_a_hardware_file_names_hardware(tmp_path, capsys):

@@ -38,6 +38,8 @@ from .spec import (COMPENSATIONS, DEFAULT_RECOMPUTE_OPTIONS, OPTIMIZERS, SCHEDUL
 
 logger = logging.getLogger(__name__)
 DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
+SHARDING = {"search": (False, True), "on": (True,), "off": (False,)}
+"""--distributed-optimizer: the settings of --use-distributed-optimizer searched."""
 
 
 class PlannerArgumentError(ValueError):
@@ -106,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the optimizer state the memory model counts (muon: less)")
     j.add_argument("--delay-compensation", choices=COMPENSATIONS, default="none",
                    help="2BW's delay compensation, whose state 2bw plans then count")
+    j.add_argument("--distributed-optimizer", choices=tuple(SHARDING), default="search",
+                   help="Megatron-LM's --use-distributed-optimizer (optimizer state sharded "
+                        "over data-parallel ranks): search plans with and without it "
+                        "(default), on: every plan with DP >= 2 uses it, off: none")
     j.add_argument("--profile", help="profile JSON from `python -m megatron_2bw.planner profile`; "
                                      "without it compute is estimated from FLOPs")
     s = p.add_argument_group("search and output")
@@ -183,6 +189,10 @@ def _check_launch(args: argparse.Namespace, hw: Hardware, extra: list[str]) -> L
     if extra and not args.emit:
         raise PlannerArgumentError(f"{extra[0]} (after --) is for the emitted launch: add "
                                    f"--emit {{{','.join(FORMS)}}}")
+    if "--use-distributed-optimizer" in extra:
+        raise PlannerArgumentError("--use-distributed-optimizer (after --) changes the "
+                                   "memory the plan needs: give --distributed-optimizer on "
+                                   "before --, and the plan passes it on")
     try:
         env = load_launch_env(args.hardware)
     except ValueError as err:
@@ -212,7 +222,8 @@ def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
                         micro_batch_sizes=args.micro_batch_sizes,
                         tensor_parallel_sizes=args.tensor_parallel_sizes,
                         recompute=args.recompute, uneven_stages=not args.no_uneven_stages,
-                        virtual_stages=args.virtual_stages)
+                        virtual_stages=args.virtual_stages,
+                        distributed_optimizer=SHARDING[args.distributed_optimizer])
     return cm, search(cm, space, keep=max(args.top, 20), exhaustive=args.exhaustive), args
 
 

@@ -27,10 +27,20 @@ their sources:
   its simulator, and the schedules' declarations (`weight_versions`, `grad_buffers`,
   `stash_limit`); nothing here re-derives a bubble formula;
 - memory per stage: weights x declared versions + gradient buffers + optimizer state
-  (`Precision`) + activation stashes (Korthikanti et al. 2022 per-layer bytes, or the
+  (`Precision`; with `--use-distributed-optimizer` the masters, moments and delay
+  compensation of the largest rank's shard, C elements (`shards.py`), the gradient
+  buffers padded to w C, and the sharded optimizer's gather and packing buffers:
+  `_state_bytes`) + activation stashes (Korthikanti et al. 2022 per-layer bytes, or the
   profile, by recomputation option: `_kept_bytes`), the first stage also holding the
   embedding and the last the output layer. The paper's Section 3 table is the special
   case without the embedding and output layer;
+- the distributed optimizer's traffic: a ring reduce-scatter of the fp32 gradient
+  (alpha + (w - 1) / w * bytes / bandwidth, half an all-reduce) where the all-reduce was,
+  started at the same point (under 2BW overlapped with the next minibatch), plus, on the
+  stages that tie the word embedding, an all-reduce of that gradient over DP (the tied sum
+  adds whole tensors); in the step, which now touches C elements, an all-gather of the new
+  weights in the parameter dtype (alpha + (w - 1) / w * w C * param bytes / bandwidth,
+  blocking, as the runtime runs it) and the gradient norm's sum over DP (one alpha);
 - stages: each has its own layer count (`ParallelConfig.stage_layers`, megatron-core's
   split with `--decoder-first/last-pipeline-num-layers`); the simulator makes the
   slowest stage the bottleneck, and the largest stage decides memory;
@@ -52,9 +62,34 @@ from megatron_2bw.schedules.actions import BACKWARD, FORWARD
 
 from .compute import LOSS_ALLREDUCES, LayerModel
 from .hardware import GB, Hardware
-from .placement import Layout, collective_bandwidth, p2p_bandwidth, ring_allreduce_s
+from .placement import (Layout, collective_bandwidth, p2p_bandwidth, ring_allgather_s,
+                        ring_allreduce_s)
+from .shards import Shard, divide, stage_matrices
 from ..shape import ModelShape
 from .spec import ParallelConfig, Precision, Recompute
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """One stage's bytes per device besides activations, by the terms of
+    `CostModel.memory_terms`."""
+
+    weights: float
+    """One copy of the stage's parameters."""
+    weight_versions: float
+    """The extra copies the schedule keeps (2BW's second)."""
+    gradients: float
+    """The gradient buffers (padded to w C with the distributed optimizer)."""
+    optimizer_state: float
+    """fp32 master weights, moments, delay compensation: the shard's with sharding."""
+    optimizer_buffers: float = 0.0
+    """What the distributed optimizer's own buffers add to the peak (`_state_bytes`); 0
+    without it."""
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.weight_versions + self.gradients + self.optimizer_state
+                + self.optimizer_buffers)
 
 
 @dataclass(frozen=True)
@@ -78,8 +113,10 @@ class StageCost:
     """Data-parallel gradient all-reduce (and tied-embedding sync) once per minibatch."""
     step_s: float
     weight_bytes: float
+    """Everything but activations: `state.total`."""
     activation_bytes: float
     stash: int
+    state: StateBytes
 
     @property
     def memory_bytes(self) -> float:
@@ -182,19 +219,25 @@ class CostModel:
         """Bytes per device of the stage with the most memory, by term; they add up to
         `est.memory_bytes`: one weight copy, the extra weight versions the schedule keeps
         (2BW's second), gradient buffers, optimizer state (master weights, moments, delay
-        compensation), stashed activations (and what backward rebuilds), reserved."""
-        cfg, prec = est.config, self.precision
+        compensation; the largest shard's with the distributed optimizer), the
+        distributed optimizer's buffers, stashed activations (and what backward
+        rebuilds), reserved."""
         stage = max(est.stages, key=lambda s: s.memory_bytes)
-        declared = _declared(cfg.schedule, cfg.pipeline_depth, cfg.num_microbatches,
-                             cfg.virtual_stages)
-        n = stage.params
-        compensation = prec.compensation_bytes if cfg.spec.delayed else 0
-        return {"weights": float(n * prec.param_bytes),
-                "weight_versions": float(n * prec.param_bytes * (declared.weight_versions - 1)),
-                "gradients": float(n * prec.grad_bytes * declared.grad_buffers),
-                "optimizer_state": float(n * (prec.optimizer_bytes + compensation)),
+        st = stage.state
+        return {"weights": st.weights, "weight_versions": st.weight_versions,
+                "gradients": st.gradients, "optimizer_state": st.optimizer_state,
+                "optimizer_buffers": st.optimizer_buffers,
                 "stashed_activations": stage.activation_bytes,
                 "reserved": self.hardware.reserved_memory_gb * GB}
+
+    def shard(self, cfg: ParallelConfig, stage: int, params: int, layers: int) -> Shard | None:
+        """The stage's shard layout under `--use-distributed-optimizer` (None without it):
+        elementwise for Adam, Muon's matrices whole (`Precision.whole_matrices`)."""
+        if not cfg.distributed_optimizer:
+            return None
+        whole = (stage_matrices(self.model, cfg.tensor_parallel, stage, cfg.pipeline_depth,
+                                layers) if self.precision.whole_matrices else ())
+        return divide(params, whole, cfg.data_parallel_width)
 
     # ---- per-stage pieces ----
     def stage_costs(self, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
@@ -229,18 +272,46 @@ class CostModel:
         link = self.network(cfg).p2p
         return link.latency_s + size / link.bytes_per_s
 
-    def allreduce_s(self, cfg: ParallelConfig, stage: int, params: int) -> float:
+    def allreduce_s(self, cfg: ParallelConfig, stage: int, params: int,
+                    shard: Shard | None = None) -> float:
         """Data-parallel gradient all-reduce of one stage, plus the tied-embedding sync
-        between first and last stage (pp > 1), which Megatron runs right after it."""
+        between first and last stage (pp > 1), which Megatron runs right after it. With
+        the distributed optimizer (`shard`) a reduce-scatter of the padded gradient
+        instead, and on the tied stages the embedding gradient all-reduced whole besides."""
         net, grad_bytes = self.network(cfg), self.precision.grad_bytes
-        dp = net.data_parallel[stage]
-        seconds = ring_allreduce_s(params * grad_bytes, cfg.data_parallel_width,
-                                   dp.bytes_per_s, dp.latency_s)
-        if cfg.pipeline_depth > 1 and stage in (0, cfg.pipeline_depth - 1):
-            vocab = self.model.padded_vocab(cfg.tensor_parallel)
-            embedding = vocab // cfg.tensor_parallel * self.model.hidden_size
+        dp, w = net.data_parallel[stage], cfg.data_parallel_width
+        tied = cfg.pipeline_depth > 1 and stage in (0, cfg.pipeline_depth - 1)
+        embedding = self.tied_embedding_params(cfg)
+        if shard is None:
+            seconds = ring_allreduce_s(params * grad_bytes, w, dp.bytes_per_s, dp.latency_s)
+        else:  # a reduce-scatter moves what an all-gather does
+            seconds = ring_allgather_s(shard.padded * grad_bytes, w, dp.bytes_per_s,
+                                       dp.latency_s)
+            if tied:
+                seconds += ring_allreduce_s(embedding * grad_bytes, w, dp.bytes_per_s,
+                                            dp.latency_s)
+        if tied:
             seconds += ring_allreduce_s(embedding * grad_bytes, 2, net.embedding.bytes_per_s,
                                         net.embedding.latency_s)
+        return seconds
+
+    def tied_embedding_params(self, cfg: ParallelConfig) -> int:
+        """The word embedding on one tensor-parallel rank (the tied copy's size)."""
+        vocab = self.model.padded_vocab(cfg.tensor_parallel)
+        return vocab // cfg.tensor_parallel * self.model.hidden_size
+
+    def step_s(self, cfg: ParallelConfig, stage: int, params: int,
+               shard: Shard | None = None) -> float:
+        """The optimizer step: memory-bound over the elements it steps (the shard's C with
+        the distributed optimizer), plus then the all-gather of the new weights in the
+        parameter dtype and the gradient norm's sum over DP (its latency), both blocking."""
+        prec = self.precision
+        stepped = params if shard is None else shard.chunk
+        seconds = stepped * prec.step_bytes_touched / self.hardware.hbm_bytes_per_s
+        if shard is not None and shard.ranks > 1:
+            dp = self.network(cfg).data_parallel[stage]
+            seconds += (ring_allgather_s(shard.padded * prec.param_bytes, shard.ranks,
+                                         dp.bytes_per_s, dp.latency_s) + dp.latency_s)
         return seconds
 
 
@@ -475,30 +546,84 @@ def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, layers: in
     return stashed + _rebuilt_bytes(per, cfg.recompute, n)
 
 
+def _state_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, params: int,
+                 declared: "_Declared", shard: Shard | None,
+                 activations: float) -> StateBytes:
+    """Weights x declared versions, gradient buffers, optimizer state, for one stage.
+
+    Without sharding: params x (2 B x versions + 4 B x buffers + 12 B (+ compensation)).
+    With `--use-distributed-optimizer` (`shard`) the masters, moments and compensation
+    are the largest rank's C elements' (`DistributedUpdater.state_bytes`), while the
+    weight versions stay whole and every gradient buffer stays whole too, padded to w C
+    (it is reduce-scattered in place), plus `_sharding_buffers`: all of them under a
+    schedule that steps while microbatches are stashed (2BW), only what exceeds the
+    `activations` under one that flushes (Flush, GPipe: the reduction and the step run
+    after the last backward, when the stash is empty).
+    """
+    prec = cm.precision
+    optimizer = prec.optimizer_bytes + (prec.compensation_bytes if cfg.spec.delayed else 0)
+    weights = float(params * prec.param_bytes)
+    versions = weights * (declared.weight_versions - 1)
+    if shard is None:
+        return StateBytes(weights, versions, float(params * prec.grad_bytes
+                                                   * declared.grad_buffers),
+                          float(params * optimizer))
+    buffers = _sharding_buffers(cm, cfg, stage, shard)
+    if cfg.spec.flushes:
+        buffers = max(0.0, buffers - activations)
+    return StateBytes(weights, versions,
+                      float(shard.padded * prec.grad_bytes * declared.grad_buffers),
+                      float(shard.chunk * optimizer), buffers)
+
+
+def _sharding_buffers(cm: CostModel, cfg: ParallelConfig, stage: int, shard: Shard) -> float:
+    """What the runtime's distributed optimizer allocates besides the state:
+
+    - in the step: the all-gather's buffer, w C in the parameter dtype, and a copy of the
+      rank's own chunk (C) (`DistributedUpdater._gather_no_grad`, comm.sharding.all_gather);
+    - from the reduction's start to its wait, which under 2BW spans the next minibatch's
+      compute: on the tied stages (pp > 1) an fp32 copy of the word-embedding gradient
+      for its whole all-reduce, and with whole matrices the gradient packed into chunk
+      order (w C fp32) (`ShardedGradReducer`); the step's buffers come after the wait, so
+      the larger of the two sets counts;
+    - with whole matrices, the updater's own fp32 shard of the gradient (C), always.
+    """
+    prec = cm.precision
+    gather = (shard.padded + shard.chunk) * prec.param_bytes
+    reducing = 0
+    if cfg.pipeline_depth > 1 and stage in (0, cfg.pipeline_depth - 1):
+        reducing += cm.tied_embedding_params(cfg) * prec.grad_bytes
+    if not shard.contiguous:
+        reducing += shard.padded * prec.grad_bytes
+    own = 0 if shard.contiguous else shard.chunk * prec.grad_bytes
+    return float(max(gather, reducing) + own)
+
+
 def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
-    d, m, v, prec = cfg.pipeline_depth, cfg.num_microbatches, cfg.virtual_stages, cm.precision
+    d, m, v = cfg.pipeline_depth, cfg.num_microbatches, cfg.virtual_stages
     if v > 1:
         cfg.chunk_layers(cm.model.num_layers)  # ValueError unless the stages split evenly
     layer = _layer_times(cm, cfg)
     declared = _declared(cfg.schedule, d, m, v)  # what the runtime allocates, per stage
-    per_param = prec.bytes_per_param(declared.weight_versions, declared.grad_buffers,
-                                     compensated=cfg.spec.delayed)
     out = []
     for s, n in enumerate(cfg.stage_layers(cm.model.num_layers)):
         body = _chunked_layer_times(layer, cfg.recompute, n, v)
         ends = _ends_times(cm, cfg, s == 0, s == d - 1)
         params = _stage_params(cm.model, cfg, s, n)
+        shard = cm.shard(cfg, s, params, n)
+        activations = _activation_bytes(cm, cfg, s, n, declared)
+        state = _state_bytes(cm, cfg, s, params, declared, shard, activations)
         total = body + ends
         out.append(StageCost(
             stage=s, layers=n, params=params,
             forward_s=total.forward, backward_s=total.backward, compute_s=total.compute,
             recompute_s=total.recompute, tensor_parallel_s=total.tensor_parallel,
             tensor_parallel_collectives=total.collectives,
-            allreduce_s=cm.allreduce_s(cfg, s, params),
-            step_s=params * prec.step_bytes_touched / cm.hardware.hbm_bytes_per_s,
-            weight_bytes=float(params * per_param),
-            activation_bytes=_activation_bytes(cm, cfg, s, n, declared),
-            stash=declared.stash_limit[s]))
+            allreduce_s=cm.allreduce_s(cfg, s, params, shard),
+            step_s=cm.step_s(cfg, s, params, shard),
+            weight_bytes=state.total,
+            activation_bytes=activations,
+            stash=declared.stash_limit[s], state=state))
     return tuple(out), cm.p2p_s(cfg)
 
 

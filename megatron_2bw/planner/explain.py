@@ -48,6 +48,7 @@ NOT_REPORTED_MISSING = frozenset((s.name, True) for s in SCHEDULES if s.delayed)
 what the vanilla one does and more, so that group's sentence covers it."""
 MEMORY_WORDS = {"weights": "weights", "weight_versions": "extra weight versions",
                 "gradients": "gradient buffers", "optimizer_state": "optimizer state",
+                "optimizer_buffers": "the distributed optimizer's gather buffers",
                 "stashed_activations": "stashed activations"}
 
 
@@ -91,7 +92,8 @@ def _cause_clause(cm: CostModel, other: Estimate, cause: str, seconds: float,
                   extra: float) -> str:
     if cause == "exposed data-parallel all-reduce":
         size = max(s.params for s in other.stages) * cm.precision.grad_bytes / GB
-        return f"{seconds:.2f} s of its {size:.2f} GB gradient all-reduce is not hidden"
+        what = "reduce-scatter" if other.config.distributed_optimizer else "all-reduce"
+        return f"{seconds:.2f} s of its {size:.2f} GB gradient {what} is not hidden"
     if cause == "pipeline bubble and transfers":
         return f"its pipeline idles {other.bubble_fraction:.0%} of the time"
     if cause == "tensor-parallel all-reduces":
@@ -152,6 +154,29 @@ def recompute_sentence(cm: CostModel, est: Estimate, options: tuple[Recompute, .
     return text + "."
 
 
+def sharding_sentence(cm: CostModel, est: Estimate) -> str:
+    """At DP >= 2: whether the plan shards its optimizer state (--use-distributed-optimizer),
+    what that does to its memory, and what the same plan costs the other way."""
+    cfg = est.config
+    if cfg.data_parallel_width == 1:
+        return ""
+    other = cm.evaluate(replace(cfg, distributed_optimizer=not cfg.distributed_optimizer),
+                        simulate_time=False)
+    mine, theirs = cm.memory_terms(est), cm.memory_terms(other)
+    if cfg.distributed_optimizer:
+        text = (f"Distributed optimizer: on (--use-distributed-optimizer), optimizer state "
+                f"{mine['optimizer_state'] / GB:.2f} GB per device instead of "
+                f"{theirs['optimizer_state'] / GB:.2f} GB, plus "
+                f"{mine['optimizer_buffers'] / GB:.2f} GB of gather buffers; without it")
+    else:
+        text = "Distributed optimizer: off; with it (--use-distributed-optimizer)"
+    if not other.fits:
+        return f"{text} the plan needs {other.memory_gb:.1f} GB."
+    timed = cm.evaluate(other.config)
+    return (f"{text}: {timed.iteration_time_s / est.iteration_time_s:.3f}x the time at "
+            f"{timed.memory_gb:.1f} GB.")
+
+
 def stages_sentence(cm: CostModel, est: Estimate) -> str:
     """For an uneven split: the layers per stage and what even stages would cost."""
     cfg = est.config
@@ -181,6 +206,9 @@ def explain(cm: CostModel, result: SearchResult) -> str:
             f"{best.bubble_fraction:.0%}."]
     options = result.space.recompute if result.space else (best.config.recompute,)
     text.append(recompute_sentence(cm, best, options))
+    searched = result.space.distributed_optimizer if result.space else (False, True)
+    if len(searched) > 1:
+        text.append(sharding_sentence(cm, best))
     if best.config.uneven:
         text.append(stages_sentence(cm, best))
     if best.config.interleaved:
@@ -236,17 +264,18 @@ def best_per_group(result: SearchResult) -> dict[tuple[str, bool], Estimate]:
 
 def format_table(result: SearchResult, top: int = 10) -> str:
     """The ranked plans as a fixed-width table (`v`: model chunks per device, 1 without
-    interleaving)."""
+    interleaving; `dopt`: yes with --use-distributed-optimizer)."""
     head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'pp':>3} {'v':>2} {'dp':>3} {'b':>4} {'m':>5} "
-            f"{'recompute':>9} {'stages':>8} {'samples/s':>10} {'iter s':>8} {'bubble':>7} "
-            f"{'mem GB':>7}")
+            f"{'recompute':>9} {'stages':>8} {'dopt':>4} {'samples/s':>10} {'iter s':>8} "
+            f"{'bubble':>7} {'mem GB':>7}")
     rows = [head, "-" * len(head)]
     for i, est in enumerate(result.ranked[:top], 1):
         c = est.config
         rows.append(f"{i:>3} {c.schedule:8} {c.tensor_parallel:>3} {c.pipeline_depth:>3} "
                     f"{c.virtual_stages:>2} {c.data_parallel_width:>3} {c.micro_batch_size:>4} "
                     f"{c.num_microbatches:>5} "
-                    f"{c.recompute.name:>9} {_stages_cell(est):>8} {est.samples_per_s:>10.1f} "
+                    f"{c.recompute.name:>9} {_stages_cell(est):>8} "
+                    f"{'yes' if c.distributed_optimizer else '':>4} {est.samples_per_s:>10.1f} "
                     f"{est.iteration_time_s:>8.3f} {est.bubble_fraction:>7.1%} "
                     f"{est.memory_gb:>7.1f}")
     return "\n".join(rows)

@@ -125,3 +125,14 @@ def ring_allreduce_s(num_bytes: float, n: int, bytes_per_s: float,
     if n <= 1 or num_bytes <= 0:
         return 0.0
     return latency_s + 2.0 * (n - 1) / n * num_bytes / bytes_per_s
+
+
+def ring_allgather_s(num_bytes: float, n: int, bytes_per_s: float,
+                     latency_s: float = 0.0) -> float:
+    """Ring all-gather, or ring reduce-scatter, of a `num_bytes` buffer (every rank's
+    chunk together): `latency_s` + each rank sending and receiving (n - 1) / n * bytes,
+    half a ring all-reduce's traffic (an all-reduce is a reduce-scatter then an
+    all-gather; Patarasuk and Yuan 2009; NCCL's bus bandwidth uses (n - 1) / n for both)."""
+    if n <= 1 or num_bytes <= 0:
+        return 0.0
+    return latency_s + (n - 1) / n * num_bytes / bytes_per_s

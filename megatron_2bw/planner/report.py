@@ -28,8 +28,9 @@ def model_flags(model: ModelShape) -> list[str]:
 
 def plan_flags(cfg: ParallelConfig, num_layers: int | None = None) -> list[str]:
     """Megatron-LM's flags for the plan itself: parallel sizes, schedule, batch,
-    recomputation (`Recompute.flags`), uneven stages (`ParallelConfig.stage_flags`) and
-    model chunks (`--num-layers-per-virtual-pipeline-stage`, which needs `num_layers`).
+    recomputation (`Recompute.flags`), uneven stages (`ParallelConfig.stage_flags`),
+    model chunks (`--num-layers-per-virtual-pipeline-stage`, which needs `num_layers`) and
+    the sharded optimizer (`--use-distributed-optimizer`, `ParallelConfig.optimizer_flags`).
     Shared with the planner validation, which runs these plans."""
     if cfg.interleaved and num_layers is None:
         raise ValueError(f"{cfg.label()}: the flags of an interleaved plan need num_layers")
@@ -39,7 +40,7 @@ def plan_flags(cfg: ParallelConfig, num_layers: int | None = None) -> list[str]:
             + (cfg.virtual_stage_flags(num_layers) if cfg.interleaved else [])
             + ["--micro-batch-size", str(cfg.micro_batch_size),
                "--global-batch-size", str(cfg.global_batch_size)]
-            + cfg.recompute.flags() + cfg.stage_flags())
+            + cfg.recompute.flags() + cfg.stage_flags() + cfg.optimizer_flags())
 
 
 def launch_command(model: ModelShape, cfg: ParallelConfig, devices_per_node: int) -> str:
@@ -87,6 +88,7 @@ def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
            "data_parallel_width": c.data_parallel_width,
            "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
            "recompute": c.recompute.name,
+           "distributed_optimizer": c.distributed_optimizer,
            "stage_layers": [st.layers for st in est.stages],
            "first_stage_layers": c.first_stage_layers or None,
            "last_stage_layers": c.last_stage_layers or None,
@@ -128,6 +130,8 @@ def to_json(cm: CostModel, result: SearchResult) -> dict:
                    "virtual_stages": (list(result.space.virtual_stages)
                                       if result.space and result.space.virtual_stages
                                       else None),  # None: 1 and every allowed power of two
+                   "distributed_optimizer": (list(result.space.distributed_optimizer)
+                                             if result.space else []),
                    "not_fitting": len(result.not_fitting),
                    "compute_source": cm.layers.source, "hardware": cm.hardware.to_dict(),
                    "model": {"model": cm.model.model, "num_layers": cm.model.num_layers,

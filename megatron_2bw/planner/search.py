@@ -6,9 +6,11 @@ server and dividing the attention heads, PP dividing the layers (transformer blo
 repeat), every microbatch size dividing the per-replica batch, recomputation none /
 selective / full (uniform, one layer per chunk), the schedules GPipe (PP > 1), Flush and
 2BW (2BW only where m >= d), Flush also interleaved with v = 2, 4, 8, ... model chunks
-per stage where Megatron-LM allows it (`virtual_stage_options`), and, for PP > 1 when the
+per stage where Megatron-LM allows it (`virtual_stage_options`), for PP > 1 when the
 vocabulary is large, the first and/or last stage given one or two layers fewer than the
-even share (`uneven_splits`).
+even share (`uneven_splits`), and at DP >= 2 each plan with and without Megatron-LM's
+distributed optimizer (`--use-distributed-optimizer`: optimizer state sharded over DP),
+which the cost model decides between like any other choice (memory first, then time).
 """
 from __future__ import annotations
 
@@ -49,9 +51,21 @@ class SearchSpace:
     virtual_stages: tuple[int, ...] | None = None
     """Model chunks per stage to try for Flush (interleaved 1F1B); None: 1 and every power
     of two Megatron-LM's rules allow (`virtual_stage_options`); (1,): no interleaving."""
+    distributed_optimizer: tuple[bool, ...] = (False, True)
+    """`--use-distributed-optimizer` off and/or on, tried at DP >= 2 (`sharding_options`);
+    (False,): never, (True,): always where DP >= 2."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", tuple(as_recompute(r) for r in self.recompute))
+        if not self.distributed_optimizer:
+            raise ValueError("distributed_optimizer: give True, False or both")
+
+
+def sharding_options(w: int, allowed: tuple[bool, ...]) -> tuple[bool, ...]:
+    """The distributed optimizer settings to try at data-parallel size w: at w = 1 only
+    off (with one replica there is nothing to shard; the flag would only add the gather
+    buffer), else `allowed`."""
+    return (False,) if w == 1 else allowed
 
 
 def virtual_stage_options(name: str, num_layers: int, d: int, m: int,
@@ -158,7 +172,9 @@ def _even_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]
                     for v in virtual_stage_options(name, cm.model.num_layers, d, m,
                                                    space.virtual_stages):
                         for rc in space.recompute:
-                            yield ParallelConfig(name, t, d, w, b, m, rc, virtual_stages=v)
+                            for shard in sharding_options(w, space.distributed_optimizer):
+                                yield ParallelConfig(name, t, d, w, b, m, rc, virtual_stages=v,
+                                                     distributed_optimizer=shard)
 
 
 @dataclass

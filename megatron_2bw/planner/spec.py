@@ -37,6 +37,10 @@ class Precision:
     new fp16 weights); the step is memory-bound, so its time is this over HBM bandwidth."""
     compensation_bytes: int = 0
     """State of 2BW's `--delay-compensation` per parameter, counted on 2bw plans only."""
+    whole_matrices: bool = False
+    """The optimizer needs whole matrices (Muon orthogonalises each one), so
+    `--use-distributed-optimizer` shards by whole parameters, not elementwise
+    (`planner/shards.py`)."""
 
     def bytes_per_param(self, weight_versions: int, grad_buffers: int,
                         compensated: bool = False) -> int:
@@ -56,7 +60,8 @@ def optimizer_precision(optimizer: str = "adam", compensation: str = "none",
     - muon: fp32 master + one fp32 momentum (8 B instead of 12 B), and a step that reads
       and writes 8 B less (Newton-Schulz's matmuls are not modelled: a few percent of a
       layer's compute). Counting every parameter at Muon's rate under-counts the
-      embedding and output layer, which Muon leaves to Adam, by 4 B each.
+      embedding and output layer, which Muon leaves to Adam, by 4 B each. Its matrices
+      are sharded whole under `--use-distributed-optimizer` (`whole_matrices`).
     - error-feedback: the last update u_{t-1} in fp32, 4 B.
     - weight-prediction: nothing with master weights (they hold the true weights); a
       third weight buffer (param_bytes) when the model is fp32 (no masters), i.e. when
@@ -74,7 +79,7 @@ def optimizer_precision(optimizer: str = "adam", compensation: str = "none",
     extra = {"none": 0, "error-feedback": 4,
              "weight-prediction": 0 if has_masters else base.param_bytes}[compensation]
     return replace(base, optimizer_bytes=optimizer_bytes, step_bytes_touched=step,
-                   compensation_bytes=extra)
+                   compensation_bytes=extra, whole_matrices=optimizer == "muon")
 
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
@@ -249,6 +254,11 @@ class ParallelConfig:
     """Model chunks per pipeline stage, v (Megatron-LM's virtual pipeline stages): above 1
     a schedule with an interleaved form (flush: Megatron's interleaved 1F1B) runs it
     (`--num-layers-per-virtual-pipeline-stage` = layers per stage / v)."""
+    distributed_optimizer: bool = False
+    """`--use-distributed-optimizer`: the fp32 master weights, the optimizer state and the
+    delay compensation sharded over the data-parallel ranks, the gradient reduce-scattered
+    and the new weights all-gathered instead of one all-reduce. Planned only at DP >= 2
+    (at DP = 1 it changes nothing but adds a gather buffer)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", as_recompute(self.recompute))
@@ -306,6 +316,10 @@ class ParallelConfig:
             flags += ["--decoder-last-pipeline-num-layers", str(self.last_stage_layers)]
         return flags
 
+    def optimizer_flags(self) -> list[str]:
+        """Megatron-LM's flag for the sharded optimizer (none without it)."""
+        return ["--use-distributed-optimizer"] if self.distributed_optimizer else []
+
     def label(self) -> str:
         rc = f" {self.recompute.short}" if self.recompute.short else ""
         split = "".join(f" {name}{n}" for name, n in (("first", self.first_stage_layers),
@@ -313,4 +327,5 @@ class ParallelConfig:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         return (f"{self.schedule} tp{self.tensor_parallel} pp{self.pipeline_depth} "
                 f"dp{self.data_parallel_width} b{self.micro_batch_size} "
-                f"m{self.num_microbatches}{chunks}{rc}{split}")
+                f"m{self.num_microbatches}{chunks}{rc}{split}"
+                + (" dopt" if self.distributed_optimizer else ""))

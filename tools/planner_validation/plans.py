@@ -60,6 +60,9 @@ class Setup:
     virtual_stages: tuple[int, ...] = (1, 2)
     """Model chunks per stage searched: interleaved Flush (v = 2: one layer per chunk at
     PP = 2) adds 8 plans to the 64; (1,) leaves interleaving out."""
+    distributed_optimizer: tuple[bool, ...] = (False,)
+    """--use-distributed-optimizer settings searched: off, as in the documented runs;
+    (False, True) adds the sharded twin of every DP = 2 plan."""
 
     def model(self) -> ModelShape:
         return ModelShape("gpt", self.num_layers, self.hidden_size, self.num_attention_heads,
@@ -68,7 +71,8 @@ class Setup:
     def space(self) -> SearchSpace:
         return SearchSpace(num_gpus=self.num_procs, global_batch_size=self.global_batch_size,
                            recompute=self.recompute, uneven_stages=self.uneven_stages,
-                           virtual_stages=self.virtual_stages)
+                           virtual_stages=self.virtual_stages,
+                           distributed_optimizer=self.distributed_optimizer)
 
 
 def model_flags(setup: Setup) -> list[str]:

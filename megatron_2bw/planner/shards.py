@@ -1,0 +1,81 @@
+"""How `--use-distributed-optimizer` splits a stage's parameters over w data-parallel ranks.
+
+The trainer's layout is `megatron_2bw.comm.sharding.ShardLayout`, which imports torch; the
+planner stays torch-free, so it recomputes the one number the memory and cost model need
+from that layout: C, the elements of the largest rank's shard (every rank's chunk of the
+reduce-scattered gradient and of the all-gathered weights is C elements, w C in all).
+
+- Elementwise parameters (Adam) are cut anywhere: C = ceil(N / w).
+- Whole parameters (Muon's matrices) go to one rank each, largest first to the least
+  loaded rank (greedy longest-processing-time), and elementwise ones fill the rest:
+  C = max(ceil(N / w), the largest rank's load of whole parameters). The greedy's
+  largest load is at most (whole elements) / w + (largest matrix) (w - 1) / w (Graham
+  1969), so C exceeds N / w by less than one matrix.
+
+tests/test_planner_sharding.py checks `shard_chunk` against ShardLayout's `chunk`.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A stage's shard layout, as far as memory and traffic go."""
+
+    ranks: int
+    """w, the data-parallel size."""
+    params: int
+    """N, the stage's parameters on one tensor-parallel rank."""
+    chunk: int
+    """C, the elements of the largest rank's shard."""
+    contiguous: bool
+    """No whole parameters: the collectives run on the flat gradient itself; otherwise it
+    is packed into chunk order first (`ShardedGradReducer`)."""
+
+    @property
+    def padded(self) -> int:
+        """w C: the gradient buffer (padded) and the buffers the collectives run on."""
+        return self.ranks * self.chunk
+
+
+def divide(params: int, whole: tuple[int, ...], ranks: int) -> Shard:
+    """The layout of `params` elements over `ranks`, `whole` the sizes of the parameters
+    that must stay whole (included in `params`)."""
+    return Shard(ranks, params, shard_chunk(params, whole, ranks), not whole)
+
+
+@lru_cache(maxsize=4096)
+def shard_chunk(total: int, whole: tuple[int, ...], ranks: int) -> int:
+    """C for `total` elements of which `whole` are parameters kept whole: the largest
+    rank's load after the greedy balance of the whole ones, or the even share."""
+    heap = [(0, r) for r in range(ranks)]
+    for n in sorted(whole, reverse=True):
+        load, rank = heapq.heappop(heap)
+        heapq.heappush(heap, (load + n, rank))
+    return max(-(-total // ranks), max(load for load, _ in heap), 1)
+
+
+def stage_matrices(model: ModelShape, t: int, stage: int, depth: int,
+                   layers: int) -> tuple[int, ...]:
+    """Sizes (one tensor-parallel rank's) of the parameters Muon steps on a stage, which
+    the distributed optimizer keeps whole: megatron-core's rule, every 2D weight but the
+    word embedding and the output layer (`optim.muon.is_megatron_muon_param`): each
+    layer's QKV, projection and the MLP's two matrices, the learned position table (and
+    BERT's token types) on the first stage, BERT's LM-head dense, pooler and binary head on
+    the last."""
+    h, f = model.hidden_size, model.ffn_size
+    q = model.num_attention_heads * model.head_dim
+    kv = model.query_groups * model.head_dim
+    gates = 2 if model.swiglu else 1
+    layer = (h * (q + 2 * kv) // t, q * h // t, gates * f * h // t, f * h // t)
+    found = layer * layers
+    if stage == 0:
+        found += (model.seq_length * h,) + ((2 * h,) if model.model == "bert" else ())
+    if stage == depth - 1 and model.model == "bert":
+        found += (h * h, h * h, 2 * h)
+    return found
