@@ -169,7 +169,9 @@ class Trainer:
                             ps.get_tensor_model_parallel_world_size(), gather)
         groups = StepGroups(model_parallel=ps.get_model_parallel_group())
         reducer, layout = None, None
-        if run.parallel.distributed_optimizer:
+        # one data-parallel rank has nothing to shard (unless the exercise mode drives
+        # its group of one, so that a one-GPU run issues the collectives anyway)
+        if run.parallel.distributed_optimizer and data_parallel_group() is not None:
             layout, reducer = _sharding(params, infos, run, schedule)
             updater = DistributedUpdater(params, infos, run.optimizer, layout,
                                          data_parallel_group(), groups, tp)
