@@ -31,9 +31,12 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 # what each schedule adds to the common flags: Muon's tensor-parallel gather under 2bw
-# (its "duplicated" mode gathers a split matrix; the default, blockwise, never gathers)
+# (its "duplicated" mode gathers a split matrix; the default, blockwise, never gathers);
+# the distributed optimizer's reduce-scatter and all-gather (and, as the last schedule,
+# the gather of its state for the checkpoint) under gpipe
 EXTRA = {"2bw": ["--optimizer", "muon", "--muon-tp-mode", "duplicated",
-                 "--delay-compensation", "error-feedback"]}
+                 "--delay-compensation", "error-feedback"],
+         "gpipe": ["--use-distributed-optimizer"]}
 
 
 def offenders(entries: list[dict]) -> list[dict]:
