@@ -6,7 +6,10 @@ and the planner, one probe at a time, each in its own temporary directory with a
 
 Classes: 1 resume semantics, 2 checkpoints, 3 late failures / output paths, 4 graceful stop,
 5 hangs, 6 tracebacks for user errors, 7 bad data, 8 launcher misdetection, 9 the bugs,
-10 a run that stopped learning (NaN, skipped iterations; issue 31).
+10 a run that stopped learning (NaN, skipped iterations; issue 31), 11 a checkpoint that
+does not fit the model (shapes, vocabulary; a note for another seed or data flag), 12 data
+the tokenizer cannot have produced, or that changes under a run, 13 data set
+specifications (blend weights, splits, BERT sentences, stale index caches).
 
 A probe expects one of
 - "error": a clean refusal: the expected exit status (2 for the trainer, 1 for preprocessing,
@@ -50,7 +53,9 @@ PREP = os.path.join(ROOT, "tools", "preprocess_data.py")
 TIMEOUT_ENV = "MEGATRON_2BW_TIMEOUT_SECONDS"
 CLASSES = {1: "resume semantics", 2: "checkpoints", 3: "late failures / output paths",
            4: "graceful stop", 5: "hangs", 6: "tracebacks for user errors", 7: "bad data",
-           8: "launcher misdetection", 9: "the bugs", 10: "a run that stopped learning"}
+           8: "launcher misdetection", 9: "the bugs", 10: "a run that stopped learning",
+           11: "a checkpoint that does not fit", 12: "data the tokenizer cannot have made",
+           13: "data set specifications"}
 TB = "Traceback (most recent call last)"
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -65,7 +70,11 @@ TINY = MODEL + MOCK + ["--lr", "1e-2", "--lr-decay-style", "constant", "--ckpt-f
 LIN = MODEL + MOCK + ["--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "linear",
                       "--train-iters", "4", "--ckpt-format", "torch"]
 PP2 = ["--global-batch-size", "8", "--pipeline-model-parallel-size", "2"]
+DIST = LIN[:-1] + ["torch_dist"]  # LIN saved by dist_checkpointing (reshardable)
 VOCAB = 1000  # the probe dataset: NullTokenizer ids 0..999
+BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+BERT_WORDS = ["the", "cat", "dog", "sat", "ran", "on", "a", "mat", "fast", "slow", "red",
+              "big", ".", "and", "it", "was"]
 
 
 def _clean_env(**extra: str) -> dict:
@@ -245,8 +254,18 @@ class Shared:
                 raise RuntimeError("shared 2bw checkpoint failed:\n" + r.out[-3000:])
         return self._once("ckpt2bw", build)
 
-    def data(self) -> str:
-        """A sound uint16 dataset of 60 documents made by the project's preprocessing."""
+    def ckpt_dist(self) -> str:
+        """LIN in --ckpt-format torch_dist stopped at iteration 2 (checkpoints 1 and 2)."""
+        def build(path: str) -> None:
+            r = gpt1(DIST + ["--save", "ckpt", "--save-interval", "1", "--exit-interval", "2",
+                             "--metrics-file", "m.jsonl"], path, timeout=180)
+            if r.codes != [0]:
+                raise RuntimeError("shared torch_dist checkpoint failed:\n" + r.out[-3000:])
+        return self._once("ckptdist", build)
+
+    def data(self, documents: int = 60) -> str:
+        """A sound uint16 dataset made by the project's preprocessing (the first
+        `documents` of the same 60)."""
         def build(path: str) -> None:
             import random
 
@@ -255,7 +274,7 @@ class Shared:
 
             rng = random.Random(3)
             with open(os.path.join(path, "in.jsonl"), "w") as f:
-                for _ in range(60):
+                for _ in range(documents):
                     doc = [str(rng.randrange(VOCAB)) for _ in range(rng.randrange(20, 80))]
                     f.write(json.dumps({"text": " ".join(doc)}) + "\n")
             preprocess(PreprocessConfig(input=os.path.join(path, "in.jsonl"),
@@ -263,7 +282,29 @@ class Shared:
                                         tokenizer=TokenizerSpec("NullTokenizer",
                                                                 vocab_size=VOCAB),
                                         append_eod=True))
-        return os.path.join(self._once("data", build), "data_text_document")
+        key = "data" if documents == 60 else f"data{documents}"
+        return os.path.join(self._once(key, build), "data_text_document")
+
+    def bert_data(self) -> str:
+        """BERT data preprocessed without --split-sentences: every document one sequence
+        (of several sentences), and the vocab.txt it was made with beside it."""
+        def build(path: str) -> None:
+            from megatron_2bw.data.preprocess import PreprocessConfig, preprocess
+            from megatron_2bw.data.tokenizers import TokenizerSpec
+
+            with open(os.path.join(path, "vocab.txt"), "w") as f:
+                f.write("\n".join(BERT_SPECIAL + BERT_WORDS) + "\n")
+            with open(os.path.join(path, "in.jsonl"), "w") as f:
+                for i in range(40):
+                    sentences = [" ".join(BERT_WORDS[(i + j + k) % len(BERT_WORDS)]
+                                          for k in range(6)) + "." for j in range(4)]
+                    f.write(json.dumps({"text": " ".join(sentences)}) + "\n")
+            preprocess(PreprocessConfig(input=os.path.join(path, "in.jsonl"),
+                                        output_prefix=os.path.join(path, "bert"),
+                                        tokenizer=TokenizerSpec(
+                                            "BertWordPieceLowerCase",
+                                            vocab_file=os.path.join(path, "vocab.txt"))))
+        return os.path.join(self._once("bert", build), "bert_text_document")
 
 
 def copy_ckpt(src_dir: str, work: str, name: str = "ckpt") -> str:
@@ -314,7 +355,8 @@ class Probe:
 
 def _ck(ctx: Ctx, src: str = "ckpt1") -> str:
     """Copy a shared checkpoint into the probe dir and remember what verified there."""
-    shared = ctx.shared.ckpt() if src == "ckpt1" else ctx.shared.ckpt_2bw()
+    shared = {"ckpt1": ctx.shared.ckpt, "ckptdist": ctx.shared.ckpt_dist}.get(
+        src, ctx.shared.ckpt_2bw)()
     ctx.ckpt = copy_ckpt(shared, ctx.work)
     return ctx.ckpt
 
@@ -978,9 +1020,213 @@ def class10() -> list:
     ]
 
 
+# ------------------------------------------------- 11: a checkpoint that does not fit
+
+
+def class11() -> list:
+    def dist(extra: list) -> Callable[[Ctx], Run]:
+        return resume(extra, base=DIST, src="ckptdist")
+    return [
+        Probe("torch_dist resume with a larger --vocab-size", 11, "error",
+              dist(["--vocab-size", "200"]), "--vocab-size 200 here, 127 in the checkpoint"),
+        Probe("torch_dist resume with a smaller --vocab-size", 11, "error",
+              dist(["--vocab-size", "60"]), "--vocab-size 60 here, 127 in the checkpoint"),
+        Probe("torch resume with another --vocab-size names the flag", 11, "error",
+              resume(["--vocab-size", "200"]), "--vocab-size 200 here, 127 in the checkpoint"),
+        Probe("torch_dist resume with another tokenizer of the same padded size: a note", 11,
+              "ok", dist(["--vocab-size", "100"]), "the tokenizer differs from the checkpoint's",
+              check=tracker_is(4)),
+        Probe("resume with another --seed: a note on the data order", 11, "ok",
+              resume(["--seed", "7"]), "--seed 7 here, 1234 in the checkpoint",
+              check=tracker_is(4)),
+        Probe("resume with another --seq-length: a note on the data order", 11, "ok",
+              resume(["--seq-length", "8"]), "--seq-length 8 here, 16 in the checkpoint",
+              check=tracker_is(4)),
+    ]
+
+
+# ------------------------------------- 12: data the tokenizer cannot have made, or changing
+
+BIG_TOKENS = (1 << 29) + (1 << 20)  # a 1.0 GiB + 2 MiB uint16 .bin: above a 1 GiB bound
+BIG_DOCS = 64
+BIG_SEQ = ["--seq-length", "1024", "--max-position-embeddings", "1024"]
+
+
+def _sampled_windows(itemsize: int) -> list:
+    """[begin, end) token ranges of main's sampled scan of a .bin above 1 GiB (32 evenly
+    spaced windows of 2 MiB, the first and the last included)."""
+    import numpy as np
+
+    window = (2 << 20) // itemsize
+    starts = np.linspace(0, BIG_TOKENS - window, 32).astype(np.int64)
+    return [(int(b), int(b) + window) for b in np.unique(starts)]
+
+
+def _write_big(prefix: str, fill: int, bad: dict, dtype: str = "uint16") -> None:
+    """A .bin of BIG_TOKENS ids in BIG_DOCS documents: `fill` outside the sampled windows
+    (0 there; the file is sparse when `fill` is 0), the ids of `bad` ({token index: id})
+    written over; and its .idx (megatron-core's layout)."""
+    import numpy as np
+
+    item = np.dtype(dtype).itemsize
+    with open(prefix + ".bin", "wb") as f:
+        f.truncate(BIG_TOKENS * item)
+    if fill:
+        tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r+")
+        for begin in range(0, BIG_TOKENS, 1 << 24):
+            tokens[begin:begin + (1 << 24)] = fill
+        for begin, end in _sampled_windows(item):
+            tokens[begin:end] = 0
+        tokens.flush()
+        del tokens
+    with open(prefix + ".bin", "r+b") as f:
+        for index, token in bad.items():
+            f.seek(index * item)
+            f.write(np.array([token], dtype=dtype).tobytes())
+    lengths = np.full(BIG_DOCS, BIG_TOKENS // BIG_DOCS, dtype=np.int32)
+    lengths[-1] += BIG_TOKENS - int(lengths.sum())
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) * item
+    code = {"uint16": 8, "int32": 4}[dtype]
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code))
+        f.write(struct.pack("<Q", BIG_DOCS) + struct.pack("<Q", BIG_DOCS + 1))
+        f.write(lengths.tobytes() + pointers.astype(np.int64).tobytes())
+        f.write(np.arange(BIG_DOCS + 1, dtype=np.int64).tobytes())
+
+
+def _windows_gap(itemsize: int = 2) -> int:
+    """A token index main's sampled scan does not see: just past its first window."""
+    return _sampled_windows(itemsize)[0][1] + 10
+
+
+def _big_probe(fill: int, bad: dict, dtype: str = "uint16") -> Callable[[Ctx], Run]:
+    def act(ctx: Ctx) -> Run:
+        prefix = os.path.join(ctx.work, "big")
+        _write_big(prefix, fill, bad, dtype)
+        flags = _replace(data_flags(prefix, ctx.work), "--train-iters", "2")
+        return gpt1(flags + BIG_SEQ, ctx.work, timeout=180)
+    return act
+
+
+def _under_run(change: Callable[[str], None], iters: str = "1000") -> Callable[[Ctx], Run]:
+    """Train on a copy of the probe data; after 3 iterations `change` its prefix."""
+    def act(ctx: Ctx) -> Run:
+        prefix = copy_data(ctx.shared.data(), ctx.work)
+        flags = _replace(data_flags(prefix, ctx.work), "--train-iters", iters)
+        ranks = Ranks([PY, GPT, *flags, "--metrics-file", "m.jsonl"], 1, ctx.work)
+        if wait_rows(os.path.join(ctx.work, "m.jsonl"), 3, ranks.alive):
+            change(prefix)
+        return ranks.wait(120)
+    return act
+
+
+def _reverse_tokens(prefix: str) -> None:
+    """Rewrite the .bin in place: the same ids, in reverse order (same size)."""
+    import numpy as np
+
+    tokens = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
+    tokens[:] = tokens[::-1].copy()
+    tokens.flush()
+
+
+def class12() -> list:
+    eod_vocab = VOCAB + 1  # NullTokenizer --vocab-size 1000: ids 0..1000, padded to 1024
+    return [
+        Probe("id between the vocabulary and its padding, unsampled part of a 1 GiB .bin", 12,
+              "error", _big_probe(0, {_windows_gap(): eod_vocab}),
+              f"token id {eod_vocab} in document 0"),
+        Probe("ids beyond the padded vocabulary wherever main's sampled scan does not look",
+              12, "error", _big_probe(5000, {}), "token id 5000"),
+        Probe("negative id in an int32 .bin, unsampled part", 12, "error",
+              _big_probe(0, {_windows_gap(4): -3}, "int32"),
+              "token id -3 in document 0"),
+        Probe(".bin cut short while training (SIGBUS)", 12, "error",
+              _under_run(lambda p: os.truncate(p + ".bin", 100)), "cut short while training"),
+        Probe(".idx cut short while training", 12, "error",
+              _under_run(lambda p: os.truncate(p + ".idx", 40)), "cut short while training"),
+        Probe(".bin rewritten in place while training", 12, "error",
+              _under_run(_reverse_tokens), "rewritten in place while training"),
+    ]
+
+
+# ------------------------------------------------------ 13: data set specifications
+
+
+def _data_spec(words: Callable[[str], list], split: str = "90,10,0") -> Callable[[Ctx], Run]:
+    def act(ctx: Ctx) -> Run:
+        prefix = copy_data(ctx.shared.data(), ctx.work)
+        flags = _replace(_replace(data_flags(prefix, ctx.work), "--train-iters", "2"),
+                         "--split", split)
+        i = flags.index("--data-path")
+        return gpt1(flags[:i + 1] + words(prefix) + flags[i + 2:], ctx.work)
+    return act
+
+
+def _bert_unsplit(ctx: Ctx) -> Run:
+    prefix = ctx.shared.bert_data()
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32",
+             "--micro-batch-size", "2", "--eval-iters", "1", "--lr", "1e-3",
+             "--train-iters", "2", "--data-path", prefix, "--split", "90,10,0",
+             "--tokenizer-type", "BertWordPieceLowerCase",
+             "--vocab-file", os.path.join(os.path.dirname(prefix), "vocab.txt"),
+             "--data-cache-path", os.path.join(ctx.work, "cache")]
+    return run1([PY, os.path.join(ROOT, "pretrain_bert.py"), *flags], ctx.work)
+
+
+def _twice(between: Callable[[Ctx, str], None]) -> Callable[[Ctx], Run]:
+    """Train 2 iterations (the index cache is built), `between`, train again."""
+    def act(ctx: Ctx) -> Run:
+        prefix = copy_data(ctx.shared.data(), ctx.work)
+        flags = _replace(data_flags(prefix, ctx.work), "--train-iters", "2")
+        first = gpt1(flags, ctx.work)
+        if first.codes != [0]:
+            return first
+        between(ctx, prefix)
+        second = gpt1(flags, ctx.work)
+        second.seconds += first.seconds
+        return second
+    return act
+
+
+def _regenerate(ctx: Ctx, prefix: str) -> None:
+    """tools/preprocess_data.py run again into the prefix, on 30 of the documents."""
+    smaller = ctx.shared.data(30)
+    for suffix in (".bin", ".idx"):
+        shutil.copy(smaller + suffix, prefix + suffix)
+
+
+def _cut_cache(ctx: Ctx, prefix: str) -> None:
+    """A rank killed while megatron-core wrote the sample index."""
+    folder = os.path.join(ctx.work, "cache")
+    name = next(n for n in sorted(os.listdir(folder)) if n.endswith("train-sample_index.npy"))
+    _truncate_file(os.path.join(folder, name), 0.3)
+
+
+def class13() -> list:
+    return [
+        Probe("blend weight negative", 13, "error",
+              _data_spec(lambda p: ["-1", p, "2", p]), "is negative (--data-path)"),
+        Probe("blend weight NaN", 13, "error",
+              _data_spec(lambda p: ["nan", p, "1", p]), "is not finite (--data-path)"),
+        Probe("blend weights sum to 0", 13, "error",
+              _data_spec(lambda p: ["0", p, "0", p]), "sum to 0 (--data-path)"),
+        Probe("blend weight that is not a number", 13, "error",
+              _data_spec(lambda p: ["1x", p, "2", p]), "is not a number (--data-path)"),
+        Probe("--split 0,50,50 gives training nothing", 13, "error",
+              _data_spec(lambda p: [p], "0,50,50"), "gives training no documents"),
+        Probe("BERT on data made without --split-sentences", 13, "error", _bert_unsplit,
+              "--split-sentences"),
+        Probe("index cache built from another version of the files is rebuilt", 13, "ok",
+              _twice(_regenerate), "has changed since they were built"),
+        Probe("index cache file cut short by a killed build is rebuilt", 13, "ok",
+              _twice(_cut_cache), "is cut short"),
+    ]
+
+
 def all_probes() -> list:
     probes = class1() + class2() + class3() + class4() + class5() + class6() + class7() + \
-        class8() + class9() + class10()
+        class8() + class9() + class10() + class11() + class12() + class13()
     # the 'another pipeline layout' probe resumes a PP2 checkpoint in one process
     for p in probes:
         if p.name == "checkpoint of another pipeline layout":

@@ -5,6 +5,8 @@
 - `contents.py`: what a checkpoint says: Megatron-LM's `args`, its names for the
   parameters, the RNG and engine state;
 - `sharded.py`: `--ckpt-format torch_dist` through megatron-core's dist_checkpointing;
+- `fit.py`: whether a checkpoint's tensors fit the model, shape by shape, and which flag
+  makes a difference;
 - `save_load.py`: saving and resuming a run: every rank agrees on a failure, and a resume
   refuses before any work what would silently go wrong.
 

@@ -15,8 +15,10 @@ stop with the same message instead of waiting for the rank that failed.
 
 A resume refuses, before any work, what would silently go wrong: a learning-rate
 schedule that differs from the checkpoint's (Megatron-LM's rule, with its two flags),
---train-iters below the checkpoint's iteration, other model shapes, and a --save
-directory whose checkpoints the run would overwrite.
+--train-iters below the checkpoint's iteration, other model shapes (the flags against the
+checkpoint's args, another vocabulary among them; then, once the model exists, every
+tensor's shape: fit.py), and a --save directory whose checkpoints the run would
+overwrite. Another --seed or data flag is a note: the data order changes.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from .. import comm
 from .contents import (MODULE_PREFIX, complete_megatron_state, from_megatron_names,
                                   restore_rng, rng_state, to_megatron_names)
 from .sharded import (commit_sharded, is_sharded, load_sharded, read_common,
-                                 save_sharded, verify_sharded)
+                                 save_sharded, sharded_fit_error, verify_sharded)
+from .fit import misfit_line, misfits, tensor_shapes
 from .files import (TRACKER, CheckpointError, check_save_dir, clear_for_save,
                                iteration_dir, load_state, read_tracker,
                                refuse_unread_checkpoints, write_error, write_manifest,
@@ -56,6 +59,12 @@ SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 # of those, the layout: a torch_dist checkpoint reshards to another one
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+# flags that choose the tokenizer: another one changes what the token ids mean
+TOKENIZER_FLAGS = ("vocab_size", "tokenizer_type", "vocab_file", "merge_file",
+                   "tokenizer_model")
+# flags that choose the training samples and their order (Megatron-LM's data order is a
+# function of these and the consumed samples)
+DATA_ORDER_FLAGS = ("seed", "data_path", "split", "seq_length", "mock_data")
 # flags whose dest is not their name
 FLAG_NAMES = {"add_bias_linear": "--disable-bias-linear",
               "layernorm_zero_centered_gamma": "--apply-layernorm-1p"}
@@ -229,16 +238,50 @@ class LoadedCheckpoint:
     state: dict  # torch_dist: the common state until `load_tensors` adds the rest
     path: str = ""
     sharded: bool = False  # --ckpt-format torch_dist: reshardable
+    # the same vocabulary padded to another size (prepare_resume): torch_dist reshards it
+    vocab_rows_may_differ: bool = False
 
     def load_tensors(self, root: str, executor, updater, train) -> None:
-        """torch_dist: the tensors `train`'s --finetune / --no-load-* flags ask for,
-        resharded to this rank's layout (a collective)."""
+        """Every tensor's shape against the model's (a collective: all ranks refuse
+        alike); then, torch_dist: the tensors `train`'s --finetune / --no-load-* flags
+        ask for, resharded to this rank's layout (a collective)."""
+        self.check_fit(root, executor, train.finetune)
         if self.sharded:
             self.state = load_sharded(root, self.iteration, self.state, executor, updater,
                                       optimizer=not (train.finetune or train.no_load_optim),
                                       shadow=not train.finetune,
                                       rng=not (train.finetune or train.no_load_rng),
                                       finetune=train.finetune)
+
+
+    def check_fit(self, root: str, executor, finetune: bool) -> None:
+        """Refuse, before anything loads, a checkpoint whose tensors have other shapes
+        than the model's (fit.py); every rank calls this."""
+        if self.sharded:
+            error = _attempt(lambda: _raise(sharded_fit_error(
+                iteration_dir(root, self.iteration), executor, finetune,
+                self.vocab_rows_may_differ)))
+        else:
+            error = _attempt(lambda: _raise(self._file_fit_error(executor, finetune)))
+        _agree(error)
+
+    def _file_fit_error(self, executor, finetune: bool) -> Optional[str]:
+        """--ckpt-format torch: this rank's file against this rank's stage, every saved
+        weight version."""
+        module = executor.weights.modules[0]
+        mine = tensor_shapes(to_megatron_names(module.state_dict()))
+        for weights in [self.state["model"], *self.state.get("weight_versions", {}).values()]:
+            saved = tensor_shapes(to_megatron_names(weights))
+            fresh = module.fresh_keys(set(saved)) if finetune else []
+            found = misfits(saved, mine, missing_ok=fresh, unexpected=not finetune)
+            if found:
+                return misfit_line(found, self.path)
+        return None
+
+
+def _raise(error: Optional[str]) -> None:
+    if error:
+        raise CheckpointError(error)
 
 
 def read_checkpoint(root: str, rel: Optional[str] = None,
@@ -307,6 +350,69 @@ def check_shapes(saved: dict, flags: dict, path: str, reshardable: bool = False)
                                   f"{new} ({path}); resume with the checkpoint's {flag}")
 
 
+def _flag(key: str) -> str:
+    return FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
+
+
+def _changes(saved: dict, flags: dict, keys: tuple) -> list[str]:
+    """`--flag NEW here, OLD in the checkpoint` for each of `keys` that differs (and
+    that the checkpoint's args hold: a Megatron-LM checkpoint may lack some)."""
+    def shown(value) -> str:
+        if value is None or value == [] or value == ():
+            return "(unset)"
+        return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    return [f"{_flag(k)} {shown(flags.get(k))} here, {shown(saved[k])} in the checkpoint"
+            for k in keys if k in saved and saved[k] != flags.get(k)]
+
+
+def check_vocabulary(saved: dict, flags: dict, padded: int, path: str,
+                     reshardable: bool) -> bool:
+    """The checkpoint's embedding rows (its padded vocabulary) against this run's.
+
+    Another vocabulary (--vocab-size or the tokenizer) is refused; the same one padded
+    otherwise (--make-vocab-size-divisible-by, or the tensor-parallel size) loads from
+    torch_dist, as megatron-core reshards it (the padding rows are never a token), and is
+    refused from the torch format. Returns whether the rows may differ.
+    """
+    old = saved.get("padded_vocab_size")
+    change = _changes(saved, flags, TOKENIZER_FLAGS)
+    if old is None or old == padded:
+        if change:
+            rows = f"the embedding keeps its {padded} rows, but " if old else ""
+            _warn_once(f"note: the tokenizer differs from the checkpoint's: {'; '.join(change)}; "
+                       f"{rows}a token id now means this tokenizer's token")
+        return False
+    if change:
+        raise CheckpointError(
+            f"the checkpoint's vocabulary differs from this run's: {change[0]}, so its "
+            f"embedding and output layer have {old} rows and this model's {padded} ({path}); "
+            f"resume with the checkpoint's {change[0].split()[0]} (and its tokenizer)")
+    padding = _changes(saved, flags, ("make_vocab_size_divisible_by",
+                                      "tensor_model_parallel_size"))
+    why = "; ".join(padding) or "padded otherwise"
+    if not reshardable:
+        raise CheckpointError(
+            f"the checkpoint's vocabulary is padded to {old} rows, this run pads it to "
+            f"{padded} ({why}) ({path}); resume with the checkpoint's "
+            f"--make-vocab-size-divisible-by {saved.get('make_vocab_size_divisible_by')}, or "
+            "convert it to torch_dist, which reshards the padding")
+    rows = (f"rows {old} to {padded - 1} start from their initialization" if padded > old
+            else f"rows {padded} to {old - 1} are dropped")
+    _warn_once(f"note: the checkpoint's vocabulary is padded to {old} rows, this run pads it "
+               f"to {padded} ({why}); padding {rows} (no token has their ids)")
+    return True
+
+
+def note_data_order(saved: dict, flags: dict, iteration: int) -> None:
+    """A note (not an error) when the seed or a data flag differs from the checkpoint's:
+    the samples from here on are drawn in another order than the saved run's."""
+    change = _changes(saved, flags, DATA_ORDER_FLAGS)
+    if change:
+        _warn_once(f"note: the data order differs from the checkpoint's run: "
+                   f"{'; '.join(change)}; the samples after iteration {iteration} are "
+                   "this run's, not those the checkpoint's run would have drawn")
+
+
 def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:
     """Checks before the model is built; returns the iteration the run starts from."""
     t = run.train
@@ -323,7 +429,12 @@ def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:
         if t.train_iters == start:
             logger.info(f"the checkpoint is at iteration {start} = --train-iters: nothing "
                         "left to train")
-        check_shapes(_saved_args(loaded.state), run.flags, loaded.path, loaded.sharded)
+        saved = _saved_args(loaded.state)
+        check_shapes(saved, run.flags, loaded.path, loaded.sharded)
+        loaded.vocab_rows_may_differ = check_vocabulary(saved, run.flags, run.model.vocab_size,
+                                                        loaded.path, loaded.sharded)
+        if not t.finetune:
+            note_data_order(saved, run.flags, start)
         if not loaded.sharded and run.parallel.virtual_stages > 1:
             raise CheckpointError(
                 f"a --ckpt-format torch checkpoint holds whole pipeline stages, not the "

@@ -41,11 +41,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 from ..models.compat import cpu_dist_checkpointing
+from .. import comm
 from .contents import megatron_engine_state
+from .fit import misfit_line, misfits
 from .files import (MANIFEST, CheckpointError, FileEntry, iteration_dir,
                                previous_hint, read_manifest, write_manifest, write_tracker)
 
@@ -55,6 +57,8 @@ MODEL_PREFIX = "model."  # PipelineStage holds megatron-core's model as `.model`
 SHADOW = "pipedream_2bw.shadow_model."
 PREDICTED = "pipedream_2bw.predicted_model"  # make_sharded_optimizer_tensor adds the dot
 COMMON_FILE = "common.pt"
+# checkpoint tensors beside the model's own: optimizer state, 2BW's extra weight versions
+NOT_MODEL = ("optimizer.", "pipedream_2bw.")
 
 
 def is_sharded(root: str, iteration: int) -> bool:
@@ -250,6 +254,40 @@ def _fresh_keys(executor, path: str) -> list[str]:
     if not module.fresh_keys(set()):
         return []
     return module.fresh_keys(set(dist_checkpointing.load_tensors_metadata(path)))
+
+
+def _global_shapes(shards: dict, leave_out: list[str] = ()) -> dict[str, tuple]:
+    """{key: global shape} of a stage's ShardedTensors (dict keys in `leave_out` not)."""
+    return {st.key: tuple(st.global_shape) for name, st in shards.items()
+            if isinstance(st, ShardedTensor) and name not in leave_out}
+
+
+def sharded_fit_error(path: str, executor, finetune: bool,
+                      vocab_rows_may_differ: bool) -> Optional[str]:
+    """Every model tensor's global shape against the checkpoint's metadata, before
+    anything loads: dist_checkpointing would load a vocabulary tensor of another shape in
+    part and skip a saved tensor nobody asks for. A collective (the tensors no rank's
+    stage holds are the checkpoint's extra ones); the error line, or None."""
+    try:
+        metadata = dist_checkpointing.load_tensors_metadata(path)
+    except Exception as err:  # noqa: BLE001 (the user's file: one line; peers must not wait)
+        metadata, unreadable = {}, (f"checkpoint unreadable ({path}: "
+                                    f"{str(err).strip().splitlines()[-1][:300]})")
+    else:
+        unreadable = None
+    saved = {key: tuple(meta.global_shape) for key, meta in metadata.items()
+             if not key.startswith(NOT_MODEL)}
+    module = executor.weights.modules[0]
+    fresh = module.fresh_keys(set(metadata)) if finetune else []
+    mine = _global_shapes(_model_shards(module), fresh)
+    held = set().union(*comm.all_gather_object(sorted(mine)))
+    if unreadable:
+        return unreadable
+    found = misfits(saved, mine, vocab_rows_may_differ=vocab_rows_may_differ,
+                    unexpected=False)
+    if not finetune:  # --finetune drops the pretraining heads a task model lacks
+        found += [m for m in misfits(saved, {}) if m.name not in held]
+    return misfit_line(found, path)
 
 
 def _template(common: dict, executor, updater, kinds: Optional[set[str]], shadow: bool,

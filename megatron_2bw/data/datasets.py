@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from megatron.core.datasets.bert_dataset import (BERTMaskedWordPieceDataset,
@@ -31,10 +34,11 @@ from megatron.core.datasets.bert_dataset import (BERTMaskedWordPieceDataset,
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.datasets.utils import get_blend_from_list
 
-from megatron_2bw.data.integrity import check_indexed_dataset
+from megatron_2bw.data import cache
+from megatron_2bw.data.integrity import check_prefix, check_structure
 from megatron_2bw.data.mock import MockBERTDataset
+from megatron_2bw.data.watch import FileWatch, WatchedDataset
 from megatron_2bw.data.tokenizers import MegatronTokenizer
 
 logger = logging.getLogger(__name__)
@@ -110,12 +114,47 @@ class DatasetsConfig:
         if self.mock:
             return None
         words = [word for item in self.data_path for word in item.split()]
-        prefixes, weights = get_blend_from_list(words)
+        prefixes, weights = parse_blend(words)
         for prefix in prefixes:
             if not IndexedDataset.exists(prefix):
                 raise FileNotFoundError(f"--data-path {prefix}: no {prefix}.bin/.idx "
                                         "(run tools/preprocess_data.py first)")
         return prefixes, weights
+
+
+def _number(word: str) -> Optional[float]:
+    try:
+        return float(word)
+    except ValueError:
+        return None
+
+
+def parse_blend(words: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """``--data-path`` words as megatron-core reads them: prefixes, or weight-prefix pairs
+    (an even count whose weight places hold numbers), refusing in one line the weights
+    megatron-core would only assert on (a word that is not a number among them, a
+    negative, NaN or infinite weight, a zero one, all of them zero)."""
+    pairs = len(words) % 2 == 0 and any(_number(w) is not None for w in words[0::2])
+    if not pairs:
+        return list(words), None
+    prefixes, weights = list(words[1::2]), [_number(w) for w in words[0::2]]
+    fix = ("give 'WEIGHT PREFIX' pairs with positive weights (megatron-core normalizes "
+           "them), or prefixes alone for weights by size")
+    for raw, weight, prefix in zip(words[0::2], weights, prefixes):
+        what = f"the blend weight {raw!r} of {prefix}"
+        if weight is None:
+            raise ValueError(f"{what} is not a number (--data-path); {fix}")
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"{what} is {'negative' if weight < 0 else 'not finite'} "
+                             f"(--data-path); {fix}")
+    if sum(weights) == 0:
+        raise ValueError(f"the blend weights {' '.join(words[0::2])} sum to 0 (--data-path); "
+                         f"{fix}")
+    zero = next((p for w, p in zip(weights, prefixes) if w == 0), None)
+    if zero is not None:
+        raise ValueError(f"the blend weight of {zero} is 0 (--data-path); megatron-core blends "
+                         f"only positive weights: leave {zero} out, or give it a weight")
+    return prefixes, weights
 
 
 class DataCacheError(ValueError):
@@ -223,35 +262,114 @@ def build_datasets(config: DatasetsConfig, tokenizer: MegatronTokenizer,
     else:
         core_config = bert_dataset_config(config, tokenizer)
     cls = _dataset_class(config)
+    watch = None
     if not config.mock:
         prefixes = core_config.blend[0]
-        check_data(prefixes, tokenizer)
-        _check_cache_writable(config, prefixes)
-        _check_splits(cls, core_config)
+        _check_cache_writable(config, prefixes)  # before the scan records anything there
+        check_data(prefixes, tokenizer, functools.partial(cache_folder, config))
+        _check_splits(cls, core_config, config.sizes)
+        if config.model == "bert":
+            _check_bert_documents(core_config, config.sizes)
+        _rank0_verdict(lambda: refresh_caches(config, prefixes))
+        watch = FileWatch(dict.fromkeys(prefixes))  # what megatron-core is about to map
     with _process_group(), _cache_write_errors():
         train, valid, test = BlendedMegatronDatasetBuilder(
             cls, config.sizes, is_built_on_rank, core_config).build()
+    if watch is not None:  # a file cut short or rewritten under the run: one line
+        train, valid, test = (None if d is None else WatchedDataset(d, watch)
+                              for d in (train, valid, test))
     logger.info("built %s datasets: %s", cls.__name__,
                 ", ".join(f"{n}={len(d) if d is not None else None}"
                           for n, d in zip(("train", "valid", "test"), (train, valid, test))))
     return Datasets(train, valid, test)
 
 
-def check_data(prefixes: Sequence[str], tokenizer: MegatronTokenizer) -> None:
+def check_data(prefixes: Sequence[str], tokenizer: MegatronTokenizer,
+               cache_of: Optional[Callable[[str], str]] = None) -> None:
     """Every prefix's .idx/.bin agree and hold only ids of this tokenizer (data/integrity.py).
 
-    Runs on every rank (the checks are deterministic, so all ranks stop together instead of
-    some waiting at megatron-core's barrier), before megatron-core memory-maps anything.
+    Before megatron-core memory-maps anything. The files' structure is checked on every
+    rank (cheap, and a rank whose mount shows other files finds out); every token id on
+    rank 0 alone (the scan reads each .bin whole), whose verdict every rank raises alike,
+    so all stop together instead of some waiting at megatron-core's barrier. `cache_of`:
+    the cache folder of a prefix, whose record remembers a scan of the very same files
+    (a restart does not read the corpus again).
     """
-    for prefix in dict.fromkeys(prefixes):
-        check_indexed_dataset(prefix, tokenizer.vocab_size, type(tokenizer).__name__)
+    unique = list(dict.fromkeys(prefixes))
+    if not _is_rank0():
+        for prefix in unique:
+            check_structure(prefix)
+    _rank0_verdict(lambda: _scan(unique, tokenizer, cache_of))
+
+
+def _scan(prefixes: List[str], tokenizer: MegatronTokenizer,
+          cache_of: Optional[Callable[[str], str]]) -> None:
+    records: Dict[str, dict] = {}
+    for prefix in prefixes:
+        folder = cache_of(prefix) if cache_of else None
+        record = records.setdefault(folder, cache.read_record(folder)) if folder else {}
+        _, found = check_prefix(prefix, tokenizer.vocab_size, type(tokenizer).__name__,
+                                cache.remembered_scan(record, prefix))
+        if folder:
+            cache.remember_scan(record, prefix, *found)
+    for folder, record in records.items():
+        cache.write_record(folder, record)
+
+
+def _is_rank0() -> bool:
+    dist = torch.distributed
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _rank0_verdict(work: Callable[[], None]) -> None:
+    """`work` on rank 0 (the only rank without a process group); its user error (a
+    ValueError or OSError: one line) raised on every rank."""
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        work()
+        return
+    verdict: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            work()
+        except (ValueError, OSError) as err:
+            verdict = [(err, _one_line(err))]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        err, line = verdict[0]
+        raise err if dist.get_rank() == 0 else ValueError(line)
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename and err.strerror:
+        return f"{err.strerror} ({err.filename}); check the path and its permissions"
+    return str(err)
 
 
 def cache_folders(config: DatasetsConfig, prefixes: Sequence[str]) -> List[str]:
     """Where megatron-core writes its index caches: --data-cache-path, else PREFIX/cache."""
-    if config.data_cache_path:
-        return [config.data_cache_path]
-    return [os.path.join(prefix, "cache") for prefix in dict.fromkeys(prefixes)]
+    return list(dict.fromkeys(cache_folder(config, prefix) for prefix in prefixes))
+
+
+def cache_folder(config: DatasetsConfig, prefix: str) -> str:
+    """The cache folder of one prefix's indices."""
+    return config.data_cache_path or os.path.join(prefix, "cache")
+
+
+def refresh_caches(config: DatasetsConfig, prefixes: Sequence[str]) -> None:
+    """Rank 0, before megatron-core reads its cache: cached indices built from other
+    versions of the files, or cut short, are removed (megatron-core rebuilds them; cache.py)."""
+    by_folder: Dict[str, List[str]] = {}
+    for prefix in dict.fromkeys(prefixes):
+        by_folder.setdefault(cache_folder(config, prefix), []).append(prefix)
+    for folder, members in by_folder.items():
+        try:
+            cache.refresh(folder, members)
+        except OSError as err:
+            raise DataCacheError(
+                f"cannot replace the stale dataset index cache ({err.filename}: "
+                f"{err.strerror}); delete it, or give --data-cache-path DIR on a writable "
+                "disk") from err
 
 
 def _nearest_existing(path: str) -> str:
@@ -295,23 +413,74 @@ def _cache_write_errors() -> Iterator[None]:
             "give --data-cache-path DIR on a writable disk") from err
 
 
-def _check_splits(cls: type, core_config: GPTDatasetConfig) -> None:
+def _check_splits(cls: type, core_config: GPTDatasetConfig, sizes: Sequence) -> None:
     """Refuse a split that gets no documents of some dataset.
 
     megatron-core loops forever (GPT: ``_get_num_epochs`` never reaches the requested tokens)
     or fails obscurely (BERT) on an empty split; small corpora with "969,30,1" hit this.
     """
     prefixes, _ = core_config.blend
+    if core_config.split_matrix[0] is None and sizes[0]:
+        raise ValueError(f"--split {core_config.split} gives training no documents (its "
+                         "first weight, train's, is 0); give train a positive weight, "
+                         "e.g. 969,30,1")
     for prefix in prefixes:
         count = cls.numel_low_level_dataset(IndexedDataset(prefix))
-        for name, bookends in zip(("train", "valid", "test"), core_config.split_matrix):
-            if bookends is None:
-                continue
-            begin, end = (int(round(b * float(count))) for b in bookends)
+        for name, (begin, end) in split_ranges(core_config.split_matrix, count).items():
             if end <= begin:
+                other = "" if name == "train" else " or weight 0"
                 raise ValueError(
                     f"--split {core_config.split}: the {name} split of {prefix} gets no "
-                    f"documents (it has {count}); give {name} a larger weight or weight 0")
+                    f"documents (it has {count}); give {name} a larger weight{other}")
+
+
+# megatron-core's BERT sample index (helpers.cpp build_mapping) skips a document of two or
+# more sentences with one longer than this; it then loops over epochs for samples that
+# never come when no document of a split is usable
+LONG_SENTENCE_TOKENS = 512
+
+
+def _check_bert_documents(core_config: BERTMaskedWordPieceDatasetConfig,
+                          sizes: Sequence) -> None:
+    """Refuse a BERT split in which megatron-core can make no sample (it would hang):
+    with the sentence-order head a sample needs a document of two sentences, so data
+    preprocessed without --split-sentences (one sequence per document) has none."""
+    need = 2 if core_config.classification_head else 1
+    prefixes, _ = core_config.blend
+    for prefix in prefixes:
+        data = IndexedDataset(prefix)
+        starts = np.asarray(data.document_indices, dtype=np.int64)
+        sentences = np.diff(starts)
+        long_ = np.concatenate([[0], np.cumsum(np.asarray(data.sequence_lengths)
+                                               > LONG_SENTENCE_TOKENS)])
+        has_long = (long_[starts[1:]] - long_[starts[:-1]]) > 0
+        usable = (sentences >= need) & ~((sentences > 1) & has_long)
+        wanted = dict(zip(("train", "valid", "test"), sizes))
+        for name, (begin, end) in split_ranges(core_config.split_matrix,
+                                               len(sentences)).items():
+            if wanted[name] == 0 or end <= begin or usable[begin:end].any():
+                continue
+            raise ValueError(_no_bert_sample(prefix, name, core_config.split,
+                                             sentences[begin:end], need))
+
+
+def _no_bert_sample(prefix: str, split: str, flag: str, sentences: np.ndarray,
+                    need: int) -> str:
+    where = f"--data-path {prefix}, the {split} split of --split {flag}"
+    if need == 2 and (sentences <= 1).all():
+        return (f"every document of the {split} split is one sentence, and BERT's "
+                f"sentence-order head needs two ({where}); preprocess the data with "
+                "tools/preprocess_data.py --split-sentences, or pass --bert-no-binary-head")
+    return (f"every document of the {split} split that has {need} or more sentences has one "
+            f"longer than {LONG_SENTENCE_TOKENS} tokens, which megatron-core skips ({where}); "
+            "split the text into shorter sentences")
+
+
+def split_ranges(split_matrix: Sequence, count: int) -> Dict[str, Tuple[int, int]]:
+    """{split: [begin, end) of its documents} as megatron-core's builder cuts them."""
+    return {name: tuple(int(round(b * float(count))) for b in bookends)
+            for name, bookends in zip(("train", "valid", "test"), split_matrix)
+            if bookends is not None}
 
 
 # --------------------------------------------------------------------------- sample order
