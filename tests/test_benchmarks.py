@@ -260,7 +260,7 @@ def test_gpu_check_dry_run(tmp_path) -> None:
     for row in ("ours: pretrain_gpt.py (flush, default flags) | ok |",
                 "reference, eager | ok |", "reference, torch.compile (aot_eager) | ok |",
                 "anchor: gpu_anchor.py --variants sdpa | "
-                + ("ok |" if anchored else "not run |")):
+                + ("ok |" if anchored else "not run: no ")):
         assert f"| {row}" in text, row
     assert "- ours >= 0.9x the eager reference: " in text
     assert "| flush interleaved (2 chunks) | refused |" in text
