@@ -56,7 +56,8 @@ def delayed_oracle(argv: list[str], sizes: Optional[Callable[[int], int]] = None
 
 
 @pytest.mark.parametrize("nproc,flags", [
-    (2, ["--pipeline-model-parallel-size", "2"]),
+    # PP 2 alone: TP 2 x PP 2 and DP 2 x PP 2 prove it too
+    pytest.param(2, ["--pipeline-model-parallel-size", "2"], marks=pytest.mark.matrix),
     (4, ["--pipeline-model-parallel-size", "4"]),
     (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     (4, ["--pipeline-model-parallel-size", "2"]),  # DP = 2

@@ -110,20 +110,24 @@ def test_2bw_steps_as_without_it(tmp_path, flags) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", [pytest.param("torch", marks=pytest.mark.matrix), "torch_dist"])
-def test_checkpoint_reshards_to_another_dp_size_and_back(tmp_path, replicated, fmt) -> None:
+@pytest.mark.parametrize("fmt, sharded_first", [
+    ("torch_dist", True),
+    pytest.param("torch_dist", False, marks=pytest.mark.matrix),
+    pytest.param("torch", True, marks=pytest.mark.matrix),
+    pytest.param("torch", False, marks=pytest.mark.matrix),
+])
+def test_checkpoint_reshards_to_another_dp_size_and_back(tmp_path, replicated, fmt,
+                                                         sharded_first) -> None:
     """Saved sharded at DP = 2 (iteration 3), resumed not sharded at DP = 1 (PP = 2 on 2
-    processes); saved not sharded at DP = 2, resumed sharded at DP = 2: both continue the
-    uninterrupted run's losses."""
+    processes); or saved not sharded at DP = 2, resumed sharded at DP = 2: both continue
+    the uninterrupted run's losses."""
     first = ITERS + PP2 + ["--pipeline-schedule", "flush", "--ckpt-format", fmt]
-    launch("gpt", 4, first + SHARD + ["--save", str(tmp_path / "a"), "--exit-interval", "3"],
+    saved = str(tmp_path / "saved")
+    launch("gpt", 4, first + (SHARD if sharded_first else []) + ["--save", saved,
+                                                                 "--exit-interval", "3"],
            str(tmp_path / "a.jsonl"))
-    resumed = launch("gpt", 2, first + ["--load", str(tmp_path / "a")],
+    resumed = launch("gpt", 2 if sharded_first else 4,
+                     first + ([] if sharded_first else SHARD) + ["--load", saved],
                      str(tmp_path / "b.jsonl"))
     assert [r["iteration"] for r in resumed] == [4, 5]
-    assert max_rel(losses(resumed), losses(replicated)[3:]) < 1e-5
-    launch("gpt", 4, first + ["--save", str(tmp_path / "c"), "--exit-interval", "3"],
-           str(tmp_path / "c.jsonl"))
-    resumed = launch("gpt", 4, first + SHARD + ["--load", str(tmp_path / "c")],
-                     str(tmp_path / "d.jsonl"))
     assert max_rel(losses(resumed), losses(replicated)[3:]) < 1e-5
