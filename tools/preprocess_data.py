@@ -7,12 +7,16 @@
 writes data/owt_text_document.bin/.idx (``--data-path data/owt_text_document``). Exit status 1
 with a one-line message on stderr for bad flags, a missing/empty input, a vocabulary too large
 for the output dtype, or a malformed line (which includes a token id outside the tokenizer's
-vocabulary or the output dtype: ``FILE:LINE: malformed line, key 'text': token id ...``).
+vocabulary or the output dtype: ``FILE:LINE: malformed line, key 'text': token id ...``), and
+for output that cannot be written (a read-only or full filesystem): nothing is left behind,
+and an earlier output at the prefix stays as it was.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -82,12 +86,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (PreprocessError, TokenizerError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:
+        if err.filename and os.path.abspath(err.filename) == os.path.abspath(args.input):
+            print(f"error: {err.strerror} ({err.filename}) (--input)", file=sys.stderr)
+        else:
+            print(f"error: {output_error(err, args.output_prefix)}", file=sys.stderr)
+        return 1
     for key, prefix in result.prefixes.items():
         print(f"{key}: {prefix}.bin/.idx  {result.documents} documents, "
               f"{result.tokens[key]} tokens, {result.sequences[key]} sequences")
     if result.bad_lines:
         print(f"skipped {len(result.bad_lines)} malformed lines", file=sys.stderr)
     return 0
+
+
+def output_error(err: OSError, prefix: str) -> str:
+    """One line for output that cannot be written: what, which file, what would work."""
+    path = (err.filename or prefix).removesuffix(".tmp")  # the file it was writing
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        what, fix = "the disk is full", "free space or choose another --output-prefix"
+    elif err.errno == errno.EFBIG:
+        what, fix = ("the file size limit (ulimit -f) is reached",
+                     "raise the limit or choose another --output-prefix")
+    else:
+        what, fix = err.strerror or str(err), "choose a writable --output-prefix"
+    return (f"cannot write the output: {what} ({path}) (--output-prefix); {fix} (nothing "
+            "was written; an earlier output at this prefix is unchanged)")
 
 
 if __name__ == "__main__":
