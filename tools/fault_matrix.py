@@ -1402,6 +1402,31 @@ def _both(*checks: Callable[[Ctx, Run], str]) -> Callable[[Ctx, Run], str]:
     return check
 
 
+def _sigterm_during_startup(ctx: Ctx) -> Run:
+    """--exit-signal-handler, started as the Slurm scripts start it (SIGTERM ignored until
+    the handler is in); SIGTERM once the flags are checked, before the first iteration."""
+    ctx.ckpt = os.path.join(ctx.work, "ckpt")
+
+    def ignore_term() -> None:
+        _as_from_a_terminal()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log = open(os.path.join(ctx.work, "proc.log"), "w+")
+    proc = subprocess.Popen([PY, GPT, *TINY, *LONG, "--exit-signal-handler", "--save",
+                             ctx.ckpt, "--metrics-file", "m.jsonl"], cwd=ctx.work, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env=_clean_env(), preexec_fn=ignore_term)
+    _reap_later(ctx, [proc.pid])
+    start = time.monotonic()
+    while proc.poll() is None and time.monotonic() - start < 120:
+        if "kernels:" in _read(ctx.work):  # logged after the flags' checks, before training
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.01)
+    r = _finish(proc, start, 60)
+    r.out = _read(ctx.work)
+    return r
+
+
 def class15() -> list:
     dist = [*TINY, *LONG, "--ckpt-format", "torch_dist", "--save-interval", "1"]
     return [
@@ -1426,6 +1451,9 @@ def class15() -> list:
         Probe("Ctrl-C twice during a torch_dist save: stops at once, no traceback", 15,
               "fault", _group_signal([signal.SIGINT, signal.SIGINT], "save", dist),
               "stopped:", check=_stop_lines("SIGINT")),
+        Probe("SIGTERM during start-up with --exit-signal-handler (Slurm scripts' launch) is "
+              "not lost", 15, "ok", _sigterm_during_startup, "after receiving SIGTERM",
+              check=_stopped_and_saved),
     ]
 
 

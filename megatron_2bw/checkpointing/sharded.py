@@ -165,8 +165,8 @@ def save_sharded(path: str, iteration: int, executor, updater, args: argparse.Na
     try:
         with cpu_dist_checkpointing(), _writer_logs_quiet():
             dist_checkpointing.save(state, path)
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any failure to write
-        raise writer_error(path, err) from err  # one line, agreed by every rank
+    except (OSError, CheckpointException) as err:  # a rank's writes failed (its own or
+        raise writer_error(path, err) from err       # a peer's): one line, agreed
 
 
 # megatron-core logs each writer process's failure as an error of its own; the failed

@@ -156,8 +156,9 @@ def _relay(store, peer: dict, from_thread: bool = False) -> int:
         line = (f"stopped: rank {peer['rank']} got {peer['signal']}, so rank {PROGRESS.rank} "
                 f"stops too; {checkpoint_note()}")
     else:
+        stuck = _main_thread_at() if from_thread else ""
         line = (f"error: rank {PROGRESS.rank} leaves too: rank {peer['rank']} ended the job: "
-                f"{peer['line'].removeprefix('error: ')}{_main_thread_at()}")
+                f"{peer['line'].removeprefix('error: ')}{stuck}")
     return _finish(store, line, int(peer["status"]), from_thread)
 
 

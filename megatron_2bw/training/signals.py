@@ -161,15 +161,17 @@ class HandStop:
         self._saving = 0
 
     def install(self, graceful_sigterm: bool) -> None:
-        """From the main thread; again after the flags are known (graceful_sigterm)."""
+        """From the main thread; again after the flags are known (graceful_sigterm). With
+        --exit-signal-handler SIGTERM is noted from here even where it was ignored: the
+        Slurm scripts ignore it until the handler is in (docs/launch.md), and it is in."""
         for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
             current = signal.getsignal(sig)
-            if current == signal.SIG_IGN or (current not in (signal.SIG_DFL,
-                                                             signal.default_int_handler)
-                                             and not self._ours(current)):
+            graceful = graceful_sigterm and sig == signal.SIGTERM
+            if (current == signal.SIG_IGN and not graceful) or (
+                    current not in (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler)
+                    and not self._ours(current)):
                 continue  # ignored on purpose, or a handler of the program embedding us
             self._previous.setdefault(sig, current)
-            graceful = graceful_sigterm and sig == signal.SIGTERM
             signal.signal(sig, self._note_sigterm if graceful else self._on_signal)
 
     def uninstall(self) -> None:
