@@ -1427,6 +1427,27 @@ def _sigterm_during_startup(ctx: Ctx) -> Run:
     return r
 
 
+def _prep_interrupted(ctx: Ctx) -> Run:
+    """tools/preprocess_data.py --workers 2 (a pool in the terminal's process group), Ctrl-C
+    once it has written some documents."""
+    src = os.path.join(ctx.work, "in.jsonl")
+    _prep_input(src, 20000)
+    ctx.notes["fs"] = out = os.path.join(ctx.work, "out")
+    os.makedirs(out)
+    proc = _session([*_prep_argv(src, os.path.join(out, "x")), "--workers", "2",
+                     "--log-interval", "500"], ctx.work, {"PYTHONPATH": ROOT})
+    _reap_later(ctx, [proc.pid])
+    start = time.monotonic()
+    while proc.poll() is None and time.monotonic() - start < 120:
+        if "processed 500 documents" in _read(ctx.work):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+        time.sleep(0.02)
+    r = _finish(proc, start, 60)
+    r.out = _read(ctx.work)
+    return r
+
+
 def class15() -> list:
     dist = [*TINY, *LONG, "--ckpt-format", "torch_dist", "--save-interval", "1"]
     return [
@@ -1451,6 +1472,10 @@ def class15() -> list:
         Probe("Ctrl-C twice during a torch_dist save: stops at once, no traceback", 15,
               "fault", _group_signal([signal.SIGINT, signal.SIGINT], "save", dist),
               "stopped:", check=_stop_lines("SIGINT")),
+        Probe("Ctrl-C to tools/preprocess_data.py --workers 2: one line, nothing left", 15,
+              "fault", _prep_interrupted, "stopped:",
+              check=_both(_stop_lines("SIGINT", checkpoint=False), _exit_status(130),
+                          _left_as_before)),
         Probe("SIGTERM during start-up with --exit-signal-handler (Slurm scripts' launch) is "
               "not lost", 15, "ok", _sigterm_during_startup, "after receiving SIGTERM",
               check=_stopped_and_saved),
@@ -1835,6 +1860,10 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     tmp = tempfile.mkdtemp(prefix="fault-matrix-")
     shared = Shared(os.path.join(tmp, "shared"))
+
+    def interrupted(signum: int, frame) -> None:
+        raise KeyboardInterrupt  # the probe's cleanups (unmount, kill) and rmtree still run
+    signal.signal(signal.SIGTERM, interrupted)
     rows, start = [], time.monotonic()
     try:
         for i, p in enumerate(probes, 1):

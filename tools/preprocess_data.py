@@ -17,6 +17,7 @@ import argparse
 import errno
 import logging
 import os
+import signal
 import sys
 from typing import List, Optional
 
@@ -75,10 +76,25 @@ def to_config(args: argparse.Namespace) -> PreprocessConfig:
         log_interval=args.log_interval, on_error=args.on_error)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so that the partial output is removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _stop)
     try:
         config = to_config(args)
         check_input(config.input)  # before megatron-core is imported: fast, clear failure
@@ -86,6 +102,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (PreprocessError, TokenizerError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP (Stopped)
+        signum = getattr(err, "signum", signal.SIGINT)
+        name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"stopped: {name} while preprocessing {args.input}; nothing was written (the "
+              "partial output is removed; an earlier output at --output-prefix is unchanged)",
+              file=sys.stderr)
+        return 128 + signum
     except OSError as err:
         if err.filename and os.path.abspath(err.filename) == os.path.abspath(args.input):
             print(f"error: {err.strerror} ({err.filename}) (--input)", file=sys.stderr)

@@ -23,6 +23,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -220,7 +221,10 @@ _WORKER: Optional[_Encoder] = None
 
 
 def _init_worker(config: PreprocessConfig) -> None:
+    """A pool worker: Ctrl-C, which the terminal sends to every process of the job, is its
+    parent's to act on (the parent ends the pool); each worker would print a traceback."""
     global _WORKER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER = _Encoder(config)
 
 
