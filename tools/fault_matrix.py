@@ -1347,8 +1347,8 @@ def _torchrun_signal(sig: int, extra: list = ()) -> Callable[[Ctx], Run]:
     return act
 
 
-def _group_signal(sigs: list, when: str = "rows", flags: Optional[list] = None
-                  ) -> Callable[[Ctx], Run]:
+def _group_signal(sigs: list, when: str = "rows", flags: Optional[list] = None,
+                  gap: float = 0.3) -> Callable[[Ctx], Run]:
     """One process in a session of its own; `sigs` to its process group (a terminal's
     Ctrl-C reaches every process of the foreground group) after 3 iterations, or
     (when="save") while a torch_dist save has its writer processes out."""
@@ -1365,7 +1365,7 @@ def _group_signal(sigs: list, when: str = "rows", flags: Optional[list] = None
                 _first_children(proc.pid)
             for sig in sigs:
                 os.killpg(proc.pid, sig)
-                time.sleep(0.3)
+                time.sleep(gap)
         r = _finish(proc, start, 60)
         r.out = _read(ctx.work)
         return r
@@ -1462,7 +1462,7 @@ def class15() -> list:
               check=_both(_stop_lines("SIGINT"), _exit_status(130))),
         Probe("Ctrl-C during a torch_dist save (the rank and its writers)", 15, "fault",
               _group_signal([signal.SIGINT], "save", dist), "stopped:",
-              check=_stop_lines("SIGINT")),
+              check=_both(_stop_lines("SIGINT"), _exit_status(130))),
         Probe("SIGTERM to one rank by hand: every rank says which and why", 15, "fault",
               _one_rank_signal(signal.SIGTERM), "stopped:",
               check=_stop_lines("SIGTERM", 2), slow=True),
@@ -1470,8 +1470,8 @@ def class15() -> list:
               _group_signal([signal.SIGHUP]), "stopped:",
               check=_both(_stop_lines("SIGHUP"), _exit_status(129))),
         Probe("Ctrl-C twice during a torch_dist save: stops at once, no traceback", 15,
-              "fault", _group_signal([signal.SIGINT, signal.SIGINT], "save", dist),
-              "stopped:", check=_stop_lines("SIGINT")),
+              "fault", _group_signal([signal.SIGINT, signal.SIGINT], "save", dist, 0.02),
+              "stopped:", check=_both(_stop_lines("SIGINT"), _exit_status(130))),
         Probe("Ctrl-C to tools/preprocess_data.py --workers 2: one line, nothing left", 15,
               "fault", _prep_interrupted, "stopped:",
               check=_both(_stop_lines("SIGINT", checkpoint=False), _exit_status(130),

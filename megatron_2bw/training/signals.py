@@ -175,14 +175,18 @@ class HandStop:
             signal.signal(sig, self._note_sigterm if graceful else self._on_signal)
 
     def uninstall(self) -> None:
-        """The run is over: a program's own handlers (and Python's Ctrl-C) come back; where
-        the default action was, the signal is ignored until the process exits (a late
+        """The run is over: a program's own handlers (and Python's Ctrl-C) come back, unless
+        a stop signal ended the run (its process is leaving: a second Ctrl-C during the
+        interpreter's exit would end it by SIGINT); where the default action was, the
+        signal is ignored until the process exits (a late
         SIGTERM, which SLURM sends node by node, must not fail a rank that finished; not a
         Python handler either: the interpreter resets those to the default on its way out)."""
         self.quiet = True
+        stopping = self.received is not None  # the process ends: a second Ctrl-C is ignored
         for sig, previous in self._previous.items():
             if self._ours(signal.getsignal(sig)):
-                signal.signal(sig, previous if callable(previous) else signal.SIG_IGN)
+                keep = callable(previous) and not stopping
+                signal.signal(sig, previous if keep else signal.SIG_IGN)
         self._previous.clear()
 
     def _ours(self, handler) -> bool:
