@@ -150,8 +150,15 @@ def test_a_stop_signal_waits_for_a_save_and_a_second_one_does_not() -> None:
         assert stop.early_sigterm == signal.SIGTERM
         stop.quiet = True
         os.kill(os.getpid(), signal.SIGINT)  # leaving: noted, never raised
+        stopped = dict(stop._previous)
+        stop.uninstall()  # a run a signal stopped: its process is leaving
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        stop._previous.update(stopped)
+        for sig in signals:
+            signal.signal(sig, stop._on_signal)
+        stop.reset()
     finally:
-        stop.uninstall()
+        stop.uninstall()  # a run that finished
         after = {sig: signal.getsignal(sig) for sig in signals}
         for sig, handler in before.items():
             signal.signal(sig, handler)
