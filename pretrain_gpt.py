@@ -9,7 +9,11 @@ import warnings
 # megatron-core announces its fallbacks when apex / Transformer Engine are absent (expected here)
 warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
 
-from megatron_2bw.training.entry import main
+try:
+    from megatron_2bw.training.entry import main
+except KeyboardInterrupt:  # Ctrl-C while torch is imported: before any handler is up
+    print("stopped: SIGINT (Ctrl-C) during start-up; nothing was trained", file=sys.stderr)
+    sys.exit(130)
 
 if __name__ == "__main__":
     sys.exit(main("gpt"))

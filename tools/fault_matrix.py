@@ -9,7 +9,14 @@ Classes: 1 resume semantics, 2 checkpoints, 3 late failures / output paths, 4 gr
 10 a run that stopped learning (NaN, skipped iterations; issue 31), 11 a checkpoint that
 does not fit the model (shapes, vocabulary; a note for another seed or data flag), 12 data
 the tokenizer cannot have produced, or that changes under a run, 13 data set
-specifications (blend weights, splits, BERT sentences, stale index caches).
+specifications (blend weights, splits, BERT sentences, stale index caches), 14 output that
+cannot be written, 15 stopping a job by hand, 16 no rank outlives its job (issue 31, items
+5-7).
+
+Classes 14-16 fill filesystems with a small tmpfs mounted in the probe's directory where this
+process may mount one (root), else with a file size limit (RLIMIT_FSIZE, EFBIG) or /proc for
+a read-only place; they start torchrun itself where the launcher is the point (Ctrl-C,
+SIGTERM and SIGKILL to it), with each worker's output in its own file (--redirects 3).
 
 A probe expects one of
 - "error": a clean refusal: the expected exit status (2 for the trainer, 1 for preprocessing,
@@ -55,7 +62,9 @@ CLASSES = {1: "resume semantics", 2: "checkpoints", 3: "late failures / output p
            4: "graceful stop", 5: "hangs", 6: "tracebacks for user errors", 7: "bad data",
            8: "launcher misdetection", 9: "the bugs", 10: "a run that stopped learning",
            11: "a checkpoint that does not fit", 12: "data the tokenizer cannot have made",
-           13: "data set specifications"}
+           13: "data set specifications",
+           14: "output that cannot be written", 15: "stopping a job by hand",
+           16: "no rank outlives its job"}
 TB = "Traceback (most recent call last)"
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -102,6 +111,7 @@ class Run:
     out: str               # all processes' stdout+stderr
     seconds: float
     timed_out: bool = False
+    parts: list = field(default_factory=list)  # each worker's own output, where kept apart
 
 
 def run1(argv: list, work: str, timeout: float = 90, env: Optional[dict] = None,
@@ -338,6 +348,8 @@ class Ctx:
     shared: Shared
     ckpt: Optional[str] = None    # the checkpoint dir whose soundness is "data intact"
     before: set = field(default_factory=set)
+    cleanups: list = field(default_factory=list)  # run after judging (unmount, kill)
+    notes: dict = field(default_factory=dict)     # what the act saw, for the check
 
 
 @dataclass
@@ -1224,9 +1236,706 @@ def class13() -> list:
     ]
 
 
+# ------------------------------------------- 14-16: outputs, stopping by hand, orphans
+
+_MOUNT: dict = {}
+
+
+def can_mount() -> bool:
+    """Whether this process may mount a tmpfs (root, or CAP_SYS_ADMIN): tried once."""
+    if "ok" not in _MOUNT:
+        path = tempfile.mkdtemp(prefix="fm-mount-")
+        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", path],
+                            capture_output=True).returncode == 0
+        if ok:
+            subprocess.run(["umount", path], capture_output=True)
+        os.rmdir(path)
+        _MOUNT["ok"] = ok
+    return _MOUNT["ok"]
+
+
+def small_fs(ctx: Ctx, kib: int, read_only: bool = False) -> Optional[str]:
+    """A tmpfs of `kib` KiB at <work>/fs (unmounted after the probe), or None where no
+    mount is allowed (the probe then uses a file size limit or /proc)."""
+    if not can_mount():
+        return None
+    path = os.path.join(ctx.work, "fs")
+    os.makedirs(path, exist_ok=True)
+    opts = f"size={kib}k" + (",ro" if read_only else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", path], check=True,
+                   capture_output=True)
+    ctx.cleanups.append(lambda: subprocess.run(["umount", "-l", path], capture_output=True))
+    return path
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (a zombie has ended: it only waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def children(pid: int) -> list:
+    """The child processes of `pid`, from every one of its threads."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _first_children(pid: int, limit: float = 30) -> list:
+    """The first processes `pid`'s main thread forks, as soon as they are there."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                found = [int(c) for c in f.read().split()]
+        except OSError:
+            return []
+        if found:
+            return found
+        time.sleep(0.002)
+    return []
+
+
+def _reap_later(ctx: Ctx, pids: list) -> None:
+    """SIGKILL whatever of `pids` is left after the probe (the row says it was)."""
+    def undo() -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    ctx.cleanups.append(undo)
+
+
+class Launched:
+    """torchrun itself, in a session of its own (where a terminal's Ctrl-C or a job's
+    SIGTERM reaches it: torchrun starts each worker in a session of its own), every
+    worker's output in its own file (--redirects 3 --log-dir). The judged output is the
+    workers'; torchrun's own (it prints a traceback for the signal that stops it) is kept
+    in ctx.notes["launcher"]."""
+
+    def __init__(self, ctx: Ctx, flags: list, nproc: int = 2, env: Optional[dict] = None):
+        self.ctx, self.logdir = ctx, os.path.join(ctx.work, "tr-logs")
+        self.log = open(os.path.join(ctx.work, "launcher.log"), "w+")
+        cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), "--redirects", "3", "--log-dir",
+               self.logdir, GPT, *flags]
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=ctx.work, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=_clean_env(**(env or {})),
+                                     preexec_fn=_as_from_a_terminal)
+        self.pids: list = []
+        _reap_later(ctx, [self.proc.pid])
+
+    def workers(self, count: int, limit: float = 120) -> list:
+        deadline = time.monotonic() + limit
+        while len(self.pids) < count and time.monotonic() < deadline:
+            self.pids = children(self.proc.pid)
+            time.sleep(0.05)
+        _reap_later(self.ctx, self.pids)
+        return self.pids
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None or any(_alive(p) for p in self.pids)
+
+    def wait(self, timeout: float) -> Run:
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        timed_out = self.alive()
+        for pid in [p for p in self.pids if _alive(p)] + (
+                [self.proc.pid] if self.proc.poll() is None else []):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        code = self.proc.wait()
+        self.log.seek(0)
+        self.ctx.notes["launcher"] = self.log.read()
+        self.log.close()
+        parts = []
+        for rank in range(len(self.pids)):
+            text = ""
+            for root, _, names in sorted(os.walk(self.logdir)):
+                if os.path.basename(root) == str(rank):
+                    for name in sorted(names):
+                        with open(os.path.join(root, name), errors="replace") as f:
+                            text += f.read()
+            parts.append(text)
+        return Run([code], "".join(parts), time.monotonic() - self.start, timed_out, parts)
+
+
+def _as_from_a_terminal() -> None:
+    """The stop signals at their default actions, as for a job a terminal starts (a
+    background shell's children inherit SIGINT ignored, and so would never see Ctrl-C)."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _session(argv: list, work: str, env: Optional[dict] = None) -> subprocess.Popen:
+    """One process in a session of its own (so a signal to its group reaches it and the
+    processes it forks, as a terminal's Ctrl-C or torchrun's stop does)."""
+    log = open(os.path.join(work, "proc.log"), "w+")
+    return subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=_clean_env(**(env or {})),
+                            preexec_fn=_as_from_a_terminal)
+
+
+def _finish(proc: subprocess.Popen, start: float, timeout: float) -> Run:
+    """Wait for a `_session` process; its whole group is SIGKILLed at the timeout."""
+    try:
+        code, timed_out = proc.wait(timeout), False
+    except subprocess.TimeoutExpired:
+        code, timed_out = None, True
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return Run([code], "", time.monotonic() - start, timed_out)
+
+
+def _read(work: str, name: str = "proc.log") -> str:
+    with open(os.path.join(work, name), errors="replace") as f:
+        return f.read()
+
+
+# ---- 14: output that cannot be written
+
+def _prep_input(path: str, docs: int, seed: int = 5) -> None:
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(docs):
+            f.write(json.dumps({"text": " ".join(str(rng.randrange(VOCAB))
+                                                 for _ in range(200))}) + "\n")
+
+
+def _prep_argv(src: str, prefix: str) -> list:
+    return [PY, PREP, "--input", src, "--output-prefix", prefix, "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", str(VOCAB)]
+
+
+def _prep_onto(kib: int, read_only: bool = False, earlier: bool = False
+               ) -> Callable[[Ctx], Run]:
+    """Preprocess ~1.2 MB of tokens onto a small (or read-only) filesystem; `earlier`: a
+    smaller earlier output at the same prefix first (it must stay as it was)."""
+    def act(ctx: Ctx) -> Run:
+        src = os.path.join(ctx.work, "in.jsonl")
+        _prep_input(src, 3000)
+        fs = small_fs(ctx, kib, read_only and not earlier)
+        preexec = None
+        if fs is None and read_only:  # no mount allowed: /proc takes no new files
+            fs = "/proc/fm_out"
+        elif fs is None:  # no mount allowed: a file size limit (EFBIG)
+            fs, preexec = os.path.join(ctx.work, "fs"), _fsize_limit(kib * 1024)
+            os.makedirs(fs, exist_ok=True)
+        prefix = os.path.join(fs, "out")
+        env = _clean_env(PYTHONPATH=ROOT)
+        if earlier:
+            small = os.path.join(ctx.work, "small.jsonl")
+            _prep_input(small, 20, seed=6)
+            first = run1(_prep_argv(small, prefix), ctx.work, env=env)
+            if first.codes != [0]:
+                return first
+            ctx.notes["earlier"] = {n: _digest(os.path.join(fs, n)) for n in os.listdir(fs)}
+        ctx.notes["fs"] = fs
+        return run1(_prep_argv(src, prefix), ctx.work, env=env, preexec=preexec)
+    return act
+
+
+def _digest(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _left_as_before(ctx: Ctx, r: Run) -> str:
+    """The output folder holds what it held before the failed run (nothing, or the earlier
+    output byte for byte): no partial output."""
+    fs = ctx.notes.get("fs", "")
+    if not os.path.isdir(fs):
+        return ""
+    now = {n: _digest(os.path.join(fs, n)) for n in os.listdir(fs)
+           if os.path.isfile(os.path.join(fs, n))}
+    before = ctx.notes.get("earlier", {})
+    return "" if now == before else f"left {sorted(now)} (before: {sorted(before)})"
+
+
+def _save_onto_full(fmt: str, nproc: int = 1, kib: int = 1500) -> Callable[[Ctx], Run]:
+    """Train with --save every iteration onto a filesystem with room for one checkpoint
+    (about 1 MB): the second save fails."""
+    def act(ctx: Ctx) -> Run:
+        fs = small_fs(ctx, kib)
+        preexec = None
+        if fs is None:
+            fs, preexec = os.path.join(ctx.work, "fs"), _fsize_limit(400_000)
+            os.makedirs(fs)
+        ctx.ckpt = os.path.join(fs, "ckpt")
+        flags = [*TINY, *(PP2 if nproc == 2 else []), "--ckpt-format", fmt, "--train-iters",
+                 "6", "--save", ctx.ckpt, "--save-interval", "1"]
+        if nproc == 1:
+            return gpt1(flags, ctx.work, preexec=preexec)
+        return Ranks([PY, GPT, *flags], nproc, ctx.work).wait(120)
+    return act
+
+
+def _saved_until_full(ctx: Ctx, r: Run) -> str:
+    """The tracker names a sound checkpoint and no iteration directory without a manifest
+    is left (the failed save's partial output is removed)."""
+    from megatron_2bw.checkpointing import files as cf
+
+    tracked = cf.read_tracker(ctx.ckpt)
+    if can_mount() and (tracked is None or tracked not in sound_iterations(ctx.ckpt)):
+        return f"tracker {tracked}, sound {sorted(sound_iterations(ctx.ckpt))}"
+    partial = [i for i in cf.list_iterations(ctx.ckpt) if cf.read_manifest(ctx.ckpt, i) is None]
+    return f"partial iterations left: {partial}" if partial else ""
+
+
+def _log_onto_full(flag: str, kib: int = 100) -> Callable[[Ctx], Run]:
+    def act(ctx: Ctx) -> Run:
+        fs = small_fs(ctx, kib)
+        preexec = None
+        if fs is None:
+            fs, preexec = os.path.join(ctx.work, "fs"), _fsize_limit(kib * 1024)
+            os.makedirs(fs)
+        target = os.path.join(fs, "m.jsonl" if flag == "--metrics-file" else "tb")
+        return gpt1([*TINY, "--train-iters", "100000", flag, target], ctx.work,
+                    preexec=preexec, timeout=180)
+    return act
+
+
+def _export_onto_full(ctx: Ctx) -> Run:
+    src = ctx.shared.ckpt()
+    fs = small_fs(ctx, 100)
+    preexec = None
+    if fs is None:
+        fs, preexec = os.path.join(ctx.work, "fs"), _fsize_limit(100 * 1024)
+        os.makedirs(fs)
+    ctx.notes["fs"] = os.path.join(fs, "hf")
+    return run1([PY, os.path.join(ROOT, "tools", "checkpoint", "export_hf.py"), "--load",
+                 os.path.join(src, "ckpt"), "--output", ctx.notes["fs"]], ctx.work,
+                preexec=preexec, timeout=180)
+
+
+def class14() -> list:
+    return [
+        Probe("preprocess: --output-prefix on a read-only filesystem", 14, "error",
+              _prep_onto(256, read_only=True), "--output-prefix", code=1,
+              check=_left_as_before),
+        Probe("preprocess: the filesystem fills up, no partial output left", 14, "error",
+              _prep_onto(200), "--output-prefix", code=1, check=_left_as_before),
+        Probe("preprocess: the filesystem fills up, an earlier output stays as it was", 14,
+              "error", _prep_onto(200, earlier=True), "--output-prefix", code=1,
+              check=_left_as_before),
+        Probe("torch_dist save onto a full filesystem", 14, "error",
+              _save_onto_full("torch_dist"), "cannot save the checkpoint",
+              check=_saved_until_full),
+        Probe("torch_dist save onto a full filesystem, PP2: one line for the job", 14,
+              "error", _save_onto_full("torch_dist", 2), "cannot save the checkpoint",
+              check=_one_line_each(_saved_until_full), slow=True),
+        Probe("torch save onto a full filesystem leaves no partial iteration", 14, "error",
+              _save_onto_full("torch"), "cannot save the checkpoint",
+              check=_saved_until_full),
+        Probe("--metrics-file fills its filesystem mid-run", 14, "error",
+              _log_onto_full("--metrics-file"), "(--metrics-file)"),
+        Probe("--tensorboard-dir fills its filesystem mid-run", 14, "error",
+              _log_onto_full("--tensorboard-dir"), "(--tensorboard-dir)"),
+        Probe("Hugging Face export onto a full filesystem", 14, "error", _export_onto_full,
+              "(--output)", check=_left_as_before),
+    ]
+
+
+# ---- 15: stopping a job by hand
+
+LONG = ["--train-iters", "2000", "--save-interval", "2"]
+
+
+def _stop_lines(sig: str, ranks: int = 1, checkpoint: bool = True
+                ) -> Callable[[Ctx, Run], str]:
+    """Each rank's output ends its run with exactly one `stopped:` line that names `sig`
+    (and, with --save, the checkpoint to resume from); no traceback; the checkpoint sound."""
+    def check(ctx: Ctx, r: Run) -> str:
+        outs = r.parts or [r.out]
+        if len(outs) != ranks:
+            return f"{len(outs)} outputs for {ranks} ranks"
+        for rank, out in enumerate(outs):
+            if TB in out:
+                return f"rank {rank}: a traceback"
+            lines = [ln for ln in out.splitlines() if ln.startswith("stopped:")]
+            if len(lines) != 1 or sig not in lines[0]:
+                return f"rank {rank}: stop lines {lines[:3]}"
+            if checkpoint and "--load" not in lines[0]:
+                return f"rank {rank}: the line does not say how to resume: {lines[0]}"
+        if checkpoint and ctx.ckpt and not sound_iterations(ctx.ckpt):
+            return "no sound checkpoint"
+        return ""
+    return check
+
+
+def _torchrun_signal(sig: int, extra: list = ()) -> Callable[[Ctx], Run]:
+    """torchrun, 2 ranks PP2; after 3 iterations `sig` to the launcher."""
+    def act(ctx: Ctx) -> Run:
+        ctx.ckpt = os.path.join(ctx.work, "ckpt")
+        job = Launched(ctx, [*TINY, *PP2, *LONG, "--save", ctx.ckpt, "--metrics-file",
+                             "m.jsonl", *extra], 2, {TIMEOUT_ENV: "10"})
+        job.workers(2)
+        if wait_rows(os.path.join(ctx.work, "m.jsonl"), 3, job.alive):
+            job.proc.send_signal(sig)
+        return job.wait(90)
+    return act
+
+
+def _group_signal(sigs: list, when: str = "rows", flags: Optional[list] = None,
+                  gap: float = 0.3) -> Callable[[Ctx], Run]:
+    """One process in a session of its own; `sigs` to its process group (a terminal's
+    Ctrl-C reaches every process of the foreground group) after 3 iterations, or
+    (when="save") while a torch_dist save has its writer processes out."""
+    def act(ctx: Ctx) -> Run:
+        ctx.ckpt = os.path.join(ctx.work, "ckpt")
+        base = flags or [*TINY, *LONG]
+        proc = _session([PY, GPT, *base, "--save", ctx.ckpt, "--metrics-file", "m.jsonl"],
+                        ctx.work)
+        _reap_later(ctx, [proc.pid])
+        start = time.monotonic()
+        alive = lambda: proc.poll() is None  # noqa: E731
+        if wait_rows(os.path.join(ctx.work, "m.jsonl"), 3, alive):
+            if when == "save":
+                _first_children(proc.pid)
+            for sig in sigs:
+                os.killpg(proc.pid, sig)
+                time.sleep(gap)
+        r = _finish(proc, start, 60)
+        r.out = _read(ctx.work)
+        return r
+    return act
+
+
+def _one_rank_signal(sig: int) -> Callable[[Ctx], Run]:
+    """2 ranks PP2 started directly; `sig` to rank 1 alone (a user's `kill PID`)."""
+    def act(ctx: Ctx) -> Run:
+        ctx.ckpt = os.path.join(ctx.work, "ckpt")
+        ranks = Ranks([PY, GPT, *TINY, *PP2, *LONG, "--save", ctx.ckpt, "--metrics-file",
+                       "m.jsonl"], 2, ctx.work, {TIMEOUT_ENV: "10"})
+        if wait_rows(os.path.join(ctx.work, "m.jsonl"), 3, ranks.alive):
+            ranks.procs[1].send_signal(sig)
+        r = ranks.wait(60)
+        r.parts = [p for p in _rank_logs(ctx.work, 2)]
+        return r
+    return act
+
+
+def _rank_logs(work: str, n: int) -> list:
+    return [_read(work, f"rank{r}.log") for r in range(n)]
+
+
+def _exit_status(code: int) -> Callable[[Ctx, Run], str]:
+    def check(ctx: Ctx, r: Run) -> str:
+        return "" if r.codes == [code] else f"exit {r.codes}, expected {code}"
+    return check
+
+
+def _both(*checks: Callable[[Ctx, Run], str]) -> Callable[[Ctx, Run], str]:
+    def check(ctx: Ctx, r: Run) -> str:
+        return next((why for why in (c(ctx, r) for c in checks) if why), "")
+    return check
+
+
+def _sigterm_during_startup(ctx: Ctx) -> Run:
+    """--exit-signal-handler, started as the Slurm scripts start it (SIGTERM ignored until
+    the handler is in); SIGTERM once the flags are checked, before the first iteration."""
+    ctx.ckpt = os.path.join(ctx.work, "ckpt")
+
+    def ignore_term() -> None:
+        _as_from_a_terminal()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log = open(os.path.join(ctx.work, "proc.log"), "w+")
+    proc = subprocess.Popen([PY, GPT, *TINY, *LONG, "--exit-signal-handler", "--save",
+                             ctx.ckpt, "--metrics-file", "m.jsonl"], cwd=ctx.work, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env=_clean_env(), preexec_fn=ignore_term)
+    _reap_later(ctx, [proc.pid])
+    start = time.monotonic()
+    while proc.poll() is None and time.monotonic() - start < 120:
+        if "kernels:" in _read(ctx.work):  # logged after the flags' checks, before training
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.01)
+    r = _finish(proc, start, 60)
+    r.out = _read(ctx.work)
+    return r
+
+
+def _prep_interrupted(ctx: Ctx) -> Run:
+    """tools/preprocess_data.py --workers 2 (a pool in the terminal's process group), Ctrl-C
+    once it has written some documents."""
+    src = os.path.join(ctx.work, "in.jsonl")
+    _prep_input(src, 20000)
+    ctx.notes["fs"] = out = os.path.join(ctx.work, "out")
+    os.makedirs(out)
+    proc = _session([*_prep_argv(src, os.path.join(out, "x")), "--workers", "2",
+                     "--log-interval", "500"], ctx.work, {"PYTHONPATH": ROOT})
+    _reap_later(ctx, [proc.pid])
+    start = time.monotonic()
+    while proc.poll() is None and time.monotonic() - start < 120:
+        if "processed 500 documents" in _read(ctx.work):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+        time.sleep(0.02)
+    r = _finish(proc, start, 60)
+    r.out = _read(ctx.work)
+    return r
+
+
+def class15() -> list:
+    dist = [*TINY, *LONG, "--ckpt-format", "torch_dist", "--save-interval", "1"]
+    return [
+        Probe("Ctrl-C to torchrun: each rank one line, no traceback", 15, "fault",
+              _torchrun_signal(signal.SIGINT), "stopped:",
+              check=_stop_lines("SIGINT", 2), slow=True),
+        Probe("SIGTERM to torchrun without --exit-signal-handler: each rank says so", 15,
+              "fault", _torchrun_signal(signal.SIGTERM), "stopped:",
+              check=_stop_lines("SIGTERM", 2), slow=True),
+        Probe("Ctrl-C to a single process: one line, exit 130", 15, "fault",
+              _group_signal([signal.SIGINT]), "stopped:",
+              check=_both(_stop_lines("SIGINT"), _exit_status(130))),
+        Probe("Ctrl-C during a torch_dist save (the rank and its writers)", 15, "fault",
+              _group_signal([signal.SIGINT], "save", dist), "stopped:",
+              check=_both(_stop_lines("SIGINT"), _exit_status(130))),
+        Probe("SIGTERM to one rank by hand: every rank says which and why", 15, "fault",
+              _one_rank_signal(signal.SIGTERM), "stopped:",
+              check=_stop_lines("SIGTERM", 2), slow=True),
+        Probe("SIGHUP (its terminal closed) to a single process: one line", 15, "fault",
+              _group_signal([signal.SIGHUP]), "stopped:",
+              check=_both(_stop_lines("SIGHUP"), _exit_status(129))),
+        Probe("Ctrl-C twice during a torch_dist save: stops at once, no traceback", 15,
+              "fault", _group_signal([signal.SIGINT, signal.SIGINT], "save", dist, 0.02),
+              "stopped:", check=_both(_stop_lines("SIGINT"), _exit_status(130))),
+        Probe("Ctrl-C to tools/preprocess_data.py --workers 2: one line, nothing left", 15,
+              "fault", _prep_interrupted, "stopped:",
+              check=_both(_stop_lines("SIGINT", checkpoint=False), _exit_status(130),
+                          _left_as_before)),
+        Probe("SIGTERM during start-up with --exit-signal-handler (Slurm scripts' launch) is "
+              "not lost", 15, "ok", _sigterm_during_startup, "after receiving SIGTERM",
+              check=_stopped_and_saved),
+    ]
+
+
+# ---- 16: no rank outlives its job
+
+def _kill_launcher(after_rows: int = 3) -> Callable[[Ctx], Run]:
+    """torchrun SIGKILLed (an OOM killer, a node agent): its workers must end by
+    themselves, quickly, and save nothing more. after_rows 0: during start-up."""
+    def act(ctx: Ctx) -> Run:
+        ckpt = ctx.notes["ckpt"] = os.path.join(ctx.work, "ckpt")  # none due before 50
+        env = {TIMEOUT_ENV: "10"} if after_rows else {}  # start-up: the default timeout
+        job = Launched(ctx, [*TINY, *PP2, "--train-iters", "2000", "--save-interval", "50",
+                             "--save", ckpt, "--metrics-file", "m.jsonl"], 2, env)
+        job.workers(2)
+        if after_rows:
+            wait_rows(os.path.join(ctx.work, "m.jsonl"), after_rows, job.alive)
+        else:
+            time.sleep(0.5)
+        os.kill(job.proc.pid, signal.SIGKILL)
+        ctx.notes["rows_at_kill"] = len(metrics_rows(os.path.join(ctx.work, "m.jsonl")))
+        return job.wait(45)
+    return act
+
+
+def _left_after_launcher(ctx: Ctx, r: Run) -> str:
+    """Each rank says why it left; nothing saved after the first save point past the
+    kill."""
+    for rank, out in enumerate(r.parts):
+        if "launcher" not in out or TB in out:
+            return f"rank {rank} did not say that the launcher is gone"
+    from megatron_2bw.checkpointing import files as cf
+
+    ckpt = ctx.notes["ckpt"]
+    tracked = cf.read_tracker(ckpt) if os.path.isdir(ckpt) else None
+    if tracked and tracked > 50:
+        return f"the ranks saved iteration {tracked} after the launcher was gone"
+    return ""
+
+
+def _kill_rank_mid_save(tries: int = 3) -> Callable[[Ctx], Run]:
+    """2 ranks PP2, torch_dist; rank 1 SIGKILLed while its writer process is out, up to
+    `tries` times (megatron-core's writer outlived its rank in 3 of 4 tries before)."""
+    def act(ctx: Ctx) -> Run:
+        total = 0.0
+        for t in range(tries):
+            work = os.path.join(ctx.work, f"try{t}")
+            os.makedirs(work)
+            ranks = Ranks([PY, GPT, *TINY, *PP2, "--ckpt-format", "torch_dist",
+                           "--train-iters", "2000", "--save", "ckpt", "--save-interval", "1",
+                           "--metrics-file", "m.jsonl"], 2, work, {TIMEOUT_ENV: "10"})
+            writers: list = []
+            if wait_rows(os.path.join(work, "m.jsonl"), 2 + t, ranks.alive):
+                writers = _first_children(ranks.procs[1].pid)
+                ranks.procs[1].kill()  # as soon as its writers are forked
+            _reap_later(ctx, writers)
+            r = ranks.wait(60)
+            total += r.seconds
+            time.sleep(3)
+            ctx.notes["left"] = [w for w in writers if _alive(w)]
+            if r.timed_out or ctx.notes["left"]:
+                break
+        r.seconds = total
+        return r
+    return act
+
+
+def _no_orphans(ctx: Ctx, r: Run) -> str:
+    left = ctx.notes.get("left")
+    return f"writer processes {left} of the killed rank live on (parent pid 1)" if left else ""
+
+
+def _kill_writer(ctx: Ctx) -> Run:
+    """1 process, torch_dist: its writer process SIGKILLed (the OOM killer picks the
+    largest process; a forked writer counts the rank's memory)."""
+    ctx.ckpt = os.path.join(ctx.work, "ckpt")
+    proc = _session([PY, GPT, *TINY, "--ckpt-format", "torch_dist", *LONG, "--save-interval",
+                     "1", "--save", ctx.ckpt, "--metrics-file", "m.jsonl"], ctx.work,
+                    {TIMEOUT_ENV: "10"})
+    _reap_later(ctx, [proc.pid])
+    start = time.monotonic()
+    if wait_rows(os.path.join(ctx.work, "m.jsonl"), 2, lambda: proc.poll() is None):
+        writers = _first_children(proc.pid)
+        for w in writers:
+            os.kill(w, signal.SIGKILL)
+    r = _finish(proc, start, 60)
+    r.out = _read(ctx.work)
+    return r
+
+
+def _second_job(ctx: Ctx) -> Run:
+    """Job A trains into --save; job B (a requeue, a colleague's run) starts on the same
+    directory while A runs: B is refused, naming A."""
+    ctx.ckpt = os.path.join(ctx.work, "ckpt")
+    a = Ranks([PY, GPT, *LIN[:-4], "--ckpt-format", "torch", "--train-iters", "100000",
+               "--save", ctx.ckpt, "--save-interval", "5", "--metrics-file", "a.jsonl"], 1,
+              ctx.work)
+    _reap_later(ctx, [a.procs[0].pid])
+    wait_rows(os.path.join(ctx.work, "a.jsonl"), 6, a.alive)
+    ctx.notes["pid"] = a.procs[0].pid
+    b = gpt1([*LIN[:-4], "--ckpt-format", "torch", "--train-iters", "100000", "--load",
+              ctx.ckpt, "--save", ctx.ckpt, "--save-interval", "5", "--exit-interval",
+              str(_tracker(ctx) + 10)], ctx.work, timeout=90)
+    still = a.alive()
+    a.wait(0)
+    return b if still else Run([None], b.out + "\n(job A ended meanwhile)", b.seconds)
+
+
+def _names_owner(ctx: Ctx, r: Run) -> str:
+    pid = str(ctx.notes.get("pid", ""))
+    lines = [ln for ln in r.out.splitlines() if ln.startswith("error:")]
+    return "" if lines and pid in lines[0] else f"the error does not name pid {pid}"
+
+
+LOCK = "save.lock"  # the lock file's name and fields, as docs/reliability.md states them
+
+
+def _foreign_lock(beating: bool, clock_skew_s: float = 0.0) -> Callable[[Ctx], Run]:
+    """A --save directory whose lock names a job on another host: one that still refreshes
+    it (its beat goes up) is refused; one that stopped is taken over, whatever its
+    timestamp says (another node's clock: `clock_skew_s` ahead)."""
+    def act(ctx: Ctx) -> Run:
+        import threading
+        import uuid
+
+        ckpt = os.path.join(ctx.work, "ckpt")
+        os.makedirs(ckpt)
+        if not beating:
+            ctx.ckpt = ckpt  # the run takes it over and saves
+        path = os.path.join(ckpt, LOCK)
+        doc = {"host": "node-elsewhere", "machine": "feedface" * 4, "pid": 4242,
+               "start": "1", "job": "slurm job 99", "token": uuid.uuid4().hex, "beat": 0,
+               "time": time.time() + clock_skew_s}
+        done = threading.Event()
+
+        def beat() -> None:
+            while True:
+                doc["beat"] += 1
+                doc["time"] = time.time() + clock_skew_s
+                with open(path + ".w", "w") as f:
+                    json.dump(doc, f)
+                os.replace(path + ".w", path)
+                if done.wait(0.2) or not beating:
+                    return
+        writer = threading.Thread(target=beat, daemon=True)
+        writer.start()
+        try:
+            return gpt1([*TINY, "--train-iters", "3", "--save", ckpt], ctx.work,
+                        env=_clean_env(**{TIMEOUT_ENV: "10"}))
+        finally:
+            done.set()
+            writer.join()
+    return act
+
+
+def _stalled_log(ctx: Ctx) -> Run:
+    """2 ranks PP2; rank 1's output goes to a pipe nobody reads (a terminal paused with
+    Ctrl-S, a stalled log collector): it blocks in a write, rank 0 times out and leaves;
+    rank 1 must not stay behind forever."""
+    base = _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+                      **{TIMEOUT_ENV: "4"})
+    argv = [PY, GPT, *TINY, *PP2, "--train-iters", "100000", "--log-interval", "1"]
+    log0 = open(os.path.join(ctx.work, "rank0.log"), "w+")
+    start = time.monotonic()
+    procs = [subprocess.Popen(argv, cwd=ctx.work, stdout=log0, stderr=subprocess.STDOUT,
+                              env=dict(base, RANK="0", LOCAL_RANK="0")),
+             subprocess.Popen(argv, cwd=ctx.work, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              env=dict(base, RANK="1", LOCAL_RANK="1"))]
+    _reap_later(ctx, [p.pid for p in procs])
+    deadline = time.monotonic() + 150
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    codes = [p.poll() for p in procs]
+    timed_out = None in codes
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    procs[1].stdout.close()
+    log0.seek(0)
+    return Run(codes, log0.read(), time.monotonic() - start, timed_out)
+
+
+def class16() -> list:
+    return [
+        Probe("torchrun SIGKILLed: the ranks leave, saving nothing more", 16, "fault",
+              _kill_launcher(), "launcher", check=_left_after_launcher, slow=True),
+        Probe("torchrun SIGKILLed during start-up: the ranks do not wait out the rendezvous",
+              16, "fault", _kill_launcher(0), "launcher", check=_left_after_launcher,
+              slow=True),
+        Probe("a rank SIGKILLed mid torch_dist save: its writer processes go too", 16, "fault",
+              _kill_rank_mid_save(), check=_no_orphans, slow=True),
+        Probe("a torch_dist writer SIGKILLed (OOM killer): the rank ends, one line", 16,
+              "fault", _kill_writer, "error:", check=_prev_sound),
+        Probe("a second job on a --save in use is refused, naming the first", 16, "error",
+              _second_job, LOCK, check=_names_owner),
+        Probe("a --save locked by a live job on another host is refused", 16, "error",
+              _foreign_lock(True), "node-elsewhere"),
+        Probe("a rank stuck in a write (stalled log pipe) leaves when its peer does", 16,
+              "fault", _stalled_log, "stopped answering", slow=True),
+        Probe("a stale lock from another host, its clock 1 h ahead, is taken over (guard)",
+              16, "ok", _foreign_lock(False, 3600.0), "node-elsewhere",
+              check=tracker_is(3)),
+    ]
+
+
 def all_probes() -> list:
     probes = class1() + class2() + class3() + class4() + class5() + class6() + class7() + \
-        class8() + class9() + class10() + class11() + class12() + class13()
+        class8() + class9() + class10() + class11() + class12() + class13() + class14() + \
+        class15() + class16()
     # the 'another pipeline layout' probe resumes a PP2 checkpoint in one process
     for p in probes:
         if p.name == "checkpoint of another pipeline layout":
@@ -1333,6 +2042,12 @@ def run_probe(p: Probe, shared: Shared, tmp: str) -> dict:
         row = dict(exit="?", first_line=f"probe failed: {type(exc).__name__}: {exc}"[:160],
                    traceback="?", seconds=round(time.monotonic() - start, 1),
                    data_intact="?", outcome="probe-error", note=str(exc)[:300])
+    finally:
+        for undo in reversed(ctx.cleanups):
+            try:
+                undo()
+            except Exception:  # noqa: BLE001 - cleaning up must not hide the row
+                pass
     row.update(probe=p.name, klass=p.klass, klass_name=CLASSES[p.klass], expect=p.expect)
     shutil.rmtree(work, ignore_errors=True)
     return row
@@ -1393,6 +2108,10 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     tmp = tempfile.mkdtemp(prefix="fault-matrix-")
     shared = Shared(os.path.join(tmp, "shared"))
+
+    def interrupted(signum: int, frame) -> None:
+        raise KeyboardInterrupt  # the probe's cleanups (unmount, kill) and rmtree still run
+    signal.signal(signal.SIGTERM, interrupted)
     rows, start = [], time.monotonic()
     try:
         for i, p in enumerate(probes, 1):

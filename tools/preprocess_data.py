@@ -7,12 +7,17 @@
 writes data/owt_text_document.bin/.idx (``--data-path data/owt_text_document``). Exit status 1
 with a one-line message on stderr for bad flags, a missing/empty input, a vocabulary too large
 for the output dtype, or a malformed line (which includes a token id outside the tokenizer's
-vocabulary or the output dtype: ``FILE:LINE: malformed line, key 'text': token id ...``).
+vocabulary or the output dtype: ``FILE:LINE: malformed line, key 'text': token id ...``), and
+for output that cannot be written (a read-only or full filesystem): nothing is left behind,
+and an earlier output at the prefix stays as it was.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
+import signal
 import sys
 from typing import List, Optional
 
@@ -71,10 +76,25 @@ def to_config(args: argparse.Namespace) -> PreprocessConfig:
         log_interval=args.log_interval, on_error=args.on_error)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so that the partial output is removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _stop)
     try:
         config = to_config(args)
         check_input(config.input)  # before megatron-core is imported: fast, clear failure
@@ -82,12 +102,39 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (PreprocessError, TokenizerError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM / SIGHUP (Stopped)
+        signum = getattr(err, "signum", signal.SIGINT)
+        name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"stopped: {name} while preprocessing {args.input}; nothing was written (the "
+              "partial output is removed; an earlier output at --output-prefix is unchanged)",
+              file=sys.stderr)
+        return 128 + signum
+    except OSError as err:
+        if err.filename and os.path.abspath(err.filename) == os.path.abspath(args.input):
+            print(f"error: {err.strerror} ({err.filename}) (--input)", file=sys.stderr)
+        else:
+            print(f"error: {output_error(err, args.output_prefix)}", file=sys.stderr)
+        return 1
     for key, prefix in result.prefixes.items():
         print(f"{key}: {prefix}.bin/.idx  {result.documents} documents, "
               f"{result.tokens[key]} tokens, {result.sequences[key]} sequences")
     if result.bad_lines:
         print(f"skipped {len(result.bad_lines)} malformed lines", file=sys.stderr)
     return 0
+
+
+def output_error(err: OSError, prefix: str) -> str:
+    """One line for output that cannot be written: what, which file, what would work."""
+    path = (err.filename or prefix).removesuffix(".tmp")  # the file it was writing
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        what, fix = "the disk is full", "free space or choose another --output-prefix"
+    elif err.errno == errno.EFBIG:
+        what, fix = ("the file size limit (ulimit -f) is reached",
+                     "raise the limit or choose another --output-prefix")
+    else:
+        what, fix = err.strerror or str(err), "choose a writable --output-prefix"
+    return (f"cannot write the output: {what} ({path}) (--output-prefix); {fix} (nothing "
+            "was written; an earlier output at this prefix is unchanged)")
 
 
 if __name__ == "__main__":

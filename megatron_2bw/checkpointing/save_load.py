@@ -39,10 +39,10 @@ from .contents import (MODULE_PREFIX, complete_megatron_state, from_megatron_nam
 from .sharded import (commit_sharded, is_sharded, load_sharded, read_common,
                                  save_sharded, sharded_fit_error, verify_sharded)
 from .fit import misfit_line, misfits, tensor_shapes
-from .files import (TRACKER, CheckpointError, check_save_dir, clear_for_save,
-                               iteration_dir, load_state, read_tracker,
-                               refuse_unread_checkpoints, write_error, write_manifest,
-                               write_state, write_tracker)
+from .files import (TRACKER, CheckpointError, check_save_dir, check_save_lock, clear_for_save,
+                    discard_partial, iteration_dir, load_state, read_tracker,
+                    refuse_unread_checkpoints, write_error, write_manifest, write_state,
+                    write_tracker)
 
 logger = logging.getLogger(__name__)
 __all__ = ["TRACKER", "CheckpointError", "LoadedCheckpoint", "checkpoint_file",
@@ -161,6 +161,7 @@ def _trained_model(store, updater, versions: dict) -> dict:
 
 
 def _clear(root: str, iteration: int, overwrite: bool) -> None:
+    check_save_lock(root)  # no other job took --save over meanwhile
     os.makedirs(root, exist_ok=True)
     target = iteration_dir(root, iteration)
     for path in clear_for_save(root, iteration, overwrite):
@@ -193,6 +194,16 @@ def save_checkpoint(root: str, iteration: int, executor, updater, args: argparse
     """
     _agree(_attempt(lambda: _clear(root, iteration, overwrite)) if dist.get_rank() == 0
            else None)
+    try:
+        _write(root, iteration, executor, updater, args, schedule, options)
+    except CheckpointError:  # agreed: every rank has stopped writing
+        if dist.get_rank() == 0 and discard_partial(root, iteration):
+            logger.info(f"removed the partial checkpoint {iteration_dir(root, iteration)}")
+        raise
+
+
+def _write(root: str, iteration: int, executor, updater, args: argparse.Namespace,
+           schedule: str, options: SaveOptions) -> None:
     if options.ckpt_format == "torch_dist":
         _save_sharded(root, iteration, executor, updater, args, schedule, options)
         return

@@ -34,8 +34,9 @@ import argparse
 import hashlib
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,13 +44,14 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from ..models.compat import cpu_dist_checkpointing
 from .. import comm
 from .contents import megatron_engine_state
 from .fit import misfit_line, misfits
-from .files import (MANIFEST, CheckpointError, FileEntry, iteration_dir,
-                               previous_hint, read_manifest, write_manifest, write_tracker)
+from .files import (MANIFEST, CheckpointError, FileEntry, iteration_dir, previous_hint,
+                    read_manifest, write_manifest, write_tracker, writer_error)
 
 logger = logging.getLogger(__name__)
 MODEL_PREFIX = "model."  # PipelineStage holds megatron-core's model as `.model`
@@ -164,8 +166,30 @@ def save_sharded(path: str, iteration: int, executor, updater, args: argparse.Na
     """Every rank calls this (a collective); the caller has cleared `path`'s iteration.
     `rng` None / `optim` False: --no-save-rng / --no-save-optim."""
     state = _sharded_state(iteration, executor, updater, args, schedule, rng, optim)
-    with cpu_dist_checkpointing():
-        dist_checkpointing.save(state, path)
+    try:
+        with cpu_dist_checkpointing(), _writer_logs_quiet():
+            dist_checkpointing.save(state, path)
+    except (OSError, CheckpointException) as err:  # a rank's writes failed (its own or
+        raise writer_error(path, err) from err       # a peer's): one line, agreed
+
+
+# megatron-core logs each writer process's failure as an error of its own; the failed
+# save is reported once, by `save_checkpoint`, as one line
+_WRITER_LOGGERS = ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+                   "megatron.core.dist_checkpointing.strategies.state_dict_saver")
+
+
+@contextmanager
+def _writer_logs_quiet() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _WRITER_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def commit_sharded(root: str, iteration: int) -> None:

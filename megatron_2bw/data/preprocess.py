@@ -12,6 +12,10 @@ dropped silently: with ``on_error="fail"`` (the default, because a
 corpus with a broken line usually has a broken producer) the run stops at the first one with its
 line number and the partial output is removed; with ``on_error="skip"`` each is logged with its
 line number, counted, and listed in the result.
+
+The output is written to ``<prefix>.bin.tmp``/``.idx.tmp`` and renamed when complete, so a
+run that fails (a full or read-only filesystem: the OSError names the file) leaves nothing
+behind and an earlier output at the same prefix as it was.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -216,7 +221,10 @@ _WORKER: Optional[_Encoder] = None
 
 
 def _init_worker(config: PreprocessConfig) -> None:
+    """A pool worker: Ctrl-C, which the terminal sends to every process of the job, is its
+    parent's to act on (the parent ends the pool); each worker would print a traceback."""
     global _WORKER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER = _Encoder(config)
 
 
@@ -290,7 +298,8 @@ class _Progress:
 
 
 class _Writers:
-    """One megatron-core IndexedDatasetBuilder per JSON key."""
+    """One megatron-core IndexedDatasetBuilder per JSON key, writing temporary files that
+    `finalize` renames into place (an earlier output stays until then)."""
 
     def __init__(self, config: PreprocessConfig, vocab_size: int) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -298,8 +307,13 @@ class _Writers:
         os.makedirs(os.path.dirname(os.path.abspath(config.output_prefix)), exist_ok=True)
         dtype = output_dtype(vocab_size)
         self.prefixes = {key: config.output_path_prefix(key) for key in config.json_keys}
-        self.builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
-                         for key, prefix in self.prefixes.items()}
+        self.builders: Dict[str, Any] = {}
+        try:
+            for key, prefix in self.prefixes.items():
+                self.builders[key] = IndexedDatasetBuilder(prefix + ".bin" + _TMP, dtype=dtype)
+        except BaseException:
+            self.remove()
+            raise
         self.tokens = dict.fromkeys(self.prefixes, 0)
         self.sequences = dict.fromkeys(self.prefixes, 0)
 
@@ -311,16 +325,28 @@ class _Writers:
 
     def finalize(self) -> None:
         for key, builder in self.builders.items():
-            builder.finalize(self.prefixes[key] + ".idx")
+            builder.finalize(self.prefixes[key] + ".idx" + _TMP)
+        for prefix in self.prefixes.values():  # all written: now the renames
+            for suffix in (".bin", ".idx"):
+                os.replace(prefix + suffix + _TMP, prefix + suffix)
 
     def remove(self) -> None:
-        """Drop partial output so a failed run never leaves a half-written dataset behind."""
-        for key, builder in self.builders.items():
-            builder.data_file.close()
+        """Drop partial output so a failed run never leaves a half-written dataset behind
+        (closing a file on a full disk fails too: it is removed all the same)."""
+        for builder in self.builders.values():
+            try:
+                builder.data_file.close()
+            except OSError:
+                pass
+        for prefix in self.prefixes.values():
             for suffix in (".bin", ".idx"):
-                path = self.prefixes[key] + suffix
-                if os.path.exists(path):
-                    os.remove(path)
+                try:
+                    os.remove(prefix + suffix + _TMP)
+                except OSError:
+                    pass
+
+
+_TMP = ".tmp"
 
 
 def _bad_line_error(config: PreprocessConfig, bad: BadLine) -> PreprocessError:

@@ -11,8 +11,12 @@ logits of every id equal ours.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import re
+import shutil
+import uuid
 from typing import Optional, Sequence
 
 from .architecture import hf_config, hf_family
@@ -55,25 +59,59 @@ def _write_weights(state: dict, output: str) -> None:
 def export_hf(load: str, output: str, weight_version: str = "newest",
               model: Optional[str] = None) -> str:
     """Write `load`'s weight version `weight_version` as an HF model into `output`;
-    returns the class name written."""
-    from transformers import GenerationConfig
-
+    returns the class name written. The files are written into a folder beside `output`
+    and moved in when all are there: a failed export (a full disk) leaves `output` as it
+    was, and says so in one line naming --output."""
     with loaded_checkpoint(load, model, weight_version, check=hf_family) as loaded:
         config = loaded.config
         state = to_hf(loaded.state_dict(), config)
+        saved_args, iteration, version = loaded.saved_args, loaded.iteration, loaded.version
+    staging = os.path.join(os.path.dirname(os.path.abspath(output)),
+                           f".{os.path.basename(os.path.abspath(output))}.{uuid.uuid4().hex[:8]}")
+    try:
+        name = _write_model(staging, config, state, saved_args, iteration, version)
         os.makedirs(output, exist_ok=True)
-        special = export_tokenizer(loaded.saved_args, output)
-        hf = hf_config(config, special, {**_meta(loaded.saved_args),
-                                         "source_iteration": loaded.iteration,
-                                         "weight_version": loaded.version})
-    hf.save_pretrained(output)
-    if config.model == "gpt":
-        GenerationConfig.from_model_config(hf).save_pretrained(output)
-    _write_weights(state, output)
-    name = hf.architectures[0]
-    logger.info(f"exported {load} (iteration {loaded.iteration}, weight version "
-                f"{loaded.version}) to {output} as {name}")
+        for entry in os.listdir(staging):
+            os.replace(os.path.join(staging, entry), os.path.join(output, entry))
+    except Exception as err:  # noqa: BLE001 - a write error of any library: one line
+        raise _write_failed(output, err) or err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info(f"exported {load} (iteration {iteration}, weight version "
+                f"{version}) to {output} as {name}")
     return name
+
+
+def _write_model(folder: str, config, state: dict, saved_args: dict, iteration: int,
+                 version: int) -> str:
+    from transformers import GenerationConfig
+
+    os.makedirs(folder)
+    special = export_tokenizer(saved_args, folder)
+    hf = hf_config(config, special, {**_meta(saved_args), "source_iteration": iteration,
+                                     "weight_version": version})
+    hf.save_pretrained(folder)
+    if config.model == "gpt":
+        GenerationConfig.from_model_config(hf).save_pretrained(folder)
+    _write_weights(state, folder)
+    return hf.architectures[0]
+
+
+def _write_failed(output: str, err: Exception) -> Optional[Exception]:
+    """The UserError for a write that failed for want of space or permission (safetensors
+    reports it as its own error type, with the OS error's number in its text); None for
+    anything else (a programming error keeps its traceback)."""
+    from ..training.errors import UserError
+
+    code = err.errno if isinstance(err, OSError) else None
+    found = re.search(r"os error (\d+)", str(err))
+    code = code or (int(found.group(1)) if found else None)
+    if code is None:
+        return None
+    what = "the disk is full" if code in (errno.ENOSPC, errno.EDQUOT) else os.strerror(code)
+    return UserError(f"cannot write the Hugging Face model: {what} ({output})", "--output",
+                     "free space or choose another --output (nothing was written; what the "
+                     "folder held before is unchanged)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -16,10 +16,11 @@ from typing import Optional, Sequence
 
 from .arguments import config_from_args, parse_args
 from ..checkpointing.contents import SAMPLE_COUNTERS, saved_args
-from ..checkpointing.files import read_tracker
+from ..checkpointing.files import SaveLock, read_tracker
 from .data_sources import DataSources
 from .distributed import init_distributed, setup_logging
 from .errors import UserError, guarded, watch_peers
+from .watchdog import beat_period
 
 logger = logging.getLogger(__name__)
 # what stays this conversion's own: the layout, the paths, how to load and save
@@ -92,8 +93,14 @@ def convert(argv: Optional[Sequence[str]] = None) -> int:
     from ..models import apply_cpu_shims
     from .loop import Trainer
     apply_cpu_shims(env.device.type)
-    trainer = Trainer(run, env, DataSources(None, None))
-    trainer.save_now()
+    lock = (SaveLock.acquire(conv.save, min(10.0, beat_period(env.timeout)))
+            if env.rank == 0 else None)  # no job may be writing --save meanwhile
+    try:
+        trainer = Trainer(run, env, DataSources(None, None))
+        trainer.save_now()
+    finally:
+        if lock is not None:
+            lock.release()
     logger.info(f"converted {conv.load} (iteration {trainer.iteration}) to {conv.save}: "
                 f"--ckpt-format {conv.ckpt_format}, tensor x pipeline parallel "
                 f"{args.tensor_model_parallel_size} x {args.pipeline_model_parallel_size}")

@@ -2,19 +2,27 @@
 
 All of it runs inside `errors.guarded`: a user error anywhere (flags, output paths, data,
 a checkpoint that does not fit the run) ends every rank with one `error:` line and exit
-status 2, also when only one rank found it; anything else keeps its traceback.
+status 2, also when only one rank found it; a stop signal (Ctrl-C, SIGTERM without
+--exit-signal-handler, SIGHUP) with one `stopped:` line per rank; anything else keeps its
+traceback. Around it: the stop signals' handlers, the watch on torchrun (a rank leaves when
+its launcher is gone), the rule that a rank's forked processes die with it, and rank 0's
+lock on --save (one job writes a directory at a time).
 """
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional, Sequence
 
 from .. import comm
 from .arguments import config_from_args, parse_args
 from ..checkpointing.contents import apply_checkpoint_args
+from ..checkpointing.files import SaveLock
 from .data_sources import data_sources, tokenizer_from_args
 from .distributed import init_distributed, setup_logging
 from .errors import guarded, watch_peers
+from .signals import HAND_STOP, PROGRESS
+from .watchdog import LauncherWatch, beat_period, children_die_with_rank
 from .megatron_flags import check_megatron_flags, inert_notes, mapped_notes
 from .model_flags import kernel_note
 from .validation import check_output_paths, check_ranges, validate_flags
@@ -23,15 +31,37 @@ logger = logging.getLogger("megatron_2bw.train")
 
 
 def main(model: str, argv: Optional[Sequence[str]] = None) -> int:
-    """Train as the flags say; 0 when done, 2 on a user error (printed once)."""
-    return guarded(lambda: _pretrain(model, argv))
+    """Train as the flags say; 0 when done, 2 on a user error (printed once), 1 for a
+    fault, 128 + the signal's number when one stopped it."""
+    PROGRESS.__init__(rank=_env_rank())
+    HAND_STOP.reset()
+    HAND_STOP.install(graceful_sigterm=False)
+    launcher = LauncherWatch.start()
+    children_die_with_rank()
+    try:
+        return guarded(lambda: _pretrain(model, argv))
+    finally:
+        children_die_with_rank(False)
+        if launcher is not None:
+            launcher.close()
+        HAND_STOP.uninstall()
+
+
+def _env_rank() -> int:
+    """This process's rank before the process group exists (for a line that stops it)."""
+    value = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(value) if value.isdigit() else 0
 
 
 def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     args = parse_args(model, argv)
+    if args.exit_signal_handler:  # SIGTERM is GracefulStop's: noted from here on
+        HAND_STOP.install(graceful_sigterm=True)
+    PROGRESS.save = os.path.abspath(args.save) if args.save else None
     taken = apply_checkpoint_args(args) if args.use_checkpoint_args else []
     check_ranges(args)  # before a process group starts
     env = init_distributed(timeout_minutes=args.distributed_timeout_minutes)
+    PROGRESS.rank = env.rank
     watch_peers()
     setup_logging(env.rank, env.world_size)
     check_megatron_flags(args, env.world_size)   # removed and refused Megatron-LM flags
@@ -45,6 +75,16 @@ def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
         for note in inert_notes(args):
             logger.warning(f"WARNING: {note}")
     check_output_paths(args)                      # before the first iteration
+    lock = (SaveLock.acquire(args.save, min(10.0, beat_period(env.timeout)))
+            if args.save and env.rank == 0 else None)
+    try:
+        return _train(args, model, env)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(args, model: str, env) -> int:
     tokenizer = tokenizer_from_args(args, model)
     run = config_from_args(args, model, env.world_size, tokenizer.vocab_size)
     sources = data_sources(run, tokenizer)

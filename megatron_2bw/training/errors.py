@@ -13,9 +13,19 @@ it is blocked; a peer whose collective fails first because the failing rank has 
 sees `reported` in `guarded` and leaves quietly too, instead of printing a "Connection
 closed by peer" traceback. Rank 0 hosts the store when no torchrun agent does, so it
 leaves last: it waits (bounded) until every rank has counted itself out.
+
+A rank that ends for a fault (a peer stopped answering, its launcher is gone, a process of
+its checkpoint save was killed) or for a stop signal also leaves its line in the store
+(`why`) before it goes: a peer that is stuck where no collective fails (a write to a
+stalled pipe, a hung child process) then leaves too, from its watcher thread, saying
+why, instead of outliving the job; a peer whose collective fails because the rank has
+gone says what stopped the job instead of "lost the connection". Every exit here is
+bounded: a thread that must end the process never waits on a blocked stdout.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
 import threading
@@ -34,10 +44,12 @@ STORE_TIMEOUT = timedelta(seconds=5)  # a frozen store host must not hold an exi
 # per torchrun run and restart: an agent's store outlives the workers it restarts
 _PREFIX = "megatron_2bw/user_error/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID", ""),
                                                   os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-_REPORTED, _ENDED = _PREFIX + "reported", _PREFIX + "ended"
+_REPORTED, _ENDED, _WHY = _PREFIX + "reported", _PREFIX + "ended", _PREFIX + "why"
+SAY_S = 2.0  # how long a leaving rank tries to print and flush (a stalled pipe blocks)
 _stop = threading.Event()      # this rank is handling an error or is done: stop watching
 _leaving = threading.Lock()    # held by the one thread that ends this process
 _watcher: Optional[threading.Thread] = None
+_store_state = {"dead": False}  # a store call failed or timed out: ask it no more
 _client = None                 # this process's own client of the job's store
 
 
@@ -71,27 +83,135 @@ def describe(err: BaseException) -> str:
 
 
 def guarded(body: Callable[[], int]) -> int:
-    """Run `body`; turn a user error (here or on a peer rank) into the one-line exit."""
+    """Run `body`; turn a user error (here or on a peer rank), a fault or a stop signal into
+    the one-line exit."""
     _stop.clear()
+    _store_state["dead"] = False
     try:
         return body()
+    except KeyboardInterrupt as err:  # signals.Interrupted, or Ctrl-C before its handler
+        _stop.set()
+        return _stopped(getattr(err, "signum", 2), _job_store())
     except Exception as err:  # noqa: BLE001 - programming errors are re-raised below
         _stop.set()
+        _quiet_signals()
         store = _job_store()
+        received = _received_signal()
+        if received is not None:  # a collective failed as the peers stopped, like this rank
+            return _stopped(received, store)
+        peer = _peer_line(store)
+        if peer is not None and peer["kind"] == "stop":
+            return _relay(store, peer)
         known = USER_ERRORS + _faults()
         if not isinstance(err, known) and not _peer_reported(store):
             raise
         if os.environ.get(SHOW_TRACEBACK) == "1":
             traceback.print_exc()
         if isinstance(err, _faults()):
-            print(f"error: {describe(err)}", file=sys.stderr, flush=True)
-            return _leave(store, EXIT_FAULT)
+            return fail(f"error: {describe(err)}", store)
         if isinstance(err, USER_ERRORS) and _claim_report(store):
             print(f"error: {describe(err)}", file=sys.stderr, flush=True)
+        elif peer is not None:
+            return _relay(store, peer)  # a collective failed because the peer left
         return _leave(store)
     finally:
         _stop.set()
         _join_watcher()
+
+
+def _quiet_signals() -> None:
+    """The process is leaving: a second Ctrl-C must not interrupt that (a traceback)."""
+    from .signals import HAND_STOP
+    HAND_STOP.quiet = True
+
+
+def _received_signal() -> Optional[int]:
+    from .signals import HAND_STOP
+    return HAND_STOP.received
+
+
+def _stopped(signum: int, store) -> int:
+    """This rank got a stop signal: its line, left in the store for its peers too."""
+    from .signals import stop_line, stop_status
+
+    _quiet_signals()
+    line = stop_line(signum)
+    _report(store, "stop", line, stop_status(signum))
+    return _finish(store, line, stop_status(signum))
+
+
+def fail(line: str, store=None, from_thread: bool = False) -> int:
+    """End this rank for a fault with `line` (left in the store for the peers); from a
+    thread other than the main one the process ends here in a world of one too."""
+    store = store if store is not None else _job_store()
+    _report(store, "fault", line, EXIT_FAULT)
+    return _finish(store, line, EXIT_FAULT, from_thread)
+
+
+def _relay(store, peer: dict, from_thread: bool = False) -> int:
+    """A peer's stop or fault ends this rank too, with a line that says so."""
+    from .signals import PROGRESS, checkpoint_note
+
+    if peer["kind"] == "stop":
+        line = (f"stopped: rank {peer['rank']} got {peer['signal']}, so rank {PROGRESS.rank} "
+                f"stops too; {checkpoint_note()}")
+    else:
+        stuck = _main_thread_at() if from_thread else ""
+        line = (f"error: rank {PROGRESS.rank} leaves too: rank {peer['rank']} ended the job: "
+                f"{peer['line'].removeprefix('error: ')}{stuck}")
+    return _finish(store, line, int(peer["status"]), from_thread)
+
+
+def _main_thread_at() -> str:
+    """Where the main thread is, for a rank that leaves from its watcher (it may be stuck
+    there: a write to a stalled pipe, a wait on a killed child process)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    code = frame.f_code
+    return (f" (rank was in {code.co_name}, {os.path.basename(code.co_filename)}:"
+            f"{frame.f_lineno})")
+
+
+def _report(store, kind: str, line: str, status: int) -> None:
+    """Leave this rank's line for its peers (the first such report stays), then count it
+    as reported: the peers' watchers read `why` once they see the count."""
+    if store is None:
+        return
+    from .signals import HAND_STOP, PROGRESS, signal_name
+
+    doc = json.dumps({"kind": kind, "rank": PROGRESS.rank, "line": line, "status": status,
+                      "signal": signal_name(HAND_STOP.received or 2)})
+    _ask(store, lambda st: st.compare_set(_WHY, "", doc))
+    _counter(store, _REPORTED, 1)
+
+
+def _peer_line(store) -> Optional[dict]:
+    """A peer's stop or fault report, or None (none, or only a user error)."""
+    if store is None:
+        return None
+    got = _ask(store, lambda st: st.get(_WHY) if st.check([_WHY]) else None)
+    try:
+        return json.loads(got[0]) if got and got[0] else None
+    except ValueError:
+        return None
+
+
+def _finish(store, line: Optional[str], status: int, from_thread: bool = False) -> int:
+    """Print `line` (one thread per process does) and leave with `status`."""
+    if not _leaving.acquire(blocking=False):
+        _wait_for_the_end()
+    if line:
+        say(line)
+    if _world() == 1 and not from_thread:
+        _leaving.release()
+        return status
+    _depart(store, status)
+
+
+def say(line: str) -> None:
+    """Print one line to stderr, giving up after SAY_S (a stalled pipe never returns)."""
+    within(SAY_S, lambda: print(line, file=sys.stderr, flush=True))
 
 
 def _join_watcher() -> None:
@@ -124,7 +244,11 @@ def _watch(store) -> None:
         if reported is None:
             return  # the store is gone: the job is ending anyway
         if reported > 0 and not _stop.is_set():
-            _leave(store)
+            peer = _peer_line(store)
+            if peer is None:
+                _leave(store)  # a peer's user error: its line is the job's
+            else:
+                _relay(store, peer, from_thread=True)
 
 
 def _job_store():
@@ -168,10 +292,22 @@ def within(seconds: float, call: Callable[[], T]) -> Optional[T]:
     return out[0] if out else None
 
 
+def _ask(store, call: Callable) -> Optional[tuple]:
+    """(call(store),) within STORE_TIMEOUT, or None when the store failed or did not answer;
+    after that no call waits on it again (a rank leaving past a frozen store host would
+    otherwise wait once per call)."""
+    if store is None or _store_state["dead"]:
+        return None
+    got = within(STORE_TIMEOUT.total_seconds(), lambda: (call(store),))
+    if got is None:
+        _store_state["dead"] = True
+    return got
+
+
 def _counter(store, key: str, add: int = 0) -> Optional[int]:
     """Add to a counter in the job's store; None when the store is gone or frozen."""
-    value = within(STORE_TIMEOUT.total_seconds(), lambda: store.add(key, add))
-    return None if value is None else int(value)
+    got = _ask(store, lambda st: st.add(key, add))
+    return None if got is None else int(got[0])
 
 
 def _peer_reported(store) -> bool:
@@ -187,23 +323,55 @@ def _claim_report(store) -> bool:
     return count is None or count == 1
 
 
-def _leave(store, status: int = EXIT_USER_ERROR) -> int:
-    """The exit status in a world of one; else end this process without waiting on peers."""
+def _world() -> int:
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world == 1:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _leave(store, status: int = EXIT_USER_ERROR, from_thread: bool = False) -> int:
+    """The exit status in a world of one (unless called from another thread than the main
+    one); else end this process without waiting on peers."""
+    if _world() == 1 and not from_thread:
         return status
     if not _leaving.acquire(blocking=False):
-        while True:  # the other thread of this rank is ending the process
-            time.sleep(60)
+        _wait_for_the_end()
+    _depart(store, status)
+
+
+def _depart(store, status: int) -> None:
+    """Holding `_leaving`: count this rank out (rank 0, the store's host without a
+    torchrun agent, waits for the others, bounded), then end the process."""
+    import torch.distributed as dist
+
+    world = _world()
     hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    if store is not None:
+    if store is not None and world > 1:
         _counter(store, _ENDED, 1)
         if dist.get_rank() == 0 and hosts_store:
             _wait_for_peers(store, world)
-    from ..runtime.process import exit_now
-    exit_now(status)  # skip atexit and destructors that may wait on gone peers
+    end_process(status)
+
+
+def _wait_for_the_end() -> None:
+    """Another thread of this rank is ending the process."""
+    while True:
+        time.sleep(60)
+
+
+def end_process(status: int) -> None:
+    """Release a held --save lock, flush what can be flushed within SAY_S, and end the
+    process (no atexit or destructors: they may wait on peers that are gone)."""
+    from ..checkpointing.files import release_save_locks
+
+    release_save_locks()
+
+    def flush() -> None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    within(SAY_S, flush)
+    os._exit(status)
 
 
 def _wait_for_peers(store, world: int) -> None:

@@ -8,14 +8,20 @@ iterations `learning-rate`, `batch-size`, each loss (`lm loss`, BERT's `sop loss
 also against consumed samples (`<tag> vs samples`); at each log line `iteration-time` and
 `throughput` (flags); after validation `<loss> validation` (and its `ppl`, flag).
 wandb gets the same scalars against the iteration, as Megatron-LM logs them there.
+
+A TensorBoard folder that cannot take more (a full disk) ends the run with one line naming
+--tensorboard-dir (`OutputFull`); TensorBoard's writer thread, which meets the error
+first, keeps quiet about it (its traceback would precede the line).
 """
 from __future__ import annotations
 
+import errno
 import glob
 import logging
 import math
 import os
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
 from .config import TrainConfig
 from .errors import UserError
@@ -83,7 +89,7 @@ class ScalarWriters:
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            _written(self.t.tensorboard_dir, "--tensorboard-dir", self.tb.close)
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -92,11 +98,13 @@ class ScalarWriters:
         """`tag` against the iteration and, in TensorBoard, against consumed samples."""
         self._scalar(tag, value, it, wandb)
         if self.tb is not None:
-            self.tb.add_scalar(tag + VS_SAMPLES, value, samples)
+            _written(self.t.tensorboard_dir, "--tensorboard-dir",
+                     lambda: self.tb.add_scalar(tag + VS_SAMPLES, value, samples))
 
     def _scalar(self, tag: str, value: float, it: int, wandb: bool = True) -> None:
         if self.tb is not None:
-            self.tb.add_scalar(tag, value, it)
+            _written(self.t.tensorboard_dir, "--tensorboard-dir",
+                     lambda: self.tb.add_scalar(tag, value, it))
         if wandb:
             self._wandb_log(tag, value, it)
 
@@ -129,6 +137,39 @@ def perplexity(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
+def output_error(path: str, flag: str, err: OSError) -> UserError:
+    """The one line for a log output that cannot be written (a full disk, mostly)."""
+    from .signals import checkpoint_note
+
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        what = ("the file size limit (ulimit -f) is reached" if err.errno == errno.EFBIG
+                else "the disk is full")
+    else:
+        what = err.strerror or str(err)
+    return UserError(f"cannot write {path}: {what}", flag,
+                     f"free space or point {flag} elsewhere; {checkpoint_note()}")
+
+
+def _written(path: str, flag: str, write: Callable[[], Any]) -> Any:
+    """`write()`, its OSError made the one-line error naming `flag`."""
+    try:
+        return write()
+    except OSError as err:
+        raise output_error(path, flag, err) from err
+
+
+def _quiet_writer_thread(previous: Callable) -> Callable:
+    """threading.excepthook, but TensorBoard's writer thread keeps its OSError to itself: the
+    main thread gets it at the next write (`_written`) and says it in one line."""
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and \
+                isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+    hook.quiet_tensorboard = True
+    return hook
+
+
 def _open_tensorboard(t: TrainConfig) -> Any:
     if not t.tensorboard_dir:
         return None
@@ -138,7 +179,10 @@ def _open_tensorboard(t: TrainConfig) -> Any:
         logger.warning(f"WARNING: --tensorboard-dir is set but TensorBoard is not available "
                        f"({err}); no TensorBoard logs will be written (pip install tensorboard)")
         return None
-    return SummaryWriter(log_dir=t.tensorboard_dir, max_queue=t.tensorboard_queue_size)
+    if not getattr(threading.excepthook, "quiet_tensorboard", False):
+        threading.excepthook = _quiet_writer_thread(threading.excepthook)
+    return _written(t.tensorboard_dir, "--tensorboard-dir", lambda: SummaryWriter(
+        log_dir=t.tensorboard_dir, max_queue=t.tensorboard_queue_size))
 
 
 def _open_wandb(t: TrainConfig, flags: dict) -> Any:

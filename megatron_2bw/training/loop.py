@@ -38,9 +38,9 @@ from .errors import describe
 from .housekeeping import Housekeeping
 from .log_writers import perplexity
 from .metrics import MetricsSink, transformer_flops
-from .signals import GracefulStop, stop_check_interval
+from .signals import PROGRESS, GracefulStop, stop_check_interval
 from .skip_guard import SkipGuard, Verdict, stopped
-from .watchdog import Heartbeat
+from .watchdog import Heartbeat, save_guard
 
 logger = logging.getLogger("megatron_2bw.train")
 
@@ -263,11 +263,12 @@ class Trainer:
     def _save(self, end: int) -> None:
         t = self.run.train
         validates = self.sources.valid is not None and bool(t.eval_iters)
-        save_checkpoint(t.save, end, self.executor, self.updater,
-                        megatron_args(self.run, end, validates),
-                        self.run.parallel.schedule, overwrite=t.overwrite_checkpoints,
-                        options=SaveOptions(t.ckpt_format, not t.no_save_optim,
-                                            not t.no_save_rng))
+        with save_guard(end):  # a stop signal waits for it; a killed writer ends the rank
+            save_checkpoint(t.save, end, self.executor, self.updater,
+                            megatron_args(self.run, end, validates),
+                            self.run.parallel.schedule, overwrite=t.overwrite_checkpoints,
+                            options=SaveOptions(t.ckpt_format, not t.no_save_optim,
+                                                not t.no_save_rng))
 
     def save_now(self) -> None:
         """Save the state as loaded (the checkpoint converter) and release the groups."""
@@ -405,6 +406,7 @@ class Trainer:
         """After minibatch k's step on this stage: average its loss over DP and record;
         True when the run must end here (`skip_guard`, decided alike on every rank)."""
         self.housekeeping.after_step(k + 1)
+        PROGRESS.iteration = k + 1  # for a line that stops the run by hand
         stop = self._stop_learning_after(k + 1, result.steps[k])
         if not self.executor.links.is_last:
             return stop

@@ -21,7 +21,7 @@ from typing import Optional
 from ..models.config import ModelConfig
 from ..schedules import DEFAULT_SCHEDULE, schedule_spec
 from .config import TrainConfig
-from .log_writers import ScalarWriters, perplexity, step_grad_norm
+from .log_writers import ScalarWriters, output_error, perplexity, step_grad_norm
 
 logger = logging.getLogger("megatron_2bw.train")
 
@@ -205,14 +205,27 @@ class MetricsSink:
 
     def _write_row(self, rec: dict) -> None:
         if self._file:
-            self._file.write(json.dumps(rec) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(rec) + "\n")
+                self._file.flush()
+            except OSError as err:  # a full disk: one line naming the flag
+                self._file = _closed(self._file)
+                raise output_error(self.t.metrics_file, "--metrics-file", err) from err
 
     def close(self) -> None:
         if self._file:
-            self._file.close()
+            self._file = _closed(self._file)
         if self._writers is not None:
             self._writers.close()
+
+
+def _closed(f) -> None:
+    """Close a file whose buffered rows may not fit on the disk any more."""
+    try:
+        f.close()
+    except OSError:
+        pass
+    return None
 
 
 def drop_rows_after(path: str, iteration: int) -> int:

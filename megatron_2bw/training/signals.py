@@ -1,5 +1,6 @@
-"""Graceful stop: save a checkpoint and exit 0 on SIGTERM (--exit-signal-handler) or
-after --exit-duration-in-mins, as Megatron-LM does.
+"""Stopping: a graceful stop that saves (SIGTERM with --exit-signal-handler,
+--exit-duration-in-mins, as Megatron-LM does), and a stop by hand (Ctrl-C, SIGTERM without
+the flag, SIGHUP) that ends each rank with one line.
 
 SLURM sends SIGTERM before a job's time limit, and so does a preemption. The handler
 only notes the signal: the loop asks at the end of each segment, where the pipeline is
@@ -7,13 +8,24 @@ drained (a checkpoint needs that under 2BW), and all ranks agree with one MAX al
 of the flags (Megatron-LM all-gathers them), so every rank saves the same iteration and
 they stop together. After training SIGTERM stays ignored until the process exits
 (GracefulStop.close): a late one must not fail a rank that saved.
+
+A stop by hand (`HandStop`): torchrun passes the SIGINT of a Ctrl-C, or a SIGTERM, on to
+every worker; Python's default answer is a KeyboardInterrupt traceback per rank (or, for
+SIGTERM, an exit without a word). Here the signal raises `Interrupted` in the main thread,
+and the entry point (errors.guarded) turns it into one line per rank: what stopped it,
+where it was, and the checkpoint to resume from (`stop_line`). A checkpoint save in
+progress finishes first (a second signal stops it at once; the previous checkpoint stays
+intact either way), and the processes a save forks ignore the signal (watchdog.py): they
+die with their rank.
 """
 from __future__ import annotations
 
 import math
 import signal
 import time
-from typing import Optional
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 
@@ -46,9 +58,10 @@ class GracefulStop:
     """Notes SIGTERM and the time budget; says, agreed by every rank, when to stop."""
 
     def __init__(self, on_signal: bool, duration_mins: Optional[float]):
-        """The stop check's flags live on the rank's device (`comm.tensor`)."""
+        """The stop check's flags live on the rank's device (`comm.tensor`). A SIGTERM
+        that came during start-up (noted by HAND_STOP) counts as received."""
         self.on_signal, self.duration_mins = on_signal, duration_mins
-        self.received: Optional[int] = None
+        self.received: Optional[int] = HAND_STOP.early_sigterm if on_signal else None
         self._installed = on_signal
         self._previous = signal.signal(signal.SIGTERM, self._note) if on_signal else None
 
@@ -94,6 +107,155 @@ class GracefulStop:
         after the SIGTERM) or SIGINT.
         """
         if self._installed:
-            keep = self._previous if callable(self._previous) else signal.SIG_IGN
+            embedder = callable(self._previous) and not HAND_STOP._ours(self._previous)
+            keep = self._previous if embedder else signal.SIG_IGN
             signal.signal(signal.SIGTERM, keep)
             self._installed = False
+
+
+# ---------------------------------------------------------------- stopping by hand
+
+SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM",
+                signal.SIGHUP: "SIGHUP (its terminal closed)"}
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal raised in the main thread. A KeyboardInterrupt, so that code which
+    cleans up after Ctrl-C (the standard library's, torch's) does so for each of them."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class Progress:
+    """What a stop line says about this rank: where it is and where its checkpoints go."""
+
+    rank: int = 0
+    save: Optional[str] = None       # --save
+    iteration: Optional[int] = None  # the last step this rank took
+    saving: Optional[int] = None     # the iteration a save in progress writes
+
+
+PROGRESS = Progress()
+
+
+class HandStop:
+    """SIGINT, SIGHUP and (without --exit-signal-handler) SIGTERM raise `Interrupted`;
+    inside `saving()` the first one waits for the save to end. With --exit-signal-handler
+    a SIGTERM before training is noted for GracefulStop (Megatron-LM's handler is up from
+    its start-up too). Signals that are ignored when the process starts (nohup, a
+    background job) stay ignored."""
+
+    def __init__(self) -> None:
+        self._previous: dict = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Nothing received yet (a new run in this process)."""
+        self.received: Optional[int] = None   # the first stop signal, raised or not
+        self.pending: Optional[int] = None    # one that waits for a save to end
+        self.early_sigterm: Optional[int] = None
+        self.quiet = False                     # the process is leaving: only note them
+        self._saving = 0
+
+    def install(self, graceful_sigterm: bool) -> None:
+        """From the main thread; again after the flags are known (graceful_sigterm). With
+        --exit-signal-handler SIGTERM is noted from here even where it was ignored: the
+        Slurm scripts ignore it until the handler is in (docs/launch.md), and it is in."""
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            current = signal.getsignal(sig)
+            graceful = graceful_sigterm and sig == signal.SIGTERM
+            if (current == signal.SIG_IGN and not graceful) or (
+                    current not in (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler)
+                    and not self._ours(current)):
+                continue  # ignored on purpose, or a handler of the program embedding us
+            self._previous.setdefault(sig, current)
+            signal.signal(sig, self._note_sigterm if graceful else self._on_signal)
+
+    def uninstall(self) -> None:
+        """The run is over: a program's own handlers (and Python's Ctrl-C) come back, unless
+        a stop signal ended the run (its process is leaving: a second Ctrl-C during the
+        interpreter's exit would end it by SIGINT); where the default action was, the
+        signal is ignored until the process exits (a late
+        SIGTERM, which SLURM sends node by node, must not fail a rank that finished; not a
+        Python handler either: the interpreter resets those to the default on its way out)."""
+        self.quiet = True
+        stopping = self.received is not None  # the process ends: a second Ctrl-C is ignored
+        for sig, previous in self._previous.items():
+            if self._ours(signal.getsignal(sig)):
+                keep = callable(previous) and not stopping
+                signal.signal(sig, previous if keep else signal.SIG_IGN)
+        self._previous.clear()
+
+    def _ours(self, handler) -> bool:
+        return getattr(handler, "__self__", None) is self
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.received = self.received or signum
+        if self.quiet:
+            return
+        if self._saving and self.pending is None:
+            self.pending = signum  # the save finishes first; a second signal stops it
+            return
+        raise Interrupted(signum)
+
+    def _note_sigterm(self, signum: int, frame) -> None:
+        self.early_sigterm = signum
+
+    @contextmanager
+    def saving(self, iteration: int) -> Iterator[None]:
+        """A checkpoint save: a stop signal during it takes effect when it ends."""
+        self._saving += 1
+        PROGRESS.saving = iteration
+        try:
+            yield
+        finally:
+            self._saving -= 1
+        PROGRESS.saving = None  # kept when the save was abandoned: the stop line says so
+        if self.pending is not None and not self._saving and not self.quiet:
+            raise Interrupted(self.pending)
+
+
+HAND_STOP = HandStop()
+
+
+def signal_name(signum: int) -> str:
+    return SIGNAL_NAMES.get(signum, signal.Signals(signum).name)
+
+
+def where_now() -> str:
+    """Where this rank's run is, for a line that ends it."""
+    if PROGRESS.saving is not None:
+        return f"while saving iteration {PROGRESS.saving} (that save is abandoned)"
+    if PROGRESS.iteration is None:
+        return "before its first iteration"
+    return f"after iteration {PROGRESS.iteration}"
+
+
+def checkpoint_note() -> str:
+    """Where the newest complete checkpoint is, and how to resume from it."""
+    from ..checkpointing.files import read_tracker
+
+    save = PROGRESS.save
+    if not save:
+        return "nothing is saved (no --save)"
+    try:
+        tracked = read_tracker(save)
+    except (ValueError, OSError):
+        tracked = None
+    if tracked is None:
+        return f"no checkpoint in {save} yet"
+    return f"the last checkpoint is iteration {tracked} in {save}: resume with --load {save}"
+
+
+def stop_line(signum: int) -> str:
+    """The one line a rank ends with when a signal stopped it."""
+    return (f"stopped: {signal_name(signum)} on rank {PROGRESS.rank} {where_now()}; "
+            f"{checkpoint_note()}")
+
+
+def stop_status(signum: int) -> int:
+    """The shell's convention for a process ended by a signal: 128 + its number."""
+    return 128 + signum

@@ -1,4 +1,5 @@
-"""Name the ranks that stopped answering: a heartbeat in the job's rendezvous store.
+"""Name the ranks that stopped answering (a heartbeat in the job's rendezvous store), and
+let no process of a rank outlive its job.
 
 A gloo timeout only says that a wait ran out. A pipeline receive knows whom it waited
 for (runtime/p2p.py names that stage), but a rank blocked in a collective (the
@@ -12,19 +13,36 @@ then says that no rank is frozen. Cost: one store round trip per rank and period
 When no torchrun agent hosts the store, rank 0 does; a request to a frozen host never
 returns (the client's timeout does not cover it), so the verdict reads the store from a
 helper thread and gives up on it after a bound: then the verdict names the store's host.
+
+No process outlives its job (issue 31): torchrun SIGKILLed (an OOM killer, a node agent)
+cannot stop its workers, which then trained on and saved into --save; a rank killed during
+a torch_dist save left megatron-core's forked writer asleep, with parent pid 1, for good;
+a writer killed during a save left its rank waiting forever in megatron-core's join.
+- `LauncherWatch`: a worker of torchrun watches its parent; when it is gone the rank
+  leaves within POLL_S with one line (torchrun sets no parent-death signal).
+- `children_die_with_rank`: every process a rank forks from its main thread (the torch_dist
+  writers) gets PR_SET_PDEATHSIG = SIGKILL, and ignores the stop signals (its rank
+  decides; HandStop lets a save finish).
+- `save_guard`: during a checkpoint save, a forked process killed by a signal ends the
+  rank with one line (the save cannot finish), and a stop signal waits for the save.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
 from ..runtime.p2p import PeerTimeout, describe_timeout
-from .errors import within
+from .errors import fail, within
+from .signals import HAND_STOP, checkpoint_note, where_now
 
 _KEY = "megatron_2bw/heartbeat"
 
@@ -129,3 +147,148 @@ class Heartbeat:
             down = self.store_check()
             return err if down is None else PeerTimeout(f"{err}; {down}", timed_out=False)
         return PeerTimeout(f"{err}; {self.verdict()}")
+
+
+# ------------------------------------------------------ no process outlives its job
+
+POLL_S = 0.5  # how often a worker looks for its launcher; a save for killed children
+PR_SET_PDEATHSIG = 1
+
+
+class LauncherWatch:
+    """Under torchrun: end this rank when its parent, the launcher, is gone."""
+
+    def __init__(self, launcher: int):
+        self.launcher = launcher
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name="megatron_2bw-launcher-watch")
+        self._thread.start()
+
+    @classmethod
+    def start(cls) -> Optional["LauncherWatch"]:
+        """A watch when torchrun started this process (its variables are set), else None:
+        a process a user or srun started keeps running without its parent (nohup)."""
+        if "TORCHELASTIC_RUN_ID" not in os.environ or sys.platform != "linux":
+            return None
+        return cls(os.getppid())
+
+    def _watch(self) -> None:
+        while True:
+            if os.getppid() != self.launcher or self.launcher == 1:
+                self._gone()
+            if self._done.wait(POLL_S):
+                return
+
+    def _gone(self) -> None:
+        from .signals import PROGRESS
+
+        which = f"torchrun, pid {self.launcher}" if self.launcher != 1 else "torchrun"
+        fail(f"error: the launcher ({which}) is gone: it was killed "
+             f"without ending its workers (SIGKILL, an OOM killer?); rank {PROGRESS.rank} "
+             f"leaves {where_now()}, so that it trains and saves nothing on its own; "
+             f"{checkpoint_note()}", from_thread=True)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(2 * POLL_S)
+
+
+_fork = {"active": False, "registered": False, "from_main": False, "parent": 0}
+
+
+def children_die_with_rank(active: bool = True) -> None:
+    """From now on (until called with False) a process this one forks from its main thread
+    gets SIGKILL when this one ends, and ignores SIGINT, SIGTERM and SIGHUP."""
+    _fork["active"] = active
+    if active and not _fork["registered"] and hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_before_fork, after_in_child=_in_child)
+        _fork["registered"] = True
+
+
+def _before_fork() -> None:
+    # PR_SET_PDEATHSIG fires when the forking *thread* ends: only the main thread's forks
+    _fork["from_main"] = threading.current_thread() is threading.main_thread()
+    _fork["parent"] = os.getpid()
+
+
+def _in_child() -> None:
+    if not (_fork["active"] and _fork["from_main"]):
+        return
+    _fork["active"] = False  # this child's own forks are its business
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != _fork["parent"]:
+        os._exit(1)  # the rank ended before the death signal was set
+
+
+def _children() -> set[int]:
+    """This process's children, from all of its threads."""
+    out: set[int] = set()
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                out.update(int(pid) for pid in f.read().split())
+    except OSError:
+        pass
+    return out
+
+
+def _killed(pid: int) -> Optional[int]:
+    """The signal that ended child `pid` (not reaped: it stays the caller's to wait for),
+    or None while it runs or when it exited by itself."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None or info.si_code not in (os.CLD_KILLED, os.CLD_DUMPED):
+        return None
+    return info.si_status
+
+
+class _ChildWatch:
+    """During a save: a thread that ends the rank when a process forked during it is
+    killed (megatron-core's writer; its rank would wait for it forever)."""
+
+    def __init__(self, iteration: int):
+        self.iteration, self.before = iteration, _children()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name="megatron_2bw-save-watch")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(POLL_S / 5):
+            for pid in sorted(_children() - self.before):
+                sig = _killed(pid)
+                if sig is not None and not self._done.is_set():
+                    self._fail(pid, sig)
+
+    def _fail(self, pid: int, sig: int) -> None:
+        from .signals import PROGRESS
+
+        name = signal.Signals(sig).name
+        fail(f"error: process {pid}, which rank {PROGRESS.rank} forked to write its part of "
+             f"checkpoint iteration {self.iteration} (--ckpt-format torch_dist), was killed by "
+             f"{name}{' (the OOM killer?)' if sig == signal.SIGKILL else ''}, so the save "
+             f"cannot finish; {checkpoint_note()}", from_thread=True)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(POLL_S)
+
+
+@contextmanager
+def save_guard(iteration: int) -> Iterator[None]:
+    """Around a checkpoint save: a stop signal waits for it to end (HandStop), and a
+    process it forks that is killed ends the rank with one line."""
+    watch = _ChildWatch(iteration)
+    try:
+        with HAND_STOP.saving(iteration):
+            yield
+    finally:
+        watch.close()
