@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
+                                                   ShardedTensorFactory)
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
@@ -281,9 +282,22 @@ def _fresh_keys(executor, path: str) -> list[str]:
 
 
 def _global_shapes(shards: dict, leave_out: list[str] = ()) -> dict[str, tuple]:
-    """{key: global shape} of a stage's ShardedTensors (dict keys in `leave_out` not)."""
-    return {st.key: tuple(st.global_shape) for name, st in shards.items()
-            if isinstance(st, ShardedTensor) and name not in leave_out}
+    """{key: global shape} of a stage's ShardedTensors (dict keys in `leave_out` not),
+    factories built into theirs (SwiGLU's fc1 is saved as one tensor of both halves)."""
+    shapes = {}
+    for name, st in shards.items():
+        if name in leave_out:
+            continue
+        if isinstance(st, ShardedTensorFactory):
+            built = st.build()
+            tensors = built if isinstance(built, (list, tuple)) else (
+                list(built.values()) if isinstance(built, dict) else [built])
+            for t in tensors:
+                if isinstance(t, ShardedTensor):
+                    shapes[t.key] = tuple(t.global_shape)
+        elif isinstance(st, ShardedTensor):
+            shapes[st.key] = tuple(st.global_shape)
+    return shapes
 
 
 def sharded_fit_error(path: str, executor, finetune: bool,
