@@ -89,12 +89,23 @@ def _stop(signum: int, frame) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The tool; SIGTERM and SIGHUP stop it like Ctrl-C while it runs, and the caller's
+    handlers come back after (a test or a script may call main in its own process)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) == signal.SIG_DFL:
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig, handler in previous.items():
+        if handler == signal.SIG_DFL:
             signal.signal(sig, _stop)
+    try:
+        return _run(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(args) -> int:
     try:
         config = to_config(args)
         check_input(config.input)  # before megatron-core is imported: fast, clear failure
