@@ -122,6 +122,12 @@ def test_a_lock_taken_over_meanwhile_stops_the_next_save(tmp_path) -> None:
 def test_a_stop_signal_waits_for_a_save_and_a_second_one_does_not() -> None:
     stop = HandStop()
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # a process's own defaults, whatever an earlier test in this process left behind
+    # (a stopped run leaves the stop signals ignored on purpose)
+    inherited = {sig: signal.getsignal(sig) for sig in signals}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     before = {sig: signal.getsignal(sig) for sig in signals}
     stop.install(graceful_sigterm=True)
     try:
@@ -160,7 +166,7 @@ def test_a_stop_signal_waits_for_a_save_and_a_second_one_does_not() -> None:
     finally:
         stop.uninstall()  # a run that finished
         after = {sig: signal.getsignal(sig) for sig in signals}
-        for sig, handler in before.items():
+        for sig, handler in inherited.items():
             signal.signal(sig, handler)
     # Python's Ctrl-C comes back; SIGTERM and SIGHUP (default: end the process) stay
     # ignored until the process exits
