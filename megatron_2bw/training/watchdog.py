@@ -155,11 +155,21 @@ POLL_S = 0.5  # how often a worker looks for its launcher; a save for killed chi
 PR_SET_PDEATHSIG = 1
 
 
+_WATCHING: list = []  # the LauncherWatch of this process, while it runs
+
+
+def launcher_gone() -> Optional[str]:
+    """The line for a rank whose torchrun launcher is gone, or None (it is there, or this
+    process has none): a rank whose collective broke first says what happened."""
+    return _WATCHING[0].gone_line() if _WATCHING and _WATCHING[0].is_gone() else None
+
+
 class LauncherWatch:
     """Under torchrun: end this rank when its parent, the launcher, is gone."""
 
     def __init__(self, launcher: int):
         self.launcher = launcher
+        _WATCHING[:] = [self]
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True,
                                         name="megatron_2bw-launcher-watch")
@@ -173,25 +183,30 @@ class LauncherWatch:
             return None
         return cls(os.getppid())
 
+    def is_gone(self) -> bool:
+        return os.getppid() != self.launcher or self.launcher == 1
+
     def _watch(self) -> None:
         while True:
-            if os.getppid() != self.launcher or self.launcher == 1:
-                self._gone()
+            if self.is_gone():
+                fail(self.gone_line(), from_thread=True)
             if self._done.wait(POLL_S):
                 return
 
-    def _gone(self) -> None:
+    def gone_line(self) -> str:
         from .signals import PROGRESS
 
         which = f"torchrun, pid {self.launcher}" if self.launcher != 1 else "torchrun"
-        fail(f"error: the launcher ({which}) is gone: it was killed "
-             f"without ending its workers (SIGKILL, an OOM killer?); rank {PROGRESS.rank} "
-             f"leaves {where_now()}, so that it trains and saves nothing on its own; "
-             f"{checkpoint_note()}", from_thread=True)
+        return (f"error: the launcher ({which}) is gone: it was killed without ending its "
+                f"workers (SIGKILL, an OOM killer?); rank {PROGRESS.rank} leaves "
+                f"{where_now()}, so that it trains and saves nothing on its own; "
+                f"{checkpoint_note()}")
 
     def close(self) -> None:
         self._done.set()
         self._thread.join(2 * POLL_S)
+        if _WATCHING and _WATCHING[0] is self:
+            _WATCHING.clear()
 
 
 _fork = {"active": False, "registered": False, "from_main": False, "parent": 0}
