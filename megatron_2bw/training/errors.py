@@ -133,7 +133,7 @@ def _quiet_signals() -> None:
 
 
 def _launcher_gone() -> Optional[str]:
-    from .watchdog import launcher_gone
+    from .signals import launcher_gone
     return launcher_gone()
 
 

@@ -25,7 +25,7 @@ import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -219,6 +219,20 @@ class HandStop:
 
 
 HAND_STOP = HandStop()
+
+
+_LAUNCHER: list = [None]  # watchdog.LauncherWatch's check: its line once torchrun is gone
+
+
+def watch_launcher(check: Optional[Callable[[], Optional[str]]]) -> None:
+    """Register (None: drop) the check that says whether this rank's launcher is gone."""
+    _LAUNCHER[0] = check
+
+
+def launcher_gone() -> Optional[str]:
+    """The line for a rank whose torchrun launcher is gone, or None (it is there, or this
+    process has no watch): a rank whose collective broke first says what happened."""
+    return _LAUNCHER[0]() if _LAUNCHER[0] is not None else None
 
 
 def signal_name(signum: int) -> str:

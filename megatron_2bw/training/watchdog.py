@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..runtime.p2p import PeerTimeout, describe_timeout
 from .errors import fail, within
-from .signals import HAND_STOP, checkpoint_note, where_now
+from .signals import HAND_STOP, checkpoint_note, watch_launcher, where_now
 
 _KEY = "megatron_2bw/heartbeat"
 
@@ -155,21 +155,13 @@ POLL_S = 0.5  # how often a worker looks for its launcher; a save for killed chi
 PR_SET_PDEATHSIG = 1
 
 
-_WATCHING: list = []  # the LauncherWatch of this process, while it runs
-
-
-def launcher_gone() -> Optional[str]:
-    """The line for a rank whose torchrun launcher is gone, or None (it is there, or this
-    process has none): a rank whose collective broke first says what happened."""
-    return _WATCHING[0].gone_line() if _WATCHING and _WATCHING[0].is_gone() else None
-
-
 class LauncherWatch:
-    """Under torchrun: end this rank when its parent, the launcher, is gone."""
+    """Under torchrun: end this rank when its parent, the launcher, is gone (and tell
+    errors.guarded, for a rank whose collective broke before its watch saw it)."""
 
     def __init__(self, launcher: int):
         self.launcher = launcher
-        _WATCHING[:] = [self]
+        watch_launcher(self._line_if_gone)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True,
                                         name="megatron_2bw-launcher-watch")
@@ -185,6 +177,9 @@ class LauncherWatch:
 
     def is_gone(self) -> bool:
         return os.getppid() != self.launcher or self.launcher == 1
+
+    def _line_if_gone(self) -> Optional[str]:
+        return self.gone_line() if self.is_gone() else None
 
     def _watch(self) -> None:
         while True:
@@ -205,8 +200,7 @@ class LauncherWatch:
     def close(self) -> None:
         self._done.set()
         self._thread.join(2 * POLL_S)
-        if _WATCHING and _WATCHING[0] is self:
-            _WATCHING.clear()
+        watch_launcher(None)
 
 
 _fork = {"active": False, "registered": False, "from_main": False, "parent": 0}
