@@ -152,6 +152,16 @@ def test_a_stop_signal_waits_for_a_save_and_a_second_one_does_not() -> None:
                 time.sleep(1)
                 saved.append(6)
         assert saved == [5]
+        stop.reset()
+        with pytest.raises(Interrupted):
+            with stop.saving(7):
+                stop._fork_begins()  # a save forks its writers: inside the fork's hooks a
+                os.kill(os.getpid(), signal.SIGINT)  # raise would be printed and dropped
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                stop._fork_ends()
+                saved.append(7)  # so both wait for the save's end
+        assert saved == [5, 7]
         os.kill(os.getpid(), signal.SIGTERM)  # --exit-signal-handler: only noted
         assert stop.early_sigterm == signal.SIGTERM
         stop.quiet = True

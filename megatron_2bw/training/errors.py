@@ -91,14 +91,21 @@ def guarded(body: Callable[[], int]) -> int:
         return body()
     except KeyboardInterrupt as err:  # signals.Interrupted, or Ctrl-C before its handler
         _stop.set()
+        if _leaving.locked():
+            _wait_for_the_end()  # another thread ends the process, with its line
         return _stopped(getattr(err, "signum", 2), _job_store())
     except Exception as err:  # noqa: BLE001 - programming errors are re-raised below
         _stop.set()
         _quiet_signals()
+        if _leaving.locked():
+            _wait_for_the_end()  # a peer's departure broke a collective: its line is due
         store = _job_store()
         received = _received_signal()
         if received is not None:  # a collective failed as the peers stopped, like this rank
             return _stopped(received, store)
+        gone = _launcher_gone()
+        if gone is not None:  # a peer left as its launcher died, before this rank saw it
+            return fail(gone, store)
         peer = _peer_line(store)
         if peer is not None and peer["kind"] == "stop":
             return _relay(store, peer)
@@ -123,6 +130,11 @@ def _quiet_signals() -> None:
     """The process is leaving: a second Ctrl-C must not interrupt that (a traceback)."""
     from .signals import HAND_STOP
     HAND_STOP.quiet = True
+
+
+def _launcher_gone() -> Optional[str]:
+    from .signals import launcher_gone
+    return launcher_gone()
 
 
 def _received_signal() -> Optional[int]:

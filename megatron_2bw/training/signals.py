@@ -21,11 +21,12 @@ die with their rank.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -150,6 +151,9 @@ class HandStop:
 
     def __init__(self) -> None:
         self._previous: dict = {}
+        self._pid = os.getpid()
+        self._hooked = False
+        self._forking = 0
         self.reset()
 
     def reset(self) -> None:
@@ -172,7 +176,17 @@ class HandStop:
                     and not self._ours(current)):
                 continue  # ignored on purpose, or a handler of the program embedding us
             self._previous.setdefault(sig, current)
+            self._pid = os.getpid()
             signal.signal(sig, self._note_sigterm if graceful else self._on_signal)
+        if not self._hooked:
+            os.register_at_fork(before=self._fork_begins, after_in_parent=self._fork_ends)
+            self._hooked = True
+
+    def _fork_begins(self) -> None:
+        self._forking += 1  # before every other hook (they run last registered first)
+
+    def _fork_ends(self) -> None:
+        self._forking -= 1  # after every other hook (they run first registered first)
 
     def uninstall(self) -> None:
         """The run is over: a program's own handlers (and Python's Ctrl-C) come back, unless
@@ -193,12 +207,16 @@ class HandStop:
         return getattr(handler, "__self__", None) is self
 
     def _on_signal(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child (a save's writer) before it set its own: its rank acts
         self.received = self.received or signum
         if self.quiet:
             return
-        if self._saving and self.pending is None:
+        if (self._saving or self._forking) and self.pending is None:
             self.pending = signum  # the save finishes first; a second signal stops it
             return
+        if self._forking:
+            return  # raised inside a fork's hooks it would only be printed and dropped
         raise Interrupted(signum)
 
     def _note_sigterm(self, signum: int, frame) -> None:
@@ -219,6 +237,20 @@ class HandStop:
 
 
 HAND_STOP = HandStop()
+
+
+_LAUNCHER: list = [None]  # watchdog.LauncherWatch's check: its line once torchrun is gone
+
+
+def watch_launcher(check: Optional[Callable[[], Optional[str]]]) -> None:
+    """Register (None: drop) the check that says whether this rank's launcher is gone."""
+    _LAUNCHER[0] = check
+
+
+def launcher_gone() -> Optional[str]:
+    """The line for a rank whose torchrun launcher is gone, or None (it is there, or this
+    process has no watch): a rank whose collective broke first says what happened."""
+    return _LAUNCHER[0]() if _LAUNCHER[0] is not None else None
 
 
 def signal_name(signum: int) -> str:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..runtime.p2p import PeerTimeout, describe_timeout
 from .errors import fail, within
-from .signals import HAND_STOP, checkpoint_note, where_now
+from .signals import HAND_STOP, checkpoint_note, watch_launcher, where_now
 
 _KEY = "megatron_2bw/heartbeat"
 
@@ -156,10 +156,12 @@ PR_SET_PDEATHSIG = 1
 
 
 class LauncherWatch:
-    """Under torchrun: end this rank when its parent, the launcher, is gone."""
+    """Under torchrun: end this rank when its parent, the launcher, is gone (and tell
+    errors.guarded, for a rank whose collective broke before its watch saw it)."""
 
     def __init__(self, launcher: int):
         self.launcher = launcher
+        watch_launcher(self._line_if_gone)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True,
                                         name="megatron_2bw-launcher-watch")
@@ -173,25 +175,32 @@ class LauncherWatch:
             return None
         return cls(os.getppid())
 
+    def is_gone(self) -> bool:
+        return os.getppid() != self.launcher or self.launcher == 1
+
+    def _line_if_gone(self) -> Optional[str]:
+        return self.gone_line() if self.is_gone() else None
+
     def _watch(self) -> None:
         while True:
-            if os.getppid() != self.launcher or self.launcher == 1:
-                self._gone()
+            if self.is_gone():
+                fail(self.gone_line(), from_thread=True)
             if self._done.wait(POLL_S):
                 return
 
-    def _gone(self) -> None:
+    def gone_line(self) -> str:
         from .signals import PROGRESS
 
         which = f"torchrun, pid {self.launcher}" if self.launcher != 1 else "torchrun"
-        fail(f"error: the launcher ({which}) is gone: it was killed "
-             f"without ending its workers (SIGKILL, an OOM killer?); rank {PROGRESS.rank} "
-             f"leaves {where_now()}, so that it trains and saves nothing on its own; "
-             f"{checkpoint_note()}", from_thread=True)
+        return (f"error: the launcher ({which}) is gone: it was killed without ending its "
+                f"workers (SIGKILL, an OOM killer?); rank {PROGRESS.rank} leaves "
+                f"{where_now()}, so that it trains and saves nothing on its own; "
+                f"{checkpoint_note()}")
 
     def close(self) -> None:
         self._done.set()
         self._thread.join(2 * POLL_S)
+        watch_launcher(None)
 
 
 _fork = {"active": False, "registered": False, "from_main": False, "parent": 0}
