@@ -354,3 +354,40 @@ def test_preprocessing_that_fails_leaves_the_earlier_output(tmp_path, monkeypatc
         preprocess(config)
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("out")}
     assert after == before and len(files) == 2
+
+
+# ---------------------------------------------------------------- ranks that disagree
+
+
+def _rank_view(host: str, torch_version: str = "2.13.0", **flags) -> dict:
+    from megatron_2bw.training import agreement
+
+    software = dict(agreement.software(), torch=torch_version)
+    return {"host": host, "package": "/opt/m2bw", "software": software,
+            "flags": {k: repr(v) for k, v in flags.items()}}
+
+
+@pytest.mark.parametrize("rank1, says", [
+    (_rank_view("n1", torch_version="2.12.0", lr=0.01),
+     "the ranks of this job run different software: torch 2.12.0 on rank 1 (n1), 2.13.0 on "
+     "rank 0 (n0) (the installed packages); run every rank from one environment"),
+    (_rank_view("n1", lr=0.02, seed=2, save="b", load=None, data_path=["x"]),
+     "rank 1 (n1) was started with other flags than rank 0 (n0): --data-path ['x'] on rank 1, "
+     "unset on rank 0; --load unset on rank 1, a on rank 0; --lr 0.02 on rank 1, 0.01 on rank "
+     "0 (and 2 more) (the command line); give every rank the same flags"),
+])
+def test_ranks_that_disagree_are_refused_naming_what_differs(monkeypatch, rank1, says) -> None:
+    """Every rank shows the others its software and flags; rank 0's are the reference and
+    the first difference is one UserError (the matrix runs two real ranks: class 16)."""
+    from argparse import Namespace
+
+    from megatron_2bw.training import agreement
+    from megatron_2bw.training.errors import UserError
+
+    rank0 = _rank_view("n0", lr=0.01, seed=1, save="a", load="a")
+    monkeypatch.setattr(agreement.comm, "all_gather_object", lambda mine: [rank0, rank1])
+    with pytest.raises(UserError) as err:
+        agreement.check_ranks_agree(Namespace(lr=0.01), world_size=2)
+    assert str(err.value).startswith(says), str(err.value)
+    monkeypatch.setattr(agreement.comm, "all_gather_object", lambda mine: [rank0, rank0])
+    agreement.check_ranks_agree(Namespace(lr=0.01), world_size=2)  # agreeing ranks pass

@@ -135,12 +135,15 @@ class Ranks:
     """nproc ranks started directly with torchrun's variables (no agent): their own exit
     codes, and signals delivered to one rank at a time."""
 
-    def __init__(self, argv: list, nproc: int, work: str, env: Optional[dict] = None) -> None:
+    def __init__(self, argv: list, nproc: int, work: str, env: Optional[dict] = None,
+                 rank_argv: Optional[dict] = None) -> None:
+        """`rank_argv` maps a rank to its own command line (a job whose ranks disagree)."""
         base = _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                           WORLD_SIZE=str(nproc), **(env or {}))
         self.logs = [open(os.path.join(work, f"rank{r}.log"), "w+") for r in range(nproc)]
         self.start = time.monotonic()
-        self.procs = [subprocess.Popen(argv, cwd=work, stdout=self.logs[r],
+        self.procs = [subprocess.Popen((rank_argv or {}).get(r, argv), cwd=work,
+                                       stdout=self.logs[r],
                                        stderr=subprocess.STDOUT,
                                        env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
                       for r in range(nproc)]
@@ -1909,6 +1912,37 @@ def _stalled_log(ctx: Ctx) -> Run:
     return Run(codes, log0.read(), time.monotonic() - start, timed_out)
 
 
+def _ranks_disagree(rank1: Callable[[Ctx, list], list]) -> Callable[[Ctx], Run]:
+    """DP 2 where rank 1's command line is `rank1(ctx, argv)`: another flag, or another
+    copy of the program (a node whose install was not updated)."""
+    def act(ctx: Ctx) -> Run:
+        argv = [PY, GPT, *TINY, "--global-batch-size", "4", "--train-iters", "4",
+                "--metrics-file", "m.jsonl"]
+        return Ranks(argv, 2, ctx.work, rank_argv={1: rank1(ctx, argv)}).wait(120)
+    return act
+
+
+def _other_lr(ctx: Ctx, argv: list) -> list:
+    return _replace(argv, "--lr", "2e-2")
+
+
+def _stale_install(ctx: Ctx, argv: list) -> list:
+    """A copy of pretrain_gpt.py and megatron_2bw with one file changed, as an older
+    install on one node would be (the script's directory comes first on sys.path)."""
+    node = os.path.join(ctx.work, "node1")
+    shutil.copytree(os.path.join(ROOT, "megatron_2bw"), os.path.join(node, "megatron_2bw"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(GPT, node)
+    with open(os.path.join(node, "megatron_2bw", "optim", "__init__.py"), "a") as f:
+        f.write("# an older build of this file\n")
+    return [argv[0], os.path.join(node, "pretrain_gpt.py"), *argv[2:]]
+
+
+def _nothing_trained(ctx: Ctx, r: Run) -> str:
+    rows = metrics_rows(os.path.join(ctx.work, "m.jsonl"))
+    return f"{len(rows)} training rows written before the refusal" if rows else ""
+
+
 def class16() -> list:
     return [
         Probe("torchrun SIGKILLed: the ranks leave, saving nothing more", 16, "fault",
@@ -1929,6 +1963,11 @@ def class16() -> list:
         Probe("a stale lock from another host, its clock 1 h ahead, is taken over (guard)",
               16, "ok", _foreign_lock(False, 3600.0), "node-elsewhere",
               check=tracker_is(3)),
+        Probe("one rank started with another --lr (an edited per-node script)", 16, "error",
+              _ranks_disagree(_other_lr), "--lr", check=_nothing_trained),
+        Probe("one rank runs another install of megatron_2bw (a node not updated)", 16,
+              "error", _ranks_disagree(_stale_install), "different software",
+              check=_nothing_trained),
     ]
 
 

@@ -15,6 +15,7 @@ import os
 from typing import Optional, Sequence
 
 from .. import comm
+from .agreement import check_ranks_agree
 from .arguments import config_from_args, parse_args
 from ..checkpointing.contents import apply_checkpoint_args
 from ..checkpointing.files import SaveLock
@@ -64,6 +65,7 @@ def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     PROGRESS.rank = env.rank
     watch_peers()
     setup_logging(env.rank, env.world_size)
+    check_ranks_agree(args, env.world_size)  # one software, one command line
     check_megatron_flags(args, env.world_size)   # removed and refused Megatron-LM flags
     validate_flags(args, model, env.world_size)  # cross-flag rules, before reading any file
     if taken:
