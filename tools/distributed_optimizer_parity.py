@@ -11,15 +11,15 @@ PP = 2 on 8 processes, with Adam and Muon and both delay compensations under 2BW
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from typing import Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for benchmarks
+from benchmarks.torchrun import train_rows  # noqa: E402
+
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-2",
@@ -41,16 +41,8 @@ def parse_layout(text: str) -> tuple[int, int, int]:
 
 
 def train(flags: list[str], nproc: int, metrics: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", "29811", os.path.join(ROOT, "pretrain_gpt.py"), *MODEL,
-           "--metrics-file", metrics, *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"distributed_optimizer_parity: error: {' '.join(cmd)} failed:\n"
-                         f"{done.stderr[-3000:]}")
-    with open(metrics) as f:
-        return [r for r in map(json.loads, f) if r.get("split", "train") == "train"]
+    rows = train_rows("distributed_optimizer_parity", MODEL + flags, nproc, metrics)
+    return [r for r in rows if r.get("split", "train") == "train"]
 
 
 def max_rel(a: list[float], b: list[float]) -> float:

@@ -14,14 +14,14 @@ its ranks differ, and the table shows by how much.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for benchmarks
+from benchmarks.torchrun import train_rows  # noqa: E402
+
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
          "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-4", "--mock-data",
@@ -31,17 +31,9 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
 def measure(dp: int, optimizer: str, sharded: bool, work: str) -> list[int]:
     """Every rank's optimizer state bytes of one run at data-parallel size `dp`."""
     metrics = os.path.join(work, f"{optimizer}-dp{dp}-{int(sharded)}.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp),
-           "--master-port", str(29700 + dp + 10 * sharded), os.path.join(ROOT, "pretrain_gpt.py"),
-           *MODEL, "--optimizer", optimizer, "--metrics-file", metrics,
-           *(["--use-distributed-optimizer"] if sharded else [])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"optimizer_memory: error: {' '.join(cmd)} failed:\n"
-                         f"{done.stderr[-3000:]}")
-    with open(metrics) as f:
-        rows = [json.loads(line) for line in f]
+    rows = train_rows("optimizer_memory", [*MODEL, "--optimizer", optimizer,
+                                           *(["--use-distributed-optimizer"] if sharded else [])],
+                      dp, metrics)
     return next(r["optimizer_state_bytes"] for r in rows if r.get("split") == "memory")
 
 

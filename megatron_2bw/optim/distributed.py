@@ -55,12 +55,40 @@ class DistributedUpdater:
         self._shard = (torch.zeros(layout.chunk, dtype=torch.float32, device=self.device)
                        if not layout.contiguous else None)
 
-    def __getattr__(self, name: str):
-        """The scheduler, scaler, parameter groups, config and optimizers are the inner
-        updater's (only called for what this class does not define)."""
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    # --- what the loop and the checkpoint code read: the inner updater's ---------------
+    @property
+    def config(self) -> OptimizerConfig:
+        return self.inner.config
+
+    @property
+    def scheduler(self):
+        """The learning-rate schedule (one per job, the same on every shard)."""
+        return self.inner.scheduler
+
+    @property
+    def scaler(self):
+        return self.inner.scaler
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def compensation(self):
+        return self.inner.compensation
+
+    @property
+    def adam(self):
+        """The inner Adam: its step counter is the job's; its moments are the shard's."""
+        return self.inner.adam
+
+    @property
+    def muon(self):
+        return self.inner.muon
+
+    @property
+    def batch_size(self) -> int:
+        return self.inner.batch_size
 
     # --- the step ---------------------------------------------------------------------
     def set_batch_size(self, samples: int) -> None:
