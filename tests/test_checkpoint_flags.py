@@ -115,3 +115,22 @@ def test_layernorm_1p_is_a_shape_flag_under_either_name() -> None:
                   {"layernorm_zero_centered_gamma": None, "apply_layernorm_1p": True}):
         with pytest.raises(CheckpointError, match="--apply-layernorm-1p True"):
             check_shapes(saved, flags, "ckpt")
+
+
+def test_a_resume_with_another_global_batch_size_continues_the_data(tmp_path) -> None:
+    """As in Megatron-LM, the data continues from the checkpoint's consumed_train_samples:
+    2 iterations of 8 samples, then 4 per iteration, train on samples 16-23, which a run of
+    4 per iteration from the start reaches at iterations 5-6. At --lr 0 the weights stay
+    the initial ones, so the losses are those samples' alone; counting from this run's size
+    instead (2 x 4) trains samples 8-15 again."""
+    base = ["--lr", "0", "--eval-iters", "0", "--ckpt-format", "torch"]
+    ck = str(tmp_path / "ck")
+    launch("gpt", 1, base + ["--global-batch-size", "8", "--train-iters", "2", "--save", ck,
+                             "--save-interval", "2"], str(tmp_path / "a.jsonl"))
+    resumed = launch("gpt", 1, base + ["--global-batch-size", "4", "--train-iters", "4",
+                                       "--load", ck], str(tmp_path / "b.jsonl"))
+    straight = launch("gpt", 1, base + ["--global-batch-size", "4", "--train-iters", "6"],
+                      str(tmp_path / "c.jsonl"))
+    assert [r["consumed_samples"] for r in resumed] == [20, 24]
+    assert losses(resumed) == losses(straight)[4:]
+    assert losses(resumed) != losses(straight)[2:4]

@@ -62,6 +62,23 @@ def test_ramp_follows_megatron_core_calculator() -> None:
             consumed += ours.size(it)
 
 
+def test_a_resumed_ramp_walks_on_from_the_checkpoints_samples() -> None:
+    """Resumed at iteration k after c samples of another run's sizes: megatron-core's
+    calculator looks the size up from c on, and so do the phases."""
+    for trial in range(50):
+        rnd = random.Random(1000 + trial)
+        start, increment = 2 * rnd.randint(1, 3), 2 * rnd.randint(1, 2)
+        gbs, samples = start + increment * rnd.randint(1, 4), rnd.randint(0, 200)
+        it, consumed = rnd.randint(1, 30), rnd.randint(1, 250)
+        ours = BatchSizes(gbs, (start, increment, samples), resumed=(it, consumed))
+        calc = _calculator(gbs, 2, (start, increment, samples))
+        for it in range(it, it + 80):
+            calc.update(consumed, consistency_check=True)
+            assert ours.size(it) == calc.get_current_global_batch_size(), (trial, it)
+            assert ours.consumed(it) == consumed, (trial, it)
+            consumed += ours.size(it)
+
+
 def _megatron_train_iters(train_samples: int, gbs: int, unit: int, ramp) -> int:
     """Megatron-LM's update_train_iters, on megatron-core's calculator."""
     if ramp is None:

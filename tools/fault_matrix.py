@@ -453,12 +453,26 @@ def class1() -> list:
         Probe("resume with the same flags", 1, "ok", resume([]), check=tracker_is(4)),
         Probe("resume after a crash keeps one metrics row per iteration", 1, "ok",
               resume([], corrupt=lambda ck: _append_rows(ck)), check=rows_once(4)),
+        Probe("resume with a larger --global-batch-size continues the data", 1, "ok",
+              resume(["--global-batch-size", "4", "--override-opt_param-scheduler"]),
+              "continues from sample 4", check=_data_continues(4, 4)),
         Probe("resume 2bw checkpoint into flush says so", 1, "ok",
               resume(["--pipeline-schedule", "flush", "--train-iters", "3"], base=TINY + PP2,
                      src="ckpt2bw"), "continuing from its newest weight version",
               check=tracker_is(3), slow=True),
     ]
     return P
+
+
+def _data_continues(saved: int, gbs: int) -> Callable[[Ctx, Run], str]:
+    """The first resumed iteration takes `gbs` samples after the checkpoint's `saved`
+    (Megatron-LM's consumed_train_samples), not iteration x the new size."""
+    def check(ctx: Ctx, r: Run) -> str:
+        rows = metrics_rows(os.path.join(ctx.work, "m.jsonl"))
+        got = [row["consumed_samples"] for row in rows if row["iteration"] == 3]
+        return "" if got == [saved + gbs] else f"iteration 3 at consumed samples {got}, " \
+            f"expected {saved + gbs}"
+    return check
 
 
 def _append_rows(ck: str) -> None:

@@ -147,6 +147,19 @@ def saved_args(root: str) -> Optional[dict]:
     return vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
 
 
+def saved_data_position(root: str) -> Optional[tuple[int, int]]:
+    """(iteration, consumed_train_samples) of the newest checkpoint under `root`, where its
+    args carry the counter (ours and Megatron-LM's do); None otherwise, including a
+    checkpoint that cannot be read: the reader that loads it next says what is wrong."""
+    try:
+        iteration, saved = read_tracker(root), saved_args(root)
+    except Exception:  # noqa: BLE001 - reported by read_checkpoint, with its file named
+        return None
+    if iteration is None or not saved or saved.get("consumed_train_samples") is None:
+        return None
+    return iteration, int(saved["consumed_train_samples"])
+
+
 def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     """--use-checkpoint-args: the model flags from --load's checkpoint; the changes."""
     saved = saved_args(args.load) if args.load else None

@@ -29,10 +29,17 @@ class Phase:
 
 @dataclass(frozen=True)
 class BatchSizes:
-    """Per-iteration global batch sizes; `rampup` is (start, increment, samples) or None."""
+    """Per-iteration global batch sizes; `rampup` is (start, increment, samples) or None.
+
+    `resumed` is (iteration, samples consumed before it) of the checkpoint a run resumes
+    from: as in Megatron-LM, the data continues from the checkpoint's
+    consumed_train_samples, whatever --global-batch-size its run had (so a resume with
+    another size neither skips nor repeats samples). Iterations before it are not asked.
+    """
 
     global_batch_size: int
     rampup: Optional[tuple[int, int, int]] = None
+    resumed: tuple[int, int] = (0, 0)
     phases: tuple[Phase, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -50,11 +57,10 @@ class BatchSizes:
         return start + steps * increment
 
     def _build_phases(self) -> list[Phase]:
-        if self.rampup is None or self.rampup[0] == self.global_batch_size:
-            return [Phase(0, self.global_batch_size, 0)]
+        """Walk the iterations from `resumed` while the size still ramps up."""
+        iteration, consumed = self.resumed
+        size, first, first_consumed = self.size_at(consumed), iteration, consumed
         phases: list[Phase] = []
-        consumed, iteration = 0, 0
-        size, first, first_consumed = self.size_at(0), 0, 0
         while size != self.global_batch_size:
             consumed += size
             iteration += 1
@@ -67,7 +73,7 @@ class BatchSizes:
 
     def _phase(self, iteration: int) -> Phase:
         firsts = [p.first for p in self.phases]
-        return self.phases[bisect.bisect_right(firsts, iteration) - 1]
+        return self.phases[max(0, bisect.bisect_right(firsts, iteration) - 1)]
 
     def size(self, iteration: int) -> int:
         """Samples in 0-based iteration `iteration`."""

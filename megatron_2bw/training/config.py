@@ -133,6 +133,8 @@ class RunConfig:
     train: TrainConfig
     precision: str = "fp32"               # fp32 | bf16 | fp16
     flags: dict = field(default_factory=dict)  # the parsed flags, saved in checkpoints
+    # (iteration, consumed samples) of the checkpoint resumed: the data continues there
+    resumed_data: tuple[int, int] = (0, 0)
 
     @property
     def num_microbatches(self) -> int:
@@ -147,4 +149,5 @@ class RunConfig:
     @cached_property
     def batch_sizes(self) -> BatchSizes:
         """The global batch size of every iteration (constant, or ramped up)."""
-        return BatchSizes(self.train.global_batch_size, self.train.rampup_batch_size)
+        return BatchSizes(self.train.global_batch_size, self.train.rampup_batch_size,
+                          self.resumed_data)

@@ -7,14 +7,18 @@ sampler order (`megatron_2bw.data.datasets.microbatches`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from ..data.datasets import (DatasetsConfig, build_datasets, megatron_sample_counts,
                              mock_tokenizer)
+from ..checkpointing.contents import saved_data_position
 from .config import RunConfig
+
+logger = logging.getLogger("megatron_2bw.train")
 
 
 @dataclass(frozen=True)
@@ -50,11 +54,30 @@ def tokenizer_from_args(args, model: str):
                            hf_include_special_tokens=args.tokenizer_hf_include_special_tokens)
 
 
+def continue_data(run: RunConfig) -> RunConfig:
+    """A resumed run's data continues from the checkpoint's consumed_train_samples, as in
+    Megatron-LM. It differs from this run's own count only when --global-batch-size (or
+    its ramp-up) changed since: counting from this run's sizes would skip or repeat
+    samples without a word, so the run says where it continues."""
+    t = run.train
+    position = saved_data_position(t.load) if t.load and not t.finetune else None
+    if position is None or position[1] == run.batch_sizes.consumed(position[0]):
+        return run
+    iteration, consumed = position
+    logger.info(f"note: the checkpoint's run consumed {consumed} samples in {iteration} "
+                f"iterations, this run's batch sizes {run.batch_sizes.consumed(iteration)}: "
+                f"the training data continues from sample {consumed} (the checkpoint's "
+                "consumed_train_samples, as Megatron-LM)")
+    return replace(run, resumed_data=position)
+
+
 def data_sources(run: RunConfig, tokenizer) -> DataSources:
     """Train and validation datasets with as many samples as the run consumes."""
     data, t = run.data, run.train
     train, valid, test = megatron_sample_counts(t.train_iters, t.global_batch_size,
                                                 t.eval_interval, t.eval_iters)
+    # a resume after a smaller --global-batch-size reads further (continue_data)
+    train = max(train, run.batch_sizes.consumed(t.train_iters))
     config = DatasetsConfig(model=run.model.model, data_path=data.data_path, split=data.split,
                             seq_length=data.seq_length, seed=data.seed, train_samples=train,
                             valid_samples=valid, test_samples=test, mock=data.mock_data,

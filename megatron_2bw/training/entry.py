@@ -19,7 +19,7 @@ from .agreement import check_ranks_agree
 from .arguments import config_from_args, parse_args
 from ..checkpointing.contents import apply_checkpoint_args
 from ..checkpointing.files import SaveLock
-from .data_sources import data_sources, tokenizer_from_args
+from .data_sources import continue_data, data_sources, tokenizer_from_args
 from .distributed import init_distributed, setup_logging
 from .errors import guarded, watch_peers
 from .signals import HAND_STOP, PROGRESS
@@ -88,7 +88,7 @@ def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
 
 def _train(args, model: str, env) -> int:
     tokenizer = tokenizer_from_args(args, model)
-    run = config_from_args(args, model, env.world_size, tokenizer.vocab_size)
+    run = continue_data(config_from_args(args, model, env.world_size, tokenizer.vocab_size))
     sources = data_sources(run, tokenizer)
     from ..models import apply_cpu_shims, apply_exercise_shims
     from .loop import pretrain
