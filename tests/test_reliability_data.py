@@ -389,18 +389,30 @@ def test_read_only_data_with_data_cache_path_through_run_config(read_only_copy, 
 
 
 def test_cache_write_failure_is_named():
-    from megatron_2bw.data.datasets import DataCacheError, _cache_write_errors
+    """The file megatron-core failed to write, with the flag that put it there; a full
+    disk (numpy's write names no file) names the cache folder."""
+    from megatron_2bw.data.datasets import (DataCacheError, DatasetsConfig,
+                                            _cache_write_errors)
 
+    config = DatasetsConfig(model="gpt", data_path=["/data/x/d"], split="90,10,0",
+                            seq_length=16, seed=1, train_samples=8, valid_samples=8,
+                            test_samples=0, data_cache_path="/data/x/cache")
+    prefixes = ["/data/x/d"]
     denied = PermissionError(13, "Permission denied", "/data/x/cache/GPTDataset_indices")
     with pytest.raises(DataCacheError, match=r"cannot write the dataset index cache "
-                       r"\(/data/x/cache/GPTDataset_indices: Permission denied\)"):
-        with _cache_write_errors():
+                       r"/data/x/cache/GPTDataset_indices: Permission denied "
+                       r"\(--data-cache-path /data/x/cache\)"):
+        with _cache_write_errors(config, prefixes):
             raise denied
     with pytest.raises(DataCacheError, match="Permission denied"):  # megatron-core's wrapper
-        with _cache_write_errors():
+        with _cache_write_errors(config, prefixes):
             raise Exception("Failed to write dataset materials") from denied
+    with pytest.raises(DataCacheError, match=r"index cache /data/x/cache: the disk is full "
+                       r"\(--data-cache-path /data/x/cache\); free space there"):
+        with _cache_write_errors(config, prefixes):
+            raise OSError(28, "No space left on device")
     with pytest.raises(KeyError):
-        with _cache_write_errors():
+        with _cache_write_errors(config, prefixes):
             raise KeyError("unrelated")
 
 

@@ -1530,6 +1530,19 @@ def _log_onto_full(flag: str, kib: int = 100) -> Callable[[Ctx], Run]:
     return act
 
 
+def _cache_onto_full(ctx: Ctx) -> Run:
+    """--data-cache-path on a filesystem with room for two of the index cache's files."""
+    prefix = copy_data(ctx.shared.data(), ctx.work)
+    fs = small_fs(ctx, 8)
+    preexec = None
+    if fs is None:
+        fs, preexec = os.path.join(ctx.work, "fs"), _fsize_limit(512)
+        os.makedirs(fs)
+    flags = _replace(data_flags(prefix, ctx.work), "--data-cache-path",
+                     os.path.join(fs, "cache"))
+    return gpt1(_replace(flags, "--train-iters", "4"), ctx.work, preexec=preexec)
+
+
 def _export_onto_full(ctx: Ctx) -> Run:
     src = ctx.shared.ckpt()
     fs = small_fs(ctx, 100)
@@ -1568,6 +1581,8 @@ def class14() -> list:
               _log_onto_full("--tensorboard-dir"), "(--tensorboard-dir)"),
         Probe("Hugging Face export onto a full filesystem", 14, "error", _export_onto_full,
               "(--output)", check=_left_as_before),
+        Probe("--data-cache-path on a full filesystem names the folder", 14, "error",
+              _cache_onto_full, "(--data-cache-path"),
     ]
 
 

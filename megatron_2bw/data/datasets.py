@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 MODELS = ("gpt", "bert")
 # errors that mean "cannot write here": megatron-core's cache writes are the only writes
-_WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+_WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+                 errno.EFBIG)
 Sample = Dict[str, Optional[torch.Tensor]]
 Batch = Dict[str, Optional[torch.Tensor]]
 
@@ -262,7 +263,7 @@ def build_datasets(config: DatasetsConfig, tokenizer: MegatronTokenizer,
     else:
         core_config = bert_dataset_config(config, tokenizer)
     cls = _dataset_class(config)
-    watch = None
+    watch, prefixes = None, None
     if not config.mock:
         prefixes = core_config.blend[0]
         _check_cache_writable(config, prefixes)  # before the scan records anything there
@@ -272,7 +273,7 @@ def build_datasets(config: DatasetsConfig, tokenizer: MegatronTokenizer,
             _check_bert_documents(core_config, config.sizes)
         _rank0_verdict(lambda: refresh_caches(config, prefixes))
         watch = FileWatch(dict.fromkeys(prefixes))  # what megatron-core is about to map
-    with _process_group(), _cache_write_errors():
+    with _process_group(), _cache_write_errors(config, prefixes):
         train, valid, test = BlendedMegatronDatasetBuilder(
             cls, config.sizes, is_built_on_rank, core_config).build()
     if watch is not None:  # a file cut short or rewritten under the run: one line
@@ -386,8 +387,7 @@ def _check_cache_writable(config: DatasetsConfig, prefixes: Sequence[str]) -> No
     unwritable: it may already hold every index (then megatron-core only reads it); if not,
     ``_cache_write_errors`` names it when the write fails.
     """
-    flag = (f"--data-cache-path {config.data_cache_path}" if config.data_cache_path
-            else "--data-path " + " ".join(dict.fromkeys(prefixes)))
+    flag = _cache_flag(config, prefixes)
     for folder in cache_folders(config, prefixes):
         if os.path.isdir(folder):
             continue
@@ -398,19 +398,32 @@ def _check_cache_writable(config: DatasetsConfig, prefixes: Sequence[str]) -> No
                 f"directory ({flag}); give --data-cache-path DIR on a writable disk")
 
 
+def _cache_flag(config: DatasetsConfig, prefixes: Sequence[str]) -> str:
+    """The flag that put the index cache where it is."""
+    return (f"--data-cache-path {config.data_cache_path}" if config.data_cache_path
+            else "--data-path " + " ".join(dict.fromkeys(prefixes)))
+
+
 @contextlib.contextmanager
-def _cache_write_errors() -> Iterator[None]:
+def _cache_write_errors(config: DatasetsConfig,
+                        prefixes: Optional[Sequence[str]]) -> Iterator[None]:
     """megatron-core's failed cache write (an OSError, or its own Exception wrapping one
-    under torch.distributed) -> one DataCacheError naming the file."""
+    under torch.distributed) -> one DataCacheError naming the file, or its folder where
+    numpy's write does not say which file (a full disk)."""
     try:
         yield
     except Exception as err:
         cause = err if isinstance(err, OSError) else err.__cause__
-        if not isinstance(cause, OSError) or cause.errno not in _WRITE_ERRNOS:
+        if not isinstance(cause, OSError) or cause.errno not in _WRITE_ERRNOS or not prefixes:
             raise
+        where = cause.filename or " and ".join(dict.fromkeys(cache_folders(config, prefixes)))
+        full = cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         raise DataCacheError(
-            f"cannot write the dataset index cache ({cause.filename}: {cause.strerror}); "
-            "give --data-cache-path DIR on a writable disk") from err
+            f"cannot write the dataset index cache {where}: "
+            f"{'the disk is full' if full else cause.strerror} "
+            f"({_cache_flag(config, prefixes)}); "
+            f"{'free space there, or ' if full else ''}give --data-cache-path DIR on a "
+            "writable disk with room (an index cut short is rebuilt by the next run)") from err
 
 
 def _check_splits(cls: type, core_config: GPTDatasetConfig, sizes: Sequence) -> None:
