@@ -229,6 +229,33 @@ def test_a_forked_child_dies_with_its_rank(tmp_path) -> None:
         rank.kill()
 
 
+def test_the_writers_spawned_queue_server_dies_with_its_rank(tmp_path) -> None:
+    """On CUDA megatron-core's torch_dist writers report through a Manager queue whose
+    server is a spawned process, out of the fork hook's reach: ours gets the same death
+    signal (the guard: the script's own main, spawn re-imports it)."""
+    rank = subprocess.Popen([sys.executable, _script(tmp_path, """
+        import time
+        from megatron_2bw.training import watchdog
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+        if __name__ == "__main__":
+            watchdog.writer_queue_dies_with_rank()
+            queue = fa._get_write_results_queue()
+            queue.put("written")
+            assert queue.get() == "written" and fa._get_write_results_queue() is queue
+            print(watchdog._MANAGERS[0]._process.pid, flush=True)
+            time.sleep(120)
+    """)], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(rank.stdout.readline())
+        assert not _gone(server, 0.5)
+        rank.kill()
+        rank.wait()
+        assert _gone(server, 5)
+    finally:
+        rank.kill()
+
+
 def test_a_torchrun_worker_leaves_when_its_launcher_is_killed(tmp_path) -> None:
     worker = _script(tmp_path, """
         import time

@@ -23,7 +23,8 @@ from .data_sources import continue_data, data_sources, tokenizer_from_args
 from .distributed import init_distributed, setup_logging
 from .errors import guarded, watch_peers
 from .signals import HAND_STOP, PROGRESS
-from .watchdog import LauncherWatch, beat_period, children_die_with_rank
+from .watchdog import (LauncherWatch, beat_period, children_die_with_rank,
+                       writer_queue_dies_with_rank)
 from .megatron_flags import check_megatron_flags, inert_notes, mapped_notes
 from .model_flags import kernel_note
 from .validation import check_output_paths, check_ranges, validate_flags
@@ -94,6 +95,8 @@ def _train(args, model: str, env) -> int:
     from .loop import pretrain
     apply_cpu_shims(env.device.type)
     apply_exercise_shims()  # MEGATRON_2BW_EXERCISE_COLLECTIVES=1 only
+    if env.device.type == "cuda":
+        writer_queue_dies_with_rank()  # torch_dist's spawned queue server ends with the rank
     recorder = comm.recorder_from_env()  # MEGATRON_2BW_RECORD_COLLECTIVES=PREFIX only
     try:
         pretrain(run, env, sources)

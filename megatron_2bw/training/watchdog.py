@@ -23,6 +23,9 @@ a writer killed during a save left its rank waiting forever in megatron-core's j
 - `children_die_with_rank`: every process a rank forks from its main thread (the torch_dist
   writers) gets PR_SET_PDEATHSIG = SIGKILL, and ignores the stop signals (its rank
   decides; HandStop lets a save finish).
+- `writer_queue_dies_with_rank`: on CUDA megatron-core keeps the writers' results in a
+  Manager queue whose server is a *spawned* process, which no fork hook reaches: it is
+  started here instead, with the same death signal.
 - `save_guard`: during a checkpoint save, a forked process killed by a signal ends the
   rank with one line (the save cannot finish), and a stop signal waits for the save.
 """
@@ -225,14 +228,51 @@ def _in_child() -> None:
     if not (_fork["active"] and _fork["from_main"]):
         return
     _fork["active"] = False  # this child's own forks are its business
+    _die_with_parent(_fork["parent"])
+
+
+def _die_with_parent(parent: int) -> None:
+    """What a forked writer gets in `_in_child`, for a process started otherwise: SIGKILL
+    when its parent ends, the stop signals ignored (the rank decides)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() != _fork["parent"]:
-        os._exit(1)  # the rank ended before the death signal was set
+    if os.getppid() != parent:
+        os._exit(1)  # the parent ended before the death signal was set
+
+
+_MANAGERS: list = []  # the writer-queue servers started here (a dropped one shuts down)
+_CORE_QUEUE: dict = {}  # "get": megatron-core's own queue factory, once replaced
+
+
+def writer_results_queue():
+    """megatron-core's torch_dist writer result queue, from a Manager whose spawned server
+    dies with this rank. PR_SET_PDEATHSIG follows the thread that starts the server, so
+    from any thread but the main one megatron-core starts its own, as before."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    if fa._results_queue is None:
+        if threading.current_thread() is not threading.main_thread():
+            return _CORE_QUEUE.get("get", fa._get_write_results_queue)()
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(_die_with_parent, (os.getpid(),))
+        _MANAGERS.append(manager)
+        fa._results_queue = manager.Queue()
+    return fa._results_queue
+
+
+def writer_queue_dies_with_rank() -> None:
+    """Let torch_dist saves on CUDA take their result queue from `writer_results_queue`
+    (on CPU the save collects its writers' results in process: models.compat)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    if fa._get_write_results_queue is not writer_results_queue:
+        _CORE_QUEUE["get"] = fa._get_write_results_queue
+        fa._get_write_results_queue = writer_results_queue
 
 
 def _children() -> set[int]:
