@@ -2094,6 +2094,12 @@ def intact(ctx: Ctx) -> str:
     return "yes" if after and ctx.before <= after else "no"
 
 
+def _short_paths(line: str, work: str, shared: Shared) -> str:
+    """The probe's own folder as PROBE/ and the shared inputs' as SHARED/: the table shows
+    what the line says, not the temporary names."""
+    return line.replace(work + "/", "PROBE/").replace(shared.root + "/", "SHARED/")
+
+
 def run_probe(p: Probe, shared: Shared, tmp: str) -> dict:
     work = tempfile.mkdtemp(prefix="probe-", dir=tmp)
     ctx = Ctx(work, shared)
@@ -2102,7 +2108,7 @@ def run_probe(p: Probe, shared: Shared, tmp: str) -> dict:
         r = p.act(ctx)
         outcome, why = judge(p, r, ctx)
         row = dict(exit=",".join("-" if c is None else str(c) for c in r.codes),
-                   first_line=first_line(r, p.match)[:160],
+                   first_line=_short_paths(first_line(r, p.match), work, shared)[:160],
                    traceback="yes" if TB in r.out else "no",
                    seconds=round(r.seconds, 1), data_intact=intact(ctx), outcome=outcome,
                    note=why)
