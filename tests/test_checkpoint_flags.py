@@ -134,3 +134,25 @@ def test_a_resume_with_another_global_batch_size_continues_the_data(tmp_path) ->
     assert [r["consumed_samples"] for r in resumed] == [20, 24]
     assert losses(resumed) == losses(straight)[4:]
     assert losses(resumed) != losses(straight)[2:4]
+
+
+def test_ckpt_step_loads_an_earlier_iteration_and_a_missing_one_is_named(tmp_path) -> None:
+    """Megatron-LM's --ckpt-step: iteration 2 of a directory whose tracker says 4 resumes
+    exactly where the run was at 2; an iteration it does not hold, and (with
+    --exit-on-missing-checkpoint) a directory without any checkpoint, are one line."""
+    from megatron_2bw.checkpointing.files import CheckpointError
+    from megatron_2bw.checkpointing.save_load import read_checkpoint
+
+    base = ["--eval-iters", "0", "--ckpt-format", "torch", "--train-iters", "4"]
+    ck = str(tmp_path / "ck")
+    straight = launch("gpt", 1, base + ["--save", ck, "--save-interval", "2"],
+                      str(tmp_path / "a.jsonl"))
+    again = launch("gpt", 1, base + ["--load", ck, "--ckpt-step", "2", "--save",
+                                     str(tmp_path / "ck2")], str(tmp_path / "b.jsonl"))
+    assert [r["iteration"] for r in again] == [3, 4]
+    assert losses(again) == losses(straight)[2:]
+    with pytest.raises(CheckpointError, match=r"--ckpt-step 3: .* has no checkpoint of "
+                       r"iteration 3 \(it holds: 2, 4\)"):
+        read_checkpoint(ck, step=3)
+    with pytest.raises(CheckpointError, match="holds no checkpoint .*--exit-on-missing"):
+        read_checkpoint(str(tmp_path), required=True)

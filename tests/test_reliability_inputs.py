@@ -101,6 +101,8 @@ CROSS = [  # (extra flags, world size, where, part of the message, base or None)
     (["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"], 2, "--mock-data", "both",
      None),
     ([], 2, "--mock-data", "no training data", NO_DATA),
+    (["--ckpt-step", "4"], 2, "--load", "there is no --load", None),
+    (["--exit-on-missing-checkpoint"], 2, "--exit-on-missing-checkpoint", "no --load", None),
     (["--train-samples", "80"], 2, "--train-samples", "one training length", None),
     (["--lr-decay-samples", "80"], 2, "--lr-decay-samples", "with --train-iters", None),
     (["--train-samples", "80", "--lr-decay-iters", "5"], 2, "--lr-decay-iters",

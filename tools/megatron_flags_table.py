@@ -67,7 +67,7 @@ KERNELS = """--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fus
 # GPT data flags that go with --calculate-per-token-loss in Megatron-LM's users' scripts
 DATA = """--eod-mask-loss --reset-position-ids --reset-attention-mask"""
 # a run that stopped learning (issue 31)
-NAN = """--no-check-for-nan-in-loss-and-grad"""
+NAN = """--no-check-for-nan-in-loss-and-grad --ckpt-step --exit-on-missing-checkpoint"""
 SOURCES = {"GPT-3 175B": GPT3, "BERT 340M": BERT, "Llama-3 8B fp8": LLAMA, "issue 12": ISSUE,
            "GPT data": DATA, "kernels": KERNELS, "issue 31": NAN}
 # what an honored flag's row adds (where this project's meaning has a part of its own)

@@ -131,10 +131,10 @@ def restore_rng(state: Union[list, dict]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(entry["rng_tracker_states"])
 
 
-def saved_args(root: str) -> Optional[dict]:
-    """The args of the newest checkpoint under `root`, read without a process group;
-    None when there is none."""
-    iteration = read_tracker(root)
+def saved_args(root: str, step: Optional[int] = None) -> Optional[dict]:
+    """The args of the newest checkpoint under `root` (or of iteration `step`: --ckpt-step),
+    read without a process group; None when there is none."""
+    iteration = step or read_tracker(root)
     if iteration is None:
         return None
     base = iteration_dir(root, iteration)
@@ -147,12 +147,13 @@ def saved_args(root: str) -> Optional[dict]:
     return vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
 
 
-def saved_data_position(root: str) -> Optional[tuple[int, int]]:
-    """(iteration, consumed_train_samples) of the newest checkpoint under `root`, where its
-    args carry the counter (ours and Megatron-LM's do); None otherwise, including a
-    checkpoint that cannot be read: the reader that loads it next says what is wrong."""
+def saved_data_position(root: str, step: Optional[int] = None) -> Optional[tuple[int, int]]:
+    """(iteration, consumed_train_samples) of the checkpoint a resume reads (the newest
+    under `root`, or iteration `step`), where its args carry the counter (ours and
+    Megatron-LM's do); None otherwise, including a checkpoint that cannot be read: the
+    reader that loads it next says what is wrong."""
     try:
-        iteration, saved = read_tracker(root), saved_args(root)
+        iteration, saved = step or read_tracker(root), saved_args(root, step)
     except Exception:  # noqa: BLE001 - reported by read_checkpoint, with its file named
         return None
     if iteration is None or not saved or saved.get("consumed_train_samples") is None:
@@ -162,7 +163,7 @@ def saved_data_position(root: str) -> Optional[tuple[int, int]]:
 
 def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     """--use-checkpoint-args: the model flags from --load's checkpoint; the changes."""
-    saved = saved_args(args.load) if args.load else None
+    saved = saved_args(args.load, args.ckpt_step) if args.load else None
     if saved is None:
         return []
     changed = []

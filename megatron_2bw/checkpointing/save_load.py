@@ -40,7 +40,7 @@ from .sharded import (commit_sharded, is_sharded, load_sharded, read_common,
                                  save_sharded, sharded_fit_error, verify_sharded)
 from .fit import misfit_line, misfits, tensor_shapes
 from .files import (TRACKER, CheckpointError, check_save_dir, check_save_lock, clear_for_save,
-                    discard_partial, iteration_dir, load_state, read_tracker,
+                    discard_partial, iteration_dir, list_iterations, load_state, read_tracker,
                     refuse_unread_checkpoints, write_error, write_manifest, write_state,
                     write_tracker)
 
@@ -295,13 +295,25 @@ def _raise(error: Optional[str]) -> None:
         raise CheckpointError(error)
 
 
-def read_checkpoint(root: str, rel: Optional[str] = None,
-                    overwrite: bool = False) -> Optional[LoadedCheckpoint]:
-    """The newest checkpoint under `root` for this rank (`rel`: its file), verified against
-    the manifest; None when there is none. Refuses a directory with `iter_*` checkpoints
-    but no tracker, unless --overwrite-checkpoints says to start fresh over them."""
-    iteration = read_tracker(root)
+def read_checkpoint(root: str, rel: Optional[str] = None, overwrite: bool = False,
+                    step: Optional[int] = None,
+                    required: bool = False) -> Optional[LoadedCheckpoint]:
+    """The newest checkpoint under `root` (or iteration `step`: --ckpt-step) for this rank
+    (`rel`: its file), verified against the manifest; None when there is none. Refuses a
+    directory with `iter_*` checkpoints but no tracker, unless --overwrite-checkpoints
+    says to start fresh over them, and (`required`: --exit-on-missing-checkpoint) one
+    without any checkpoint."""
+    iteration = step or read_tracker(root)
+    if step and not os.path.isdir(iteration_dir(root, step)):
+        held = ", ".join(str(i) for i in list_iterations(root)) or "none"
+        raise CheckpointError(f"--ckpt-step {step}: {root} has no checkpoint of iteration "
+                              f"{step} (it holds: {held}) (--load); give one of those, or "
+                              "leave --ckpt-step out for the newest")
     if iteration is None:
+        if required:
+            raise CheckpointError(f"--load {root} holds no checkpoint (no {TRACKER}) and "
+                                  "--exit-on-missing-checkpoint is set; give the directory "
+                                  "a run saved to, or drop the flag to start from scratch")
         if not overwrite:
             refuse_unread_checkpoints(root)
         _warn_once(f"--load {root}: no {TRACKER}; starting from scratch")

@@ -75,6 +75,11 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random state")
     g.add_argument("--no-save-optim", action="store_true", help="save no optimizer state")
     g.add_argument("--no-save-rng", action="store_true", help="save no random state")
+    g.add_argument("--ckpt-step", type=int, help="load this iteration of --load instead of "
+                   "the newest (the one its latest_checkpointed_iteration.txt names)")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true", help="with --load, "
+                   "stop with an error when it holds no checkpoint instead of starting from "
+                   "scratch")
     g.add_argument("--use-checkpoint-args", action="store_true", help="take the model "
                    "flags from --load's checkpoint (the parallel layout stays this run's)")
     g.add_argument("--exit-interval", type=int, help="stop at this iteration (after saving)")
@@ -426,6 +431,8 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                         metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
                         seed=args.seed, exit_interval=args.exit_interval,
                         overwrite_checkpoints=args.overwrite_checkpoints,
+                        ckpt_step=args.ckpt_step,
+                        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
                         override_opt_param_scheduler=args.override_opt_param_scheduler,
                         use_checkpoint_opt_param_scheduler=(
                             args.use_checkpoint_opt_param_scheduler),

@@ -98,6 +98,8 @@ class TrainConfig:
     seed: int = 1234
     exit_interval: Optional[int] = None   # --exit-interval: stop (after saving) at this iteration
     overwrite_checkpoints: bool = False   # --overwrite-checkpoints
+    ckpt_step: Optional[int] = None       # --ckpt-step: this iteration of --load, not the newest
+    exit_on_missing_checkpoint: bool = False  # --exit-on-missing-checkpoint
     override_opt_param_scheduler: bool = False        # --override-opt_param-scheduler
     use_checkpoint_opt_param_scheduler: bool = False  # --use-checkpoint-opt_param-scheduler
     exit_signal_handler: bool = False     # --exit-signal-handler: save and exit 0 on SIGTERM

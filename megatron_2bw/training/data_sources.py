@@ -60,7 +60,7 @@ def continue_data(run: RunConfig) -> RunConfig:
     its ramp-up) changed since: counting from this run's sizes would skip or repeat
     samples without a word, so the run says where it continues."""
     t = run.train
-    position = saved_data_position(t.load) if t.load and not t.finetune else None
+    position = saved_data_position(t.load, t.ckpt_step) if t.load and not t.finetune else None
     if position is None or position[1] == run.batch_sizes.consumed(position[0]):
         return run
     iteration, consumed = position

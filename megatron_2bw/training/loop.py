@@ -126,8 +126,9 @@ class Trainer:
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         t = run.train
-        loaded = (read_checkpoint(t.load, overwrite=t.overwrite_checkpoints) if t.load
-                  else None)
+        loaded = (read_checkpoint(t.load, overwrite=t.overwrite_checkpoints,
+                                  step=t.ckpt_step, required=t.exit_on_missing_checkpoint)
+                  if t.load else None)
         self.iteration = prepare_resume(loaded, run)  # refuses before any work
         self.executor, self.updater = self._build(self._schedule(1))
         if loaded:

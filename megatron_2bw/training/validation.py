@@ -87,6 +87,7 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--eval-iters", COUNT_OR_ZERO, "(0 turns validation off)"),
     ("--save-interval", COUNT, "or leave it out to save at the end"),
     ("--exit-interval", COUNT, ""),
+    ("--ckpt-step", COUNT, "(an iteration of --load) or leave it out for the newest"),
     ("--exit-duration-in-mins", POSITIVE, ""),
     ("--distributed-timeout-minutes", POSITIVE, ""),
     ("--lr", NON_NEGATIVE, ""),
@@ -436,6 +437,10 @@ RULES: tuple[Rule, ...] = (
     Rule("--data-path, --mock-data", lambda f: bool(f.args.data_path or f.args.mock_data),
          "no training data", "give --data-path PREFIX (see tools/preprocess_data.py) or "
          "--mock-data"),
+    Rule("--ckpt-step, --exit-on-missing-checkpoint, --load",
+         lambda f: bool(f.args.load) or not (f.args.ckpt_step or f.args.exit_on_missing_checkpoint),
+         "--ckpt-step and --exit-on-missing-checkpoint choose what --load reads, and there is "
+         "no --load", "give --load DIR, or leave them out"),
     Rule("--split", lambda f: _split_ok(f.args.split), "invalid split {a.split!r}",
          "give up to three non-negative weights, not all zero, e.g. 969,30,1"),
     Rule("--tensor-model-parallel-size, --pipeline-model-parallel-size",
