@@ -356,3 +356,15 @@ def test_pytorch_profiler_writes_the_window(tmp_path) -> None:
     assert len(traces) == 1
     events = json.loads(traces[0].read_text())["traceEvents"]
     assert any("aten::" in str(e.get("name", "")) for e in events)
+
+
+def test_exit_interval_stops_at_the_next_multiple_after_the_start() -> None:
+    """Megatron-LM exits where iteration % --exit-interval == 0: a job requeued at 985 with
+    an interval of 5 trains to 990, not zero iterations (a fixed stop behind it)."""
+    from megatron_2bw.training.loop import stop_iteration
+
+    assert stop_iteration(0, 3000, 5) == 5
+    assert stop_iteration(985, 3000, 5) == 990
+    assert stop_iteration(990, 3000, 5) == 995
+    assert stop_iteration(2998, 3000, 700) == 3000
+    assert stop_iteration(12, 3000, None) == 3000

@@ -82,7 +82,8 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
                    "scratch")
     g.add_argument("--use-checkpoint-args", action="store_true", help="take the model "
                    "flags from --load's checkpoint (the parallel layout stays this run's)")
-    g.add_argument("--exit-interval", type=int, help="stop at this iteration (after saving)")
+    g.add_argument("--exit-interval", type=int, help="save and exit at the first iteration "
+                   "that is a multiple of this (as Megatron-LM: a resumed run moves on by it)")
     g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="allow --save to replace an existing iter_* directory")

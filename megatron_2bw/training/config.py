@@ -96,7 +96,7 @@ class TrainConfig:
     metrics_file: Optional[str] = None
     tensorboard_dir: Optional[str] = None
     seed: int = 1234
-    exit_interval: Optional[int] = None   # --exit-interval: stop (after saving) at this iteration
+    exit_interval: Optional[int] = None   # --exit-interval: save and exit at a multiple of it
     overwrite_checkpoints: bool = False   # --overwrite-checkpoints
     ckpt_step: Optional[int] = None       # --ckpt-step: this iteration of --load, not the newest
     exit_on_missing_checkpoint: bool = False  # --exit-on-missing-checkpoint

@@ -113,6 +113,16 @@ def _tied_sync(schedule: Schedule, stage: int, infos: list[ParamInfo],
                         dtype=_grad_reduce(run).dtype)
 
 
+def stop_iteration(start: int, train_iters: int, exit_interval: Optional[int]) -> int:
+    """Where a run that starts after iteration `start` stops: --train-iters, or with
+    --exit-interval N the first multiple of N after `start`, as Megatron-LM exits at every
+    iteration % N == 0 (a requeued job then moves on by N each time, rather than stopping
+    at once because one fixed iteration is behind it)."""
+    if not exit_interval:
+        return train_iters
+    return min(train_iters, (start // exit_interval + 1) * exit_interval)
+
+
 class Trainer:
     """One process's part of a run."""
 
@@ -143,6 +153,7 @@ class Trainer:
                                 flags=run.flags, delayed=schedule_spec(par.schedule).delayed)
         self._report_optimizer_memory()
         self.history: dict[int, dict] = {}
+        self.stop_at = stop_iteration(self.iteration, t.train_iters, t.exit_interval)
         self.housekeeping = Housekeeping(t.housekeeping, env.rank, env.device)
         self.skip_guard = SkipGuard(t.skip_guard, self.iteration)
         self._verdict: Optional[Verdict] = None  # why the run stops mid-segment, once known
@@ -259,7 +270,7 @@ class Trainer:
     def _save_due(self, end: int) -> bool:
         t = self.run.train
         return bool(t.save) and (end % (t.save_interval or t.train_iters) == 0
-                                 or end == t.train_iters or end == t.exit_interval)
+                                 or end == t.train_iters or end == self.stop_at)
 
     def _save(self, end: int) -> None:
         t = self.run.train
@@ -282,7 +293,7 @@ class Trainer:
         """At a segment end before the last: whether all ranks agree to stop; then save
         (unless this iteration was just saved) so the run resumes from here."""
         t = self.run.train
-        if end >= min(t.train_iters, t.exit_interval or t.train_iters):
+        if end >= self.stop_at:
             return False  # the run ends here anyway
         reason = stop.reason()
         if reason is None:
@@ -295,7 +306,7 @@ class Trainer:
 
     def _train_segments(self, stop: GracefulStop) -> None:
         t = self.run.train
-        while self.iteration < min(t.train_iters, t.exit_interval or t.train_iters):
+        while self.iteration < self.stop_at:
             end = self._segment_end(stop)
             schedule = self._schedule(end - self.iteration)
             first_sample = self.run.batch_sizes.consumed(self.iteration)
