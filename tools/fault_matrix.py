@@ -139,7 +139,7 @@ class Ranks:
                  rank_argv: Optional[dict] = None) -> None:
         """`rank_argv` maps a rank to its own command line (a job whose ranks disagree)."""
         base = _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                          WORLD_SIZE=str(nproc), **(env or {}))
+                          **{"WORLD_SIZE": str(nproc), **(env or {})})
         self.logs = [open(os.path.join(work, f"rank{r}.log"), "w+") for r in range(nproc)]
         self.start = time.monotonic()
         self.procs = [subprocess.Popen((rank_argv or {}).get(r, argv), cwd=work,
@@ -1730,6 +1730,17 @@ def _prep_interrupted(ctx: Ctx) -> Run:
     return r
 
 
+def _signal_at_rendezvous(ctx: Ctx) -> Run:
+    """Rank 0 of 2 alone, waiting at the rendezvous for a rank that never comes (a node
+    still booting); SIGTERM 5 s in (the job cancelled): it must leave at once, not when
+    the 60 s --distributed-timeout-minutes run out."""
+    ranks = Ranks([PY, GPT, *TINY, *PP2, "--train-iters", "4"], 1, ctx.work,
+                  env={"WORLD_SIZE": "2", TIMEOUT_ENV: "60"})
+    time.sleep(5)
+    ranks.procs[0].send_signal(signal.SIGTERM)
+    return ranks.wait(20)
+
+
 def class15() -> list:
     dist = [*TINY, *LONG, "--ckpt-format", "torch_dist", "--save-interval", "1"]
     return [
@@ -1758,6 +1769,8 @@ def class15() -> list:
               "fault", _prep_interrupted, "stopped:",
               check=_both(_stop_lines("SIGINT", checkpoint=False), _exit_status(130),
                           _left_as_before)),
+        Probe("SIGTERM to a rank waiting at the rendezvous: it leaves at once", 15, "fault",
+              _signal_at_rendezvous, "stopped: SIGTERM", check=_exit_status(143)),
         Probe("SIGTERM during start-up with --exit-signal-handler (Slurm scripts' launch) is "
               "not lost", 15, "ok", _sigterm_during_startup, "after receiving SIGTERM",
               check=_stopped_and_saved),

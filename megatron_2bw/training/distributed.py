@@ -7,10 +7,11 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -234,7 +235,8 @@ def _join(backend: str, rank: int, world: int, timeout: timedelta) -> None:
                           f"(or launch through torchrun) with the same MASTER_ADDR and "
                           f"MASTER_PORT")
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        _rendezvous(lambda: dist.init_process_group(backend, rank=rank, world_size=world,
+                                                    timeout=timeout))
     except dist.DistError as err:
         joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
         who = (f"only {joined.group(1)} of {joined.group(2)} ranks joined" if joined else
@@ -243,6 +245,40 @@ def _join(backend: str, rank: int, world: int, timeout: timedelta) -> None:
                           f"{timeout.total_seconds():g} s (--distributed-timeout-minutes): "
                           f"start all WORLD_SIZE={world} ranks (torchrun --nnodes N "
                           f"--nproc-per-node G does) or raise the wait") from err
+
+
+_RENDEZVOUS_THREADS: list[threading.Thread] = []
+
+
+def _rendezvous(join: Callable[[], None]) -> None:
+    """Run `join` (init_process_group: rank 0 waits in C++ for every rank to connect) on a
+    helper thread while the main thread waits in Python. A stop signal's handler runs
+    only in the main thread, between Python steps: waiting inside the C++ call, a Ctrl-C
+    or SIGTERM was noted but the rank stayed until --distributed-timeout-minutes ran out."""
+    failed: list[BaseException] = []
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def run() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # the current device is per thread
+            join()
+        except BaseException as err:  # noqa: BLE001 - raised again in the main thread
+            failed.append(err)
+    thread = threading.Thread(target=run, daemon=True, name="megatron_2bw-rendezvous")
+    _RENDEZVOUS_THREADS.append(thread)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)  # a stop signal raises here
+    _RENDEZVOUS_THREADS.remove(thread)
+    if failed:
+        raise failed[0]
+
+
+def rendezvous_pending() -> bool:
+    """A stop signal left the rendezvous thread inside C++: the process must end without
+    interpreter finalization (which would end that thread by unwinding it)."""
+    return any(t.is_alive() for t in _RENDEZVOUS_THREADS)
 
 
 def _reachable(host: str, port: int, seconds: float) -> bool:

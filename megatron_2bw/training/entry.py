@@ -20,8 +20,8 @@ from .arguments import config_from_args, parse_args
 from ..checkpointing.contents import apply_checkpoint_args
 from ..checkpointing.files import SaveLock
 from .data_sources import continue_data, data_sources, tokenizer_from_args
-from .distributed import init_distributed, setup_logging
-from .errors import guarded, watch_peers
+from .distributed import init_distributed, rendezvous_pending, setup_logging
+from .errors import end_process, guarded, watch_peers
 from .signals import HAND_STOP, PROGRESS
 from .watchdog import (LauncherWatch, beat_period, children_die_with_rank,
                        writer_queue_dies_with_rank)
@@ -41,7 +41,10 @@ def main(model: str, argv: Optional[Sequence[str]] = None) -> int:
     launcher = LauncherWatch.start()
     children_die_with_rank()
     try:
-        return guarded(lambda: _pretrain(model, argv))
+        status = guarded(lambda: _pretrain(model, argv))
+        if rendezvous_pending():  # stopped while the rendezvous waited in C++
+            end_process(status)
+        return status
     finally:
         children_die_with_rank(False)
         if launcher is not None:
