@@ -156,3 +156,8 @@ def test_ckpt_step_loads_an_earlier_iteration_and_a_missing_one_is_named(tmp_pat
         read_checkpoint(ck, step=3)
     with pytest.raises(CheckpointError, match="holds no checkpoint .*--exit-on-missing"):
         read_checkpoint(str(tmp_path), required=True)
+    with pytest.raises(CheckpointError, match=r"one iteration of a checkpoint directory; "
+                       r"give the directory: --load .*ck \(add --ckpt-step 2 "):
+        read_checkpoint(os.path.join(ck, "iter_0000002"))
+    with pytest.raises(CheckpointError, match="is a file; give the checkpoint directory"):
+        read_checkpoint(os.path.join(ck, "latest_checkpointed_iteration.txt"))

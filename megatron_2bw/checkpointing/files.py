@@ -352,8 +352,9 @@ def check_save_dir(root: str, start: int, overwrite: bool) -> None:
         raise CheckpointError(
             f"--save {root} holds complete checkpoints newer than the resumed iteration "
             f"{start} ({_names(newer)}), which this run would overwrite; to continue from "
-            f"iteration {newer[-1]} write {newer[-1]} into {os.path.join(root, TRACKER)}, or "
-            "pass --overwrite-checkpoints")
+            f"iteration {newer[-1]}, make it the one loaded (--ckpt-step {newer[-1]}, or "
+            f"without --ckpt-step, {newer[-1]} in {os.path.join(root, TRACKER)}); to branch "
+            "from here, give another --save, or pass --overwrite-checkpoints")
 
 
 def clear_for_save(root: str, iteration: int, overwrite: bool) -> list[str]:

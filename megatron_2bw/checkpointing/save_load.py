@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -303,6 +304,7 @@ def read_checkpoint(root: str, rel: Optional[str] = None, overwrite: bool = Fals
     directory with `iter_*` checkpoints but no tracker, unless --overwrite-checkpoints
     says to start fresh over them, and (`required`: --exit-on-missing-checkpoint) one
     without any checkpoint."""
+    _refuse_misplaced_load(root)
     iteration = step or read_tracker(root)
     if step and not os.path.isdir(iteration_dir(root, step)):
         held = ", ".join(str(i) for i in list_iterations(root)) or "none"
@@ -323,6 +325,22 @@ def read_checkpoint(root: str, rel: Optional[str] = None, overwrite: bool = Fals
     rel = rel or rank_file()
     state = complete_megatron_state(load_state(root, iteration, rel, warn=_warn_once))
     return LoadedCheckpoint(iteration, state, os.path.join(iteration_dir(root, iteration), rel))
+
+
+def _refuse_misplaced_load(root: str) -> None:
+    """--load names the checkpoint directory (the one holding the tracker); a file, or one
+    iteration's directory inside it, would otherwise read as "no checkpoint here" and the
+    run would start from scratch."""
+    if os.path.isfile(root):
+        raise CheckpointError(f"--load {root} is a file; give the checkpoint directory that "
+                              f"holds {TRACKER} (--save of the run that wrote it)")
+    match = re.fullmatch(r"iter_(\d{7})", os.path.basename(os.path.normpath(root)))
+    if match and not os.path.exists(os.path.join(root, TRACKER)):
+        parent = os.path.dirname(os.path.normpath(root)) or "."
+        raise CheckpointError(f"--load {root} is one iteration of a checkpoint directory; "
+                              f"give the directory: --load {parent} (add --ckpt-step "
+                              f"{int(match.group(1))} for this iteration rather than the "
+                              "newest)")
 
 
 def _read_sharded(root: str, iteration: int) -> LoadedCheckpoint:
