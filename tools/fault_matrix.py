@@ -981,6 +981,16 @@ def _stops(flags: list, nproc: int = 1) -> Callable[[Ctx], Run]:
     return act
 
 
+def _tracked_below(it: int) -> Callable[[Ctx, Run], str]:
+    """The tracker names an iteration before `it` (the refused save left it alone)."""
+    def check(ctx: Ctx, r: Run) -> str:
+        from megatron_2bw.checkpointing import files as cf
+
+        got = cf.read_tracker(ctx.ckpt)
+        return "" if got is not None and got < it else f"tracker says {got}"
+    return check
+
+
 def _holds(it: int, same_as: Optional[int] = None,
            ranks: tuple = ("mp_rank_00",)) -> Callable[[Ctx, Run], str]:
     """The tracker says `it`; with `same_as`, that iteration's checkpoint is still there
@@ -1042,8 +1052,10 @@ def class10() -> list:
               _stops([*TINY, "--fp16", "--train-iters", "25",
                       "--max-consecutive-skipped-iterations", "1"]),
               check=_start_skips_then_ends),
-        Probe("validation of a NaN loss prints PPL NAN", 10, "ok",
-              _stops([*HUGE, "--fp16", "--train-iters", "20"]), "lm loss PPL: NAN"),
+        Probe("fp16 weights made NaN by a step taken: not saved, earlier checkpoints kept", 10,
+              "error", _stops([*HUGE, "--fp16", "--train-iters", "20", "--save-interval",
+                               "5"]), "weights are NaN or inf after iteration 20",
+              check=_tracked_below(20)),
         Probe("huge --lr (2BW PP2): both ranks stop mid-segment, one line", 10, "error",
               _stops([*HUGE, *PP2, "--pipeline-schedule", "2bw", "--train-iters", "8",
                       "--save-interval", "2"], nproc=2), "stopped at iteration 3",

@@ -39,7 +39,7 @@ from .housekeeping import Housekeeping
 from .log_writers import perplexity
 from .metrics import MetricsSink, transformer_flops
 from .signals import PROGRESS, GracefulStop, stop_check_interval
-from .skip_guard import SkipGuard, Verdict, stopped
+from .skip_guard import SkipGuard, Verdict, check_weights_finite, stopped
 from .watchdog import Heartbeat, save_guard
 
 logger = logging.getLogger("megatron_2bw.train")
@@ -275,6 +275,9 @@ class Trainer:
     def _save(self, end: int) -> None:
         t = self.run.train
         validates = self.sources.valid is not None and bool(t.eval_iters)
+        weights = self.executor.weights
+        check_weights_finite(weights.params[weights.buffer_of(weights.newest)], end,
+                             self.run.precision)
         with save_guard(end):  # a stop signal waits for it; a killed writer ends the rank
             save_checkpoint(t.save, end, self.executor, self.updater,
                             megatron_args(self.run, end, validates),

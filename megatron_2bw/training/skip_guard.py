@@ -34,6 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
+from .. import comm
 from .errors import UserError
 
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 10
@@ -81,7 +84,10 @@ class Verdict:
     last_step: int  # the last iteration whose step was taken (its state is the current one)
 
 
-FIX = "lower --lr, warm up (--lr-warmup-iters), keep --clip-grad on or train in --bf16"
+def fix_for(precision: str) -> str:
+    """What to try; --bf16's wider range is advice for fp16 runs only."""
+    return ("lower --lr, warm up (--lr-warmup-iters), keep --clip-grad on"
+            + (" or train in --bf16" if precision == "fp16" else ""))
 
 
 class SkipGuard:
@@ -104,7 +110,7 @@ class SkipGuard:
         if c.check_for_nan:
             return Verdict(iteration, "its loss or gradient is NaN or inf",
                            f"{setting}; {CHECK_FLAG}",
-                           FIX + ", or skip such iterations with "
+                           fix_for(c.precision) + ", or skip such iterations with "
                            "--no-check-for-nan-in-loss-and-grad", self.last_step)
         if c.scale_floor is not None and step["loss_scale"] > c.scale_floor:
             return None  # the loss scaler is still finding its level
@@ -117,7 +123,8 @@ class SkipGuard:
         return Verdict(iteration, f"{self.streak} iterations in a row ({self.streak_start} to "
                        f"{iteration}) skipped for a NaN or inf gradient",
                        f"{setting}{floor}; {BOUND_FLAG} {c.max_consecutive_skips}",
-                       FIX + f", or allow more with a larger {BOUND_FLAG} (0: no bound)",
+                       fix_for(c.precision) + f", or allow more with a larger {BOUND_FLAG} "
+                       "(0: no bound)",
                        self.last_step)
 
     def _setting(self, scale: float, lr: float) -> str:
@@ -125,6 +132,26 @@ class SkipGuard:
         if self.config.precision == "fp16":
             text += f", loss scale {scale:g}"
         return text
+
+
+def check_weights_finite(params: list, iteration: int, precision: str) -> None:
+    """Before a save: every rank's weights finite, or TrainingStopped on every rank.
+
+    A step taken with finite gradients can still leave non-finite weights (fp16: an update
+    beyond 65504 casts to inf); every later step is then skipped as an overflow while the
+    loss scale falls, so a short run reached its end and saved NaN weights as its final
+    checkpoint with exit status 0. One flag, summed over the job, per save."""
+    bad = torch.zeros(1, device=comm.device())
+    for p in params:
+        if not torch.isfinite(p.detach()).all():
+            bad += 1
+            break
+    if comm.world_runs():
+        comm.all_reduce(bad, None)
+    if bad.item():
+        raise TrainingStopped(
+            f"the weights are NaN or inf after iteration {iteration}, so they are not saved",
+            f"{precision}; --save", "the earlier checkpoints are kept; " + fix_for(precision))
 
 
 def stopped(verdict: Verdict, iteration: int, last_step: int, saved: Optional[str],
