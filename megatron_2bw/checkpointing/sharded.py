@@ -259,13 +259,15 @@ def _requested_kinds(common: dict, updater, path: str) -> set[str]:
         raise CheckpointError(f"the checkpoint was trained with --delay-compensation "
                               f"{engine['compensation_kind']}, this run asks for "
                               f"{updater.config.delay_compensation} ({path}); resume with "
-                              "the checkpoint's")
+                              f"--delay-compensation {engine['compensation_kind']}, or pass "
+                              "--no-load-optim to start the optimizer state afresh")
     missing = needed - saved - {"fp32_param"}  # no masters: the weights are the masters
     if missing or engine["optimizer"] != updater.config.optimizer:
         raise CheckpointError(f"the checkpoint was saved with --optimizer "
                               f"{engine['optimizer']}, this run has --optimizer "
-                              f"{updater.config.optimizer} ({path}); resume with the "
-                              "checkpoint's")
+                              f"{updater.config.optimizer} ({path}); resume with "
+                              f"--optimizer {engine['optimizer']}, or pass --no-load-optim "
+                              "to start this optimizer's state afresh from the weights")
     return needed & saved
 
 
