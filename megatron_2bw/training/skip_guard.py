@@ -141,11 +141,10 @@ def check_weights_finite(params: list, iteration: int, precision: str) -> None:
     beyond 65504 casts to inf); every later step is then skipped as an overflow while the
     loss scale falls, so a short run reached its end and saved NaN weights as its final
     checkpoint with exit status 0. One flag, summed over the job, per save."""
+    finite = [torch.isfinite(p.detach()).all() for p in params]  # no sync per parameter
     bad = torch.zeros(1, device=comm.device())
-    for p in params:
-        if not torch.isfinite(p.detach()).all():
-            bad += 1
-            break
+    if finite:
+        bad += (~torch.stack(finite).all()).to(bad.device, bad.dtype)
     if comm.world_runs():
         comm.all_reduce(bad, None)
     if bad.item():
