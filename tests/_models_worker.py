@@ -81,6 +81,12 @@ def scenarios() -> list[Scenario]:
              Scenario("arch_mqa_ref", "gpt", 1, 1, mqa),
              Scenario("arch_mqa_tp2", "gpt", 2, 1, mqa),
              Scenario("arch_unfused", "gpt", 1, 1, arch + UNFUSED)]
+    # sequence parallelism: LayerNorm + row-parallel biases (GPT), and every norm kind at
+    # once (RMSNorm, query/key norms, 1p) without biases (ARCH)
+    sp = (("sequence_parallel", True),)
+    runs += [Scenario("gpt_tp2_sp", "gpt", 2, 1, (("hidden_dropout", 0.0),
+                                                  ("attention_dropout", 0.0)) + sp),
+             Scenario("arch_tp2_sp", "gpt", 2, 1, arch + sp)]
     return sorted(runs, key=lambda s: (s.tp, s.pp))
 
 
@@ -182,7 +188,10 @@ def _run_scenario(run: Scenario, rank: int, out_dir: str) -> None:
     model_parallel_manual_seed(1234)
     with _count_checkpoints() as checkpoints:
         loss = _run_pipeline(stage_module, make_batch(run.model))
-    grads = {n: _full(p, p.grad) for n, p in stage_module.named_global_parameters().items()}
+    named = stage_module.named_global_parameters()
+    partial = {n: _full(p, p.grad) for n, p in named.items()}
+    _sum_sequence_parallel_grads(list(named.values()))
+    grads = {n: _full(p, p.grad) for n, p in named.items()}
     shared = stage_module.shared_embedding_weight()
     result = dict(
         stage=stage,
@@ -192,6 +201,9 @@ def _run_scenario(run: Scenario, rank: int, out_dir: str) -> None:
         metrics=dict(stage_module.last_metrics),
         weights=weights,
         grads=grads,
+        partial_grads=partial,  # before the sequence-parallel TP sum (the same without SP)
+        sequence_parallel=sorted(n for n, p in named.items()
+                                 if getattr(p, "sequence_parallel", False)),
         shared=None if shared is None else shared.detach().clone(),
         embedding_group=dist.get_process_group_ranks(parallel_state.get_embedding_group()),
         mismatch_error=_mismatch_error(config, stage, run.pp),
@@ -199,6 +211,26 @@ def _run_scenario(run: Scenario, rank: int, out_dir: str) -> None:
                                if n.endswith("core_attention")}),
     )
     torch.save(result, os.path.join(out_dir, f"{run.name}.rank{rank}.pt"))
+
+
+def _sum_sequence_parallel_grads(params: list) -> None:
+    """The runtime's TP sum of the sequence-parallel gradients, on these parameters'
+    gradients laid end to end as the runtime's flat gradient lays them."""
+    from megatron.core import parallel_state
+
+    from megatron_2bw.runtime.grad_sync import SequenceParallelSum
+
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    ranges, offset = [], 0
+    for p in params:
+        if getattr(p, "sequence_parallel", False):
+            ranges.append((offset, p.numel()))
+        offset += p.numel()
+    SequenceParallelSum(parallel_state.get_tensor_model_parallel_group(), tuple(ranges))(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
 
 
 def _mismatch_error(config, stage: int, num_stages: int) -> Optional[str]:

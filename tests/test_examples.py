@@ -55,17 +55,23 @@ def test_example_script_runs(tmp_path, name: str, schedule: str) -> None:
         assert "setting batch size to 4 at iteration 1" in out
 
 
-@pytest.mark.parametrize("schedule", ["2bw"])
-def test_llama_example_runs(tmp_path, schedule: str) -> None:
+@pytest.mark.parametrize("schedule,sizes", [
+    ("2bw", dict(TP_SIZE="2", EXTRA="--pipeline-model-parallel-size 2")),
+    ("flush", dict(TP_SIZE="1", CP_SIZE="2", EXTRA="")),
+], ids=["tp2-sp-pp2-2bw", "cp2-dp2-flush"])
+def test_llama_example_runs(tmp_path, schedule: str, sizes: dict) -> None:
     """Megatron-LM's Llama-3 8B flag set (RoPE, GQA, SwiGLU, --bf16 --grad-reduce-in-bf16,
     --decoupled-lr, --calculate-per-token-loss, sample-based schedule, --ckpt-format
-    torch_dist, --use-distributed-optimizer, ...) for 4 steps of 8 samples at PP=2 x DP=2:
-    the optimizer state sharded over the two data-parallel ranks."""
-    extra = "--pipeline-model-parallel-size 2 --pipeline-schedule " + schedule
+    torch_dist, --use-distributed-optimizer, ...) for 4 steps of 8 samples on 4 ranks:
+    its own TP=2 with --sequence-parallel at PP=2 under 2BW, and CP=2 x DP=2 under flush
+    (the optimizer state sharded over the four data x context parallel ranks)."""
+    sizes = dict(sizes)
+    extra = sizes.pop("EXTRA") + " --pipeline-schedule " + schedule
     out = _run("examples/llama/train_llama3_8b_h100_fp8.sh", tmp_path, extra,
                TRAIN_SAMPLES="32", LR_DECAY_SAMPLES="32", LR_WARMUP_SAMPLES="8",
-               NPROC_PER_NODE="4")
+               NPROC_PER_NODE="4", **sizes)
     lines = [ln for ln in out.splitlines() if "] iteration " in ln]
     assert len(lines) == 4 and f"pipeline schedule: {schedule}" in lines[-1], out[-3000:]
     assert "(torch_dist)" in out and "lm loss value:" in out
+    assert "--sequence-parallel is off" not in out or sizes["TP_SIZE"] == "1"
     assert os.path.exists(tmp_path / "ckpt" / "iter_0000004" / "common.pt")

@@ -205,6 +205,38 @@ def test_architecture_tensor_parallel_matches_tp1(runs, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt_tp2_sp", "arch_tp2_sp"])
+def test_sequence_parallel_matches_tp1(runs, name):
+    """--sequence-parallel at TP=2 (norms and dropouts on s/2 rows, gathers and
+    reduce-scatters along the sequence) takes TP=1's step once the runtime sums the
+    norms' and row-parallel biases' gradients over TP (SequenceParallelSum)."""
+    ref = "gpt_ref" if name.startswith("gpt") else "arch_ref"
+    assert_same_model_and_step(merged(runs[ref]), merged(runs[name]))
+
+
+@pytest.mark.slow
+def test_leaving_out_the_sequence_parallel_sum_is_caught(runs):
+    """Without the TP sum every norm and row-parallel bias gradient is one rank's part of
+    the whole: the comparison with TP=1 fails, on exactly the marked parameters."""
+    split = merged(runs["gpt_tp2_sp"])
+    marked = runs["gpt_tp2_sp"][0]["sequence_parallel"]
+    assert any(n.endswith("layernorm.weight") for n in marked)
+    assert any(n.endswith("linear_proj.bias") or n.endswith("linear_fc2.bias")
+               for n in marked)
+    partial = {**split["grads"], **{n: g for part in runs["gpt_tp2_sp"]
+                                    if part["tp_rank"] == 0
+                                    for n, g in part["partial_grads"].items()}}
+    reference = merged(runs["gpt_ref"])["grads"]
+    wrong = []
+    for name in marked:
+        try:
+            assert_grads_close({name: partial[name]}, {name: reference[name]})
+        except AssertionError:
+            wrong.append(name)
+    assert wrong == marked
+
+
+@pytest.mark.slow
 def test_architecture_uneven_pipeline_matches_unsplit(runs):
     first, last = sorted(runs["arch_pp2_uneven"], key=lambda part: part["stage"])
     layers = {stage["stage"]: {n.split(".")[2] for n in stage["weights"] if ".layers." in n}

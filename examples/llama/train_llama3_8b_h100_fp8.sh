@@ -10,7 +10,13 @@
 # Megatron-LM's meaning (docs/training.md, docs/checkpoints.md), and so does
 # --use-distributed-optimizer (run it with NPROC_PER_NODE=4
 # EXTRA_ARGS="--pipeline-model-parallel-size 2": two data-parallel ranks share the
-# optimizer state). --sequence-parallel is off at TP=1, as Megatron-LM says.
+# optimizer state). TP_SIZE=2 with Megatron-LM's --sequence-parallel is the default, as
+# in Megatron-LM's script; CP_SIZE=2 (with TP_SIZE=1, or NPROC_PER_NODE=4) splits every
+# sequence over two context-parallel ranks. --sequence-parallel is off at TP=1, as
+# Megatron-LM says.
+#
+#   TP_SIZE=2 NPROC_PER_NODE=4 EXTRA_ARGS="--pipeline-model-parallel-size 2 --pipeline-schedule 2bw" bash ...
+#   TP_SIZE=1 CP_SIZE=2 EXTRA_ARGS="--pipeline-schedule flush" bash ...
 #
 #   bash examples/llama/train_llama3_8b_h100_fp8.sh [CKPT] [TB] [TOKENIZER|MOCK] [DATA|MOCK]
 set -euo pipefail
@@ -29,8 +35,8 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 NODE_RANK=${NODE_RANK:-0}
 
-TP_SIZE=1
-CP_SIZE=1
+TP_SIZE=${TP_SIZE:-2}
+CP_SIZE=${CP_SIZE:-1}
 MICRO_BATCH_SIZE=1
 GLOBAL_BATCH_SIZE=8
 NUM_LAYERS=4

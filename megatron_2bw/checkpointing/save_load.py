@@ -210,10 +210,11 @@ def _write(root: str, iteration: int, executor, updater, args: argparse.Namespac
         return
     entries, error = {}, None
     # a distributed optimizer gathers its state: every data-parallel rank takes part
+    # one writer per data x context parallel group: its replicas hold the same weights
+    writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     state = (_state(iteration, executor, updater, args, schedule, options)
-             if ps.get_data_parallel_rank() == 0 or getattr(updater, "collective_state", False)
-             else None)
-    if ps.get_data_parallel_rank() == 0:
+             if writer or getattr(updater, "collective_state", False) else None)
+    if writer:
         error = _attempt(lambda: entries.update(_write_rank_file(root, iteration, state)))
     gathered = comm.all_gather_object((entries, error))
     failed = next((e for _, e in gathered if e), None)

@@ -115,7 +115,7 @@ def _rng_shard(state: Optional[dict]) -> ShardedObject:
                           ps.get_tensor_model_parallel_world_size()),
                          (ps.get_pipeline_model_parallel_rank(),
                           ps.get_tensor_model_parallel_rank()),
-                         replica_id=ps.get_data_parallel_rank())
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
 def _common(iteration: int, executor, updater, args: argparse.Namespace, schedule: str,

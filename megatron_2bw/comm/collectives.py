@@ -147,6 +147,21 @@ def irecv(buf: torch.Tensor, src: int, group: Group) -> dist.Work:
     return dist.irecv(buf, src=src, group=group)
 
 
+def batch_isend_irecv(sends: Sequence[tuple[torch.Tensor, int]],
+                      recvs: Sequence[tuple[torch.Tensor, int]],
+                      group: Group) -> list[dist.Work]:
+    """Post sends (tensor, global dst) and receives (buffer, global src) as one batch:
+    NCCL launches them together (two ranks that send to each other first cannot block
+    each other), gloo one by one. Between one pair in one direction, tensors match in
+    list order. Wait on every returned request before reading a buffer."""
+    _check("batch_isend_irecv", group, *(t for t, _ in sends), *(b for b, _ in recvs))
+    # torch's own isend/irecv: P2POp refuses a recorder's wrappers of dist.isend/irecv
+    c10d = dist.distributed_c10d
+    ops = ([dist.P2POp(c10d.isend, t, peer, group) for t, peer in sends]
+           + [dist.P2POp(c10d.irecv, b, peer, group) for b, peer in recvs])
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
 def recv(buf: torch.Tensor, src: int, group: Group) -> None:
     _check("recv", group, buf)
     dist.recv(buf, src=src, group=group)

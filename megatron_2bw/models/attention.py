@@ -40,6 +40,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from .context_parallel import context_parallel_attention
+
 # the SDPA kernels each SDPA backend may use (None: PyTorch chooses among all of them)
 SDPA_KERNELS: dict[str, Optional[tuple[SDPBackend, ...]]] = {
     "auto": None,
@@ -55,8 +57,6 @@ def sdpa_limits(config: TransformerConfig) -> list[str]:
         limits.append(f"softmax_type {config.softmax_type!r}")
     if config.window_size is not None:
         limits.append("sliding-window attention")
-    if config.context_parallel_size > 1:
-        limits.append("context parallelism")
     return limits
 
 
@@ -102,6 +102,9 @@ class SdpaAttention(MegatronModule):
                               else 1.0 / math.sqrt(config.kv_channels))
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.kernels = SDPA_KERNELS[backend]
+        self.cp_group = (parallel_state.get_context_parallel_group()
+                         if config.context_parallel_size > 1 else None)
+        self.cp_comm_type = cp_comm_type or "p2p"
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 attention_mask: Optional[Tensor], attn_mask_type: Optional[AttnMaskType] = None,
@@ -113,6 +116,9 @@ class SdpaAttention(MegatronModule):
         causal = attention_mask is None and mask_type == AttnMaskType.causal
         # [s, b, n, d] -> [b, n, s, d]: views, SDPA reads the strides
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.cp_group is not None:
+            out = self._context_parallel(q, k, v, causal)
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
         mask = None if attention_mask is None else ~attention_mask
         dropout = self.dropout_p if self.training else 0.0
         with self._rng(dropout), self._kernels(query.device):
@@ -121,6 +127,16 @@ class SdpaAttention(MegatronModule):
                 scale=self.softmax_scale, enable_gqa=self.heads != self.groups)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * out.shape[-1])
+
+    def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+        """This rank's queries (its two load-balanced chunks of every sequence) against
+        the whole sequence's keys and values (models/context_parallel.py)."""
+        if not causal:
+            raise NotImplementedError("context-parallel attention is causal only (no "
+                                      "attention mask); the flags' rules refuse the rest")
+        return context_parallel_attention(q, k, v, self.cp_group, scale=self.softmax_scale,
+                                          comm_type=self.cp_comm_type,
+                                          enable_gqa=self.heads != self.groups)
 
     def _rng(self, dropout: float):
         """megatron-core's model-parallel RNG around the dropout (as DotProductAttention

@@ -6,8 +6,9 @@ replaces and why; `apply_cpu_shims()` installs them all, only when no CUDA devic
 use, and is idempotent. Nothing else in this project monkey-patches megatron-core.
 
 What is deliberately *not* shimmed: megatron-core's pipeline schedules and
-`p2p_communication` (this project has its own executor), sequence parallelism,
-gradient-accumulation fusion, Transformer Engine and apex paths.
+`p2p_communication` (this project has its own executor), gradient-accumulation
+fusion, Transformer Engine and apex paths. Sequence parallelism runs megatron-core's own
+mappings; on CPU their first-dimension gather / reduce-scatter get CPU buffers below.
 """
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ from megatron.core import utils as mcore_utils
 from megatron.core.fusions import fused_softmax
 from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.models.common.language_module import language_module
+from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as transformer_utils
 
 from .. import comm
+from .context_parallel import cp_slice
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,12 @@ def apply_cpu_shims(device: Optional[str] = None) -> bool:
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     _wrap_setup_embeddings()
     rotary_pos_embedding.RotaryEmbedding.get_emb = _cpu_rotary_get_emb
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
     mappings._gather_along_last_dim = _cpu_gather_along_last_dim
     mappings._reduce_scatter_along_last_dim = _cpu_reduce_scatter_along_last_dim
+    mappings._gather_along_first_dim = _cpu_gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _cpu_reduce_scatter_along_first_dim
+    _wrap_linear_backward()
     _APPLIED = True
     logger.info("megatron-core CPU shims applied")
     return True
@@ -237,6 +244,16 @@ def _cpu_rotary_get_emb(self: rotary_pos_embedding.RotaryEmbedding, max_seq_len:
     return emb[:, None, None, :]  # [seq, 1, 1, dim]
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int,
+                                 cp_group) -> torch.Tensor:
+    """`rope_utils.get_pos_emb_on_this_cp_rank` on CPU: the rotary angles of this
+    context-parallel rank's two load-balanced chunks (the data's `cp_slice` layout).
+
+    Why: upstream builds its chunk index in pinned memory and moves it to CUDA.
+    """
+    return cp_slice(pos_emb, seq_dim, cp_group.rank(), cp_group.size())
+
+
 # --- tensor-parallel gather / reduce-scatter along the last dimension ----------------
 
 
@@ -264,6 +281,89 @@ def _cpu_reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Ten
     total = input_.contiguous().clone()
     comm.all_reduce(total, group)
     return total.chunk(world, dim=-1)[comm.rank(group)].contiguous()
+
+
+# --- sequence parallelism: gather / reduce-scatter along the first dimension ---------
+
+
+def _cpu_gather_along_first_dim(input_: torch.Tensor, group, output_split_sizes=None,
+                                use_global_buffer: bool = False) -> torch.Tensor:
+    """`mappings._gather_along_first_dim` on CPU: every rank's [s/t, ...] end to end.
+
+    Why: under --sequence-parallel the column-parallel layers (and the output layer)
+    all-gather their [s/t, b, h] input along the sequence, and upstream allocates the
+    gathered buffer on `torch.cuda.current_device()` (or its CUDA global buffer).
+    """
+    del use_global_buffer  # a CUDA memory-pool detail
+    if group.size() == 1:
+        return input_
+    if output_split_sizes is not None and len(set(output_split_sizes)) > 1:
+        raise NotImplementedError("an uneven first-dimension gather (MoE token dispatch) "
+                                  "has no CPU path")
+    shape = list(input_.shape)
+    shape[0] *= group.size()
+    output = torch.empty(shape, dtype=input_.dtype, device=input_.device)
+    comm.all_gather_into_tensor(output, input_.contiguous(), group)
+    return output
+
+
+def _cpu_reduce_scatter_along_first_dim(input_: torch.Tensor, group, input_split_sizes=None,
+                                        use_global_buffer: bool = False) -> torch.Tensor:
+    """`mappings._reduce_scatter_along_first_dim` on CPU: the sum, this rank's [s/t, ...].
+
+    Why: under --sequence-parallel the row-parallel layers reduce-scatter their output
+    along the sequence (and the gather above has it as its backward); upstream allocates
+    the result on `torch.cuda.current_device()`.
+    """
+    del use_global_buffer
+    world = group.size()
+    if world == 1:
+        return input_
+    if input_split_sizes is not None and len(set(input_split_sizes)) > 1:
+        raise NotImplementedError("an uneven first-dimension reduce-scatter (MoE token "
+                                  "dispatch) has no CPU path")
+    if input_.shape[0] % world:
+        raise ValueError(f"the first dimension {input_.shape[0]} does not split over "
+                         f"{world} tensor-parallel ranks")
+    shape = list(input_.shape)
+    shape[0] //= world
+    output = torch.empty(shape, dtype=input_.dtype, device=input_.device)
+    comm.reduce_scatter_tensor(output, input_.contiguous(), group)
+    return output
+
+
+def _wrap_linear_backward() -> None:
+    """Let megatron-core's tensor-parallel linear backward allocate on CPU under SP.
+
+    Why: `LinearWithGradAccumulationAndAsyncCommunication.backward` reduce-scatters the
+    input gradient of a sequence-parallel column-parallel layer into a buffer it
+    allocates on `torch.cuda.current_device()`. For that call only (this process has no
+    CUDA device, or the shims would not be applied) the current device reads "cpu".
+    """
+    cls = tp_layers.LinearWithGradAccumulationAndAsyncCommunication
+    original = cls.backward
+    if getattr(original, "_cpu_shim", False):
+        return
+
+    def backward(ctx, grad_output):
+        if not ctx.sequence_parallel:
+            return original(ctx, grad_output)
+        with _current_device_is_cpu():
+            return original(ctx, grad_output)
+
+    backward._cpu_shim = True
+    cls.backward = staticmethod(backward)
+
+
+@contextlib.contextmanager
+def _current_device_is_cpu() -> Iterator[None]:
+    """`torch.cuda.current_device()` returns "cpu" inside the block (CPU processes only)."""
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
 
 
 # --- tied embeddings ----------------------------------------------------------------

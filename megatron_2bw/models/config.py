@@ -36,6 +36,7 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 # nothing to act on.
 RECOMPUTE_MODULES = ("core_attn", "mlp")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # see models/attention.py
+CP_COMM_TYPES = ("p2p", "all_gather")  # see models/context_parallel.py
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -184,6 +185,15 @@ class ModelConfig(ModelShape):
     """The GPT loss as megatron-core's fused vocab-parallel cross entropy on CUDA."""
     compile_transformer_layers: bool = False
     """torch.compile every transformer layer (--compile-transformer-layers)."""
+    sequence_parallel: bool = False
+    """Megatron-LM's --sequence-parallel: at TP > 1 the activations outside the
+    tensor-parallel regions (norms, dropouts, residuals, the pipeline boundary) hold s/TP
+    of the sequence; off at TP = 1, as megatron-core turns it off."""
+    cp_comm_type: str = "p2p"
+    """Megatron-LM's --cp-comm-type, the context-parallel attention's exchange of keys and
+    values (models/context_parallel.py): "p2p" a ring that overlaps each block's transfer
+    with the previous block's compute, "all_gather" one all-gather. The context-parallel
+    size itself comes from parallel_state, as the other parallel sizes do."""
 
     def _problems(self) -> list[str]:
         """The shape's problems (`ModelShape`), then the rest of the architecture's; the
@@ -208,6 +218,7 @@ class ModelConfig(ModelShape):
     def _choice_problems(self) -> list[str]:
         problems = []
         for name, allowed in (("attention_backend", ATTENTION_BACKENDS),
+                              ("cp_comm_type", CP_COMM_TYPES),
                               ("normalization", NORMALIZATIONS),
                               ("position_embedding_type", POSITION_EMBEDDINGS),
                               ("params_dtype", PARAMS_DTYPES)):
@@ -270,6 +281,9 @@ class ModelConfig(ModelShape):
         if self.layernorm_zero_centered_gamma:
             problems.append("BERT's LM-head norm cannot be zero-centred "
                             "(layernorm_zero_centered_gamma)")
+        if self.sequence_parallel:
+            problems.append("BERT's LM-head norm has no sequence-parallel form here "
+                            "(sequence_parallel)")
         return problems
 
     def _task_problems(self) -> list[str]:

@@ -1,4 +1,4 @@
-"""Torch norms for the two cases megatron-core's local spec does not cover on CPU.
+"""Torch norms for the cases megatron-core's local spec does not cover on CPU.
 
 megatron-core builds the local layer's norms with `WrappedTorchNorm`, a torch
 `LayerNorm` / `RMSNorm`. Two Megatron-LM options need more than that:
@@ -13,6 +13,10 @@ megatron-core builds the local layer's norms with `WrappedTorchNorm`, a torch
   project's runtime does not call that, so a query/key `TorchNorm` routes its weight
   through megatron-core's `copy_to_tensor_model_parallel_region` (identity forward,
   all-reduce backward) and its gradient is already the full sum.
+- `--sequence-parallel`: every rank normalises s/t of the sequence, and
+  `WrappedTorchNorm` refuses the option. Every norm is then a `TorchNorm`, whose weight
+  and bias carry megatron-core's `sequence_parallel` attribute; the runtime sums their
+  gradients over TP once per minibatch (`runtime.grad_sync.SequenceParallelSum`).
 
 Same parameter names (`weight`, `bias`) and the same functional kernels as torch's
 modules, so numerics match `WrappedTorchNorm` whenever neither option is on.
@@ -50,6 +54,13 @@ class TorchNorm(nn.Module):
         self.bias: Optional[nn.Parameter] = None
         if not self.rms:
             self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        if config.sequence_parallel and not tp_shared:
+            # each rank normalises its s/t rows: the weight gradient is a partial sum,
+            # completed over TP once per minibatch (runtime.grad_sync.SequenceParallelSum,
+            # where megatron-core's finalize_model_grads would do it)
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    setattr(p, "sequence_parallel", True)
 
     def _shared(self, tensor: Optional[Tensor]) -> Optional[Tensor]:
         if tensor is None or not self.tp_shared:

@@ -57,6 +57,7 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
                                                          get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_2bw import comm
 from megatron_2bw.models.attention import SdpaAttention
 from megatron_2bw.models.compat import cpu_shims_applied
 from megatron_2bw.models.config import ModelConfig
@@ -74,9 +75,11 @@ class PipelineStage(nn.Module):
     """One pipeline stage of a GPT or BERT model: `stage_module(input_tensor, batch)`."""
 
     def __init__(self, config: ModelConfig, stage: int, num_stages: int, model: LanguageModule,
-                 chunk: int = 0, num_chunks: int = 1):
+                 chunk: int = 0, num_chunks: int = 1, seq_split: int = 1):
         super().__init__()
         self.config = config
+        # the ranks one sequence is split over between stages: CP, times TP under SP
+        self.seq_split = seq_split
         self.stage = stage
         self.num_stages = num_stages
         self.chunk = chunk            # model chunk of the rank (virtual pipeline stages)
@@ -101,9 +104,10 @@ class PipelineStage(nn.Module):
 
     def boundary_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Shape [seq, rows, hidden] of the activation sent to the next stage: a row per
-        sample, or per choice of a multiple-choice sample."""
+        sample, or per choice of a multiple-choice sample; this rank's s / (CP x TP)
+        of the sequence under context and sequence parallelism."""
         rows = micro_batch_size * self.config.rows_per_sample
-        return (self.config.seq_length, rows, self.config.hidden_size)
+        return (self.config.seq_length // self.seq_split, rows, self.config.hidden_size)
 
     def fresh_keys(self, present: set[str]) -> list[str]:
         """The model's tensors (megatron-core names) a --finetune may start from their
@@ -145,8 +149,10 @@ class PipelineStage(nn.Module):
         )
         if not self.is_last:
             return output
-        lm_loss = (masked_sum if self.config.per_token_loss else masked_mean)(
-            output, batch["loss_mask"])
+        if self.config.per_token_loss:
+            lm_loss = masked_sum(output, batch["loss_mask"])
+        else:
+            lm_loss = context_parallel_mean(output, batch["loss_mask"])
         self.last_metrics = {"lm_loss": lm_loss.detach()}
         return lm_loss
 
@@ -318,6 +324,20 @@ def masked_mean(token_loss: Tensor, loss_mask: Tensor) -> Tensor:
     return masked_sum(token_loss, loss_mask) / loss_mask.reshape(-1).float().sum()
 
 
+def context_parallel_mean(token_loss: Tensor, loss_mask: Tensor) -> Tensor:
+    """`masked_mean` when this rank holds 1/CP of each sequence: CP x this rank's sum over
+    the tokens of every CP rank, so that the gradients' mean over the data x context
+    parallel group is the whole sequence's mean (Megatron-LM scales its loss by CP the
+    same way), and so is the mean of the CP ranks' values the logs report."""
+    group = parallel_state.get_context_parallel_group()
+    cp = comm.size(group)
+    if cp == 1:
+        return masked_mean(token_loss, loss_mask)
+    count = loss_mask.detach().reshape(-1).float().sum().reshape(1)
+    comm.all_reduce(count, group)
+    return masked_sum(token_loss, loss_mask) * cp / count
+
+
 def build_stage(
     config: ModelConfig, stage: int, num_stages: int, device: Optional[torch.device] = None,
     num_chunks: int = 1,
@@ -337,7 +357,8 @@ def build_stage(
         raise RuntimeError("building a megatron-core stage on CPU needs the CPU shims: call "
                            "megatron_2bw.models.apply_cpu_shims() at the entry point first")
     _ensure_rng_tracker(config.seed)
-    mcore_config = transformer_config(config, tp, num_stages, num_chunks, on_cuda(target))
+    cp = parallel_state.get_context_parallel_world_size()
+    mcore_config = transformer_config(config, tp, num_stages, num_chunks, on_cuda(target), cp)
     chunks = [_build_chunk(config, mcore_config, stage, num_stages, c, num_chunks, target)
               for c in range(num_chunks)]
     logger.debug("built %s stage %d/%d (tp=%d, %d chunks) on %s", config.model, stage,
@@ -364,7 +385,9 @@ def _build_chunk(config: ModelConfig, mcore_config: TransformerConfig, stage: in
     model.to(target)
     if config.compile_transformer_layers:
         compile_layers(model)
-    return PipelineStage(config, stage, num_stages, model, chunk, num_chunks)
+    split = mcore_config.context_parallel_size * (
+        mcore_config.tensor_model_parallel_size if mcore_config.sequence_parallel else 1)
+    return PipelineStage(config, stage, num_stages, model, chunk, num_chunks, split)
 
 
 def _target_device(device: Optional[torch.device]) -> torch.device:
@@ -451,13 +474,16 @@ def _ensure_rng_tracker(seed: int) -> None:
 
 
 def transformer_config(config: ModelConfig, tp: int, num_stages: int,
-                       num_chunks: int = 1, fused: bool = False) -> TransformerConfig:
+                       num_chunks: int = 1, fused: bool = False,
+                       cp: int = 1) -> TransformerConfig:
     """The megatron-core TransformerConfig for this model and split.
 
     Megatron-LM's `core_transformer_config_from_args` mapping: --swiglu is a gated linear
     unit with SiLU, --group-query-attention's groups, the uneven first / last stage, the
     virtual pipeline size (None without chunks, as Megatron-LM sets it) and the three
-    recompute fields as given (megatron-core implements all of them). The activation and
+    recompute fields as given (megatron-core implements all of them), sequence
+    parallelism at TP > 1 only (as Megatron-LM turns it off at TP = 1) and the
+    context-parallel size `cp`. The activation and
     the fusions come from `kernels.kernel_fields` (`fused`: megatron-core's fused CUDA
     implementations may run); the core attention is chosen in the layer spec.
     """
@@ -481,6 +507,8 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
         apply_rope_fusion=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=num_stages,
+        context_parallel_size=cp,
+        cp_comm_type=config.cp_comm_type if cp > 1 else None,
         virtual_pipeline_model_parallel_size=num_chunks if num_chunks > 1 else None,
         num_layers_in_first_pipeline_stage=config.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=config.num_layers_in_last_pipeline_stage,
@@ -497,7 +525,7 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
         recompute_num_layers=config.recompute_num_layers,
         recompute_modules=(list(config.recompute_modules)
                            if config.recompute_modules is not None else None),
-        sequence_parallel=False,
+        sequence_parallel=config.sequence_parallel and tp > 1,
         attention_backend=AttnBackend.local,
         gradient_accumulation_fusion=False,
         **kernel_fields(config, fused),
@@ -515,7 +543,8 @@ def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
     (their weight gradient is summed over the TP ranks, see norms.py); with
     --apply-layernorm-1p every norm, the block's final one included, becomes a
     zero-centred `TorchNorm`, which needs the block spec (a layer spec cannot name the
-    final norm).
+    final norm). Under sequence parallelism every norm is a `TorchNorm` too (megatron-core's
+    `WrappedTorchNorm` refuses it), which marks its weight's gradient for the sum over TP.
     """
     spec = with_core_attention(get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
                                                         normalization=config.normalization),
@@ -527,7 +556,7 @@ def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
                                         q_layernorm=shared, k_layernorm=shared)
         layer = dataclasses.replace(layer, self_attention=dataclasses.replace(
             layer.self_attention, submodules=attention))
-    if not config.layernorm_zero_centered_gamma:
+    if not (config.layernorm_zero_centered_gamma or mcore_config.sequence_parallel):
         return dataclasses.replace(spec, submodules=layer)
     layer = dataclasses.replace(layer, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     spec = dataclasses.replace(spec, submodules=layer)

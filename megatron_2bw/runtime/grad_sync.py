@@ -62,6 +62,39 @@ class GradReduceConfig:
         return self.dtype != torch.float32
 
 
+class SequenceParallelSum:
+    """Completes the gradients that sequence parallelism leaves as partial sums.
+
+    Under --sequence-parallel each tensor-parallel rank runs the norms (and adds the
+    row-parallel biases) on its own s/TP rows of the sequence, with the same replicated
+    weight; each rank's gradient of those weights is its rows' share. megatron-core marks
+    them `sequence_parallel` and sums them over TP in `finalize_model_grads`, which this
+    runtime does not call: this sum, run once per minibatch before the data-parallel
+    reduction, takes its place. Leaving it out trains every TP rank on part of the
+    gradient, silently (tests/test_sequence_parallel.py shows it is caught).
+
+    `ranges`: (offset, numel) of each marked parameter in the flat gradient; `dtype`:
+    the gradient's precision (bf16 with --grad-reduce-in-bf16: summed in bf16, as
+    Megatron-LM sums its bf16 main_grad).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], ranges: tuple[tuple[int, int], ...],
+                 dtype: torch.dtype = torch.float32):
+        self.group, self.ranges, self.dtype = group, ranges, dtype
+        self.active = bool(ranges) and comm.runs(group)
+
+    def __call__(self, flat_grad: torch.Tensor) -> None:
+        if not self.active:
+            return
+        packed = torch.cat([flat_grad[o:o + n] for o, n in self.ranges]).to(self.dtype)
+        wait_collective(comm.all_reduce(packed, self.group, async_op=True), self.group,
+                        "the tensor-parallel sum of the sequence-parallel gradients")
+        start = 0
+        for offset, n in self.ranges:
+            flat_grad[offset:offset + n].copy_(packed[start:start + n])
+            start += n
+
+
 class GradReducer:
     """Averages gradients over the data-parallel group (mean, as Megatron-LM).
 
@@ -75,8 +108,10 @@ class GradReducer:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup],
-                 config: GradReduceConfig = GradReduceConfig()):
+                 config: GradReduceConfig = GradReduceConfig(),
+                 sp_sum: Optional[SequenceParallelSum] = None):
         self.group, self.config = group, config
+        self.sp_sum = sp_sum  # the TP sum sequence parallelism needs first, if any
         self.size = comm.size(group) if group is not None else 1
         self.active = comm.runs(group)  # a group of one: no call, unless exercised
         self._pending: dict[int, tuple[Optional[dist.Work], torch.Tensor,
@@ -87,6 +122,8 @@ class GradReducer:
               tokens: Optional[torch.Tensor] = None) -> None:
         if minibatch in self._pending:
             raise RuntimeError(f"gradient reduction of minibatch {minibatch} started twice")
+        if self.sp_sum is not None:
+            self.sp_sum(flat_grad)
         work, low = None, None
         scale = 1.0 if tokens is not None else 1.0 / self.size  # per-token: a sum
         if self.active and self.config.low_precision:
@@ -143,8 +180,9 @@ class ShardedGradReducer(GradReducer):
 
     def __init__(self, group: Optional[dist.ProcessGroup], layout: ShardLayout,
                  config: GradReduceConfig = GradReduceConfig(),
-                 full: tuple[tuple[int, int], ...] = ()):
-        super().__init__(group, config)
+                 full: tuple[tuple[int, int], ...] = (),
+                 sp_sum: Optional[SequenceParallelSum] = None):
+        super().__init__(group, config, sp_sum)
         self.layout, self.full = layout, full
         self.rank = comm.rank(group) if group is not None else 0
         self._buffers: dict[int, torch.Tensor] = {}
@@ -154,6 +192,8 @@ class ShardedGradReducer(GradReducer):
               tokens: Optional[torch.Tensor] = None) -> None:
         if minibatch in self._pending:
             raise RuntimeError(f"gradient reduction of minibatch {minibatch} started twice")
+        if self.sp_sum is not None:
+            self.sp_sum(flat_grad)
         scale = 1.0 if tokens is not None else 1.0 / self.size
         buffer = self._chunk_order(flat_grad)
         work, low = None, None

@@ -1,4 +1,4 @@
-"""Where this process sits in the TP x PP x DP grid, read from megatron-core's parallel_state.
+"""Where this process sits in the TP x CP x PP x DP grid, read from megatron-core's parallel_state.
 
 Taking the groups from parallel_state (not building our own) is what lets tensor
 parallelism compose: each tensor-parallel rank of a stage talks to the same
@@ -50,7 +50,15 @@ def link_groups(ring: bool) -> dict[tuple[int, int], dist.ProcessGroup]:
 
 
 def data_parallel_group():
-    """The group over which this stage's replicas average gradients: None if w = 1 (a
-    mean over one changes nothing), unless the exercise mode drives groups of one."""
-    group = ps.get_data_parallel_group()
+    """The group over which this stage's replicas average gradients: the data x context
+    parallel group (context-parallel ranks hold the same weights, each a part of every
+    sequence, as megatron-core's DDP reduces over it); None if it has one member (a mean
+    over one changes nothing), unless the exercise mode drives groups of one."""
+    group = ps.get_data_parallel_group(with_context_parallel=True)
     return group if comm.runs(group) else None
+
+
+def context_parallel() -> tuple[int, int]:
+    """(this rank's place, the size) in its context-parallel group: which part of every
+    sequence it holds."""
+    return ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()

@@ -283,7 +283,20 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks per stage (megatron-core layers)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="pipeline stages; data-parallel size = world / (TP x PP)")
+                   help="pipeline stages; data-parallel size = world / (TP x CP x PP)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="at TP > 1, split the activations outside the tensor-parallel layers "
+                        "(norms, dropouts, residuals, the pipeline boundary) over the TP "
+                        "ranks along the sequence (Megatron-LM's); off at TP 1")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="ranks that each hold 1/N of every sequence (load-balanced causal "
+                        "chunks); attention exchanges keys and values, gradients are reduced "
+                        "over data x context parallel ranks")
+    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a",
+                                                             "a2a+p2p"],
+                   help="context-parallel attention: p2p, a ring overlapping each key/value "
+                        "block's transfer with compute (default); all_gather, one "
+                        "all-gather of keys and values per layer")
     g.add_argument("--pipeline-schedule", default=None,
                    help="pipeline schedule: " + ", ".join(SCHEDULE_NAMES)
                    + f" (default {DEFAULT_SCHEDULE})")
@@ -403,7 +416,9 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
     args.virtual_pipeline_model_parallel_size = (view.virtual_stages if view.virtual_stages > 1
                                                  else None)
     parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
-                              args.pipeline_model_parallel_size, view.schedule,
+                              args.pipeline_model_parallel_size,
+                              context_parallel=args.context_parallel_size,
+                              schedule=view.schedule,
                               grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                               distributed_optimizer=args.use_distributed_optimizer,
                               virtual_stages=view.virtual_stages)

@@ -19,11 +19,13 @@ from .skip_guard import SkipGuardConfig
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The TP x PP x DP grid. The data-parallel size is derived, as in Megatron-LM."""
+    """The TP x CP x PP x DP grid. The data-parallel size is derived, as in Megatron-LM."""
 
     world_size: int
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    # --context-parallel-size: ranks that each hold 1/CP of every sequence
+    context_parallel: int = 1
     schedule: str = DEFAULT_SCHEDULE  # canonical name (schedules.registry)
     grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16 (with --bf16): bf16 main grads
     # --use-distributed-optimizer: masters and optimizer state sharded over data parallelism
@@ -35,19 +37,21 @@ class ParallelConfig:
     virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        grid = self.tensor_parallel * self.pipeline_parallel
+        grid = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
         if self.world_size % grid:
             raise ValueError(
                 f"world size {self.world_size} is not divisible by --tensor-model-parallel-size "
                 f"({self.tensor_parallel}) x --pipeline-model-parallel-size "
-                f"({self.pipeline_parallel}) = {grid}")
+                f"({self.pipeline_parallel}) x --context-parallel-size "
+                f"({self.context_parallel}) = {grid}")
         if self.virtual_stages > 1 and self.pipeline_parallel < 2:
             raise ValueError(f"{self.virtual_stages} virtual pipeline stages per rank need "
                              "--pipeline-model-parallel-size above 1")
 
     @property
     def data_parallel(self) -> int:
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel
+                                   * self.context_parallel)
 
 
 @dataclass(frozen=True)

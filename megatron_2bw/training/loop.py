@@ -18,15 +18,17 @@ from megatron.core import parallel_state as ps
 from .. import comm
 from ..data.datasets import microbatches
 from ..models import build_stage, model_parallel_manual_seed
+from .context_batch import context_parallel_batch
 from ..optim.muon import (MuonParamSpec, TensorParallel, is_megatron_muon_param,
                           is_megatron_qkv_param, qkv_split_rows)
 from ..comm.sharding import ShardLayout
 from ..optim.distributed import DistributedUpdater
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
-from ..runtime.grad_sync import GradReduceConfig, ShardedGradReducer, TiedGradSync
+from ..runtime.grad_sync import (GradReduceConfig, GradReducer, SequenceParallelSum,
+                                 ShardedGradReducer, TiedGradSync)
 from ..runtime.p2p import PeerTimeout, is_timeout
-from ..runtime.topology import data_parallel_group, stage_links
+from ..runtime.topology import context_parallel, data_parallel_group, stage_links
 from ..schedules import Schedule, build_eval_schedule, build_schedule, schedule_spec
 from ..checkpointing.contents import megatron_args
 from ..checkpointing.save_load import (SaveOptions, prepare_resume, read_checkpoint, restore,
@@ -86,6 +88,26 @@ def _grad_reduce(run: RunConfig) -> GradReduceConfig:
                             else torch.float32)
 
 
+def _offsets(params: list) -> list[int]:
+    """Where each parameter starts in the stage's flat gradient (and the end)."""
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    return offsets
+
+
+def _sequence_parallel_sum(params: list, run: RunConfig) -> Optional[SequenceParallelSum]:
+    """The TP sum of the gradients sequence parallelism leaves partial (megatron-core's
+    `sequence_parallel` parameters: norms, row-parallel biases), or None without SP."""
+    offsets = _offsets(params)
+    ranges = tuple((offsets[i], p.numel()) for i, p in enumerate(params)
+                   if getattr(p, "sequence_parallel", False))
+    if not ranges:
+        return None
+    return SequenceParallelSum(ps.get_tensor_model_parallel_group(), ranges,
+                               _grad_reduce(run).dtype)
+
+
 def _sharding(params: list, infos: list[ParamInfo], run: RunConfig,
               schedule: Schedule) -> tuple[ShardLayout, ShardedGradReducer]:
     """--use-distributed-optimizer: the stage's shard layout over data parallelism (Muon's
@@ -94,12 +116,11 @@ def _sharding(params: list, infos: list[ParamInfo], run: RunConfig,
     group = data_parallel_group()
     layout = ShardLayout([p.numel() for p in params], [i.muon is not None for i in infos],
                          comm.size(group) if group is not None else 1)
-    offsets = [0]
-    for p in params:
-        offsets.append(offsets[-1] + p.numel())
+    offsets = _offsets(params)
     full = tuple((offsets[i], params[i].numel()) for i, info in enumerate(infos)
                  if info.tied and ps.get_pipeline_model_parallel_rank() in schedule.tied_stages)
-    return layout, ShardedGradReducer(group, layout, _grad_reduce(run), full)
+    return layout, ShardedGradReducer(group, layout, _grad_reduce(run), full,
+                                      _sequence_parallel_sum(params, run))
 
 
 def _tied_sync(schedule: Schedule, stage: int, infos: list[ParamInfo],
@@ -131,6 +152,7 @@ class Trainer:
         par = run.parallel
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tensor_parallel,
                                      pipeline_model_parallel_size=par.pipeline_parallel,
+                                     context_parallel_size=par.context_parallel,
                                      distributed_timeout_minutes=env.timeout.total_seconds() / 60)
         model_parallel_manual_seed(run.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
         self.stage = ps.get_pipeline_model_parallel_rank()
@@ -180,7 +202,8 @@ class Trainer:
         tp = TensorParallel(ps.get_tensor_model_parallel_rank(),
                             ps.get_tensor_model_parallel_world_size(), gather)
         groups = StepGroups(model_parallel=ps.get_model_parallel_group())
-        reducer, layout = None, None
+        reducer, layout = GradReducer(data_parallel_group(), _grad_reduce(run),
+                                      _sequence_parallel_sum(params, run)), None
         # one data-parallel rank has nothing to shard (unless the exercise mode drives
         # its group of one, so that a one-GPU run issues the collectives anyway)
         if run.parallel.distributed_optimizer and data_parallel_group() is not None:
@@ -396,8 +419,11 @@ class Trainer:
         order, on this rank's device (the dataset collates on CPU; on CUDA every tensor of
         the batch, the token count of a per-token loss too, must live on the GPU)."""
         device = self.env.device
+        cp_rank, cp = context_parallel()
         for batch in microbatches(dataset, self.run.train.micro_batch_size, first_sample,
                                   self.dp_rank, self.run.parallel.data_parallel):
+            if cp > 1:
+                batch = context_parallel_batch(batch, cp_rank, cp)
             yield {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                    for k, v in batch.items()}
 

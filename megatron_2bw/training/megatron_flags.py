@@ -14,14 +14,13 @@ against one it is not.
 - HONORED_NOOP: flags whose Megatron-LM meaning is already what happens here
   (`--use-mcore-models`: there are no legacy models; `--num-workers`: samples come from
   the dataset in the training process, no DataLoader).
-- REFUSED: flags that would change numerics or memory and are not implemented, with why;
-  `--sequence-parallel` and `--context-parallel-size` are refused only where they would
-  change something (Megatron-LM itself turns sequence parallelism off at TP=1).
+- REFUSED: flags that would change numerics or memory and are not implemented, with why.
 - REMOVED: spellings Megatron-LM dropped, with what replaced them (as Megatron-LM says).
 
 A command line with several refused or removed flags hears of all of them in one line
-(the four fp8 flags under their one reason), not one per run. `--sequence-parallel` at
-TP=1 is accepted with one warning that it is off, as Megatron-LM warns.
+(the four fp8 flags under their one reason), not one per run. `--sequence-parallel` (an
+ordinary flag, arguments.py) at TP=1 is accepted with one warning that it is off, as
+Megatron-LM warns.
 
 Every flag not in arguments.py or here is unknown: the parser names it and points to
 docs/megatron-flags.md, which lists Megatron-LM's flags and their status here.
@@ -89,12 +88,6 @@ FP8_WHY = ("fp8 needs Transformer Engine on a GPU, which this build does not use
 
 # (flag, does it change something here? (flags, world size), why it is refused)
 REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...] = (
-    (_switch("--sequence-parallel"),
-     lambda a, w: a.sequence_parallel and a.tensor_model_parallel_size > 1,
-     "sequence parallelism changes the pipeline's boundary tensors ([s/TP, b, h]) and is "
-     "not implemented; at --tensor-model-parallel-size 1 it is off, as in Megatron-LM"),
-    (_value("--context-parallel-size", int), lambda a, w: (a.context_parallel_size or 1) > 1,
-     "context parallelism is not implemented; use 1"),
     (_value("--fp8-format", choices=["e4m3", "hybrid"]), lambda a, w: a.fp8_format is not None,
      FP8_WHY),
     (_value("--fp8-amax-history-len", int), lambda a, w: a.fp8_amax_history_len is not None,
@@ -115,7 +108,8 @@ REMOVED: dict[str, str] = {
 
 
 def _data_parallel(args: argparse.Namespace, world_size: int) -> int:
-    grid = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    grid = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+            * args.context_parallel_size)
     return max(world_size // grid, 1)
 
 
@@ -182,7 +176,7 @@ def check_megatron_flags(args: argparse.Namespace, world_size: int) -> None:
 
 
 def inert_notes(args: argparse.Namespace) -> list[str]:
-    """One line per refused flag that the command line set where it changes nothing and
+    """One line per flag that the command line set where it changes nothing and
     that Megatron-LM then turns off with a warning: --sequence-parallel at
     --tensor-model-parallel-size 1 (said, not silently dropped)."""
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:

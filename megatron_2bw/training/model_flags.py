@@ -348,6 +348,8 @@ def model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfi
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels, add_bias_linear=args.add_bias_linear,
         qk_layernorm=args.qk_layernorm,
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        cp_comm_type=args.cp_comm_type,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         **kernel_config(args))

@@ -116,6 +116,7 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--muon-extra-scale-factor", POSITIVE, ""),
     ("--delay-compensation-alpha", NON_NEGATIVE, ""),
     ("--tensor-model-parallel-size", COUNT, ""),
+    ("--context-parallel-size", COUNT, ""),
     ("--pipeline-model-parallel-size", COUNT, ""),
     ("--vocab-size", COUNT, ""),
     ("--make-vocab-size-divisible-by", COUNT, ""),
@@ -127,7 +128,6 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     # Megatron-LM flags that are mapped or refused (megatron_flags.py)
     ("--empty-unused-memory-level", COUNT_OR_ZERO, ""),
     ("--num-workers", COUNT_OR_ZERO, ""),
-    ("--context-parallel-size", COUNT, ""),
     ("--fp8-amax-history-len", COUNT, ""),
     ("--num-layers-per-virtual-pipeline-stage", COUNT, ""),
     ("--num-virtual-stages-per-pipeline-rank", COUNT, ""),
@@ -168,7 +168,21 @@ class Flags:
 
     @property
     def grid(self) -> int:
-        return self.args.tensor_model_parallel_size * self.args.pipeline_model_parallel_size
+        a = self.args
+        return (a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+                * a.context_parallel_size)
+
+    @property
+    def cp(self) -> int:
+        return self.args.context_parallel_size
+
+    @property
+    def sequence_split(self) -> int:
+        """The parts each sequence is cut into between layers: 2 x CP load-balanced
+        chunks with context parallelism, each split over TP under sequence parallelism."""
+        a = self.args
+        sp = a.tensor_model_parallel_size if a.sequence_parallel else 1
+        return (2 * self.cp if self.cp > 1 else 1) * sp
 
     @property
     def dp(self) -> int:
@@ -424,6 +438,36 @@ VIRTUAL_STAGE_RULES: tuple[Rule, ...] = (
 )
 
 
+# Sequence and context parallelism: what the split sequence needs (megatron-core's
+# divisibility rules) and what the context-parallel attention does not compute.
+CONTEXT_PARALLEL_RULES: tuple[Rule, ...] = (
+    Rule("--seq-length, --context-parallel-size, --sequence-parallel",
+         lambda f: f.args.seq_length % f.sequence_split == 0,
+         "--seq-length {a.seq_length} does not split into {f.sequence_split} equal parts "
+         "(2 x --context-parallel-size load-balanced chunks, each over the tensor-parallel "
+         "ranks under --sequence-parallel)", "use a multiple of {f.sequence_split}"),
+    Rule("--context-parallel-size", lambda f: f.cp == 1 or f.model == "gpt",
+         "context parallelism with BERT is not supported: its padding mask is not causal, "
+         "and the context-parallel attention computes causal attention only",
+         "use --context-parallel-size 1 for BERT"),
+    Rule("--context-parallel-size, --reset-attention-mask",
+         lambda f: f.cp == 1 or not f.args.reset_attention_mask,
+         "--reset-attention-mask needs a per-document mask, and the context-parallel "
+         "attention computes causal attention only", "drop one of the two"),
+    Rule("--context-parallel-size, --attention-dropout",
+         lambda f: f.cp == 1 or f.args.attention_dropout == 0,
+         "the context-parallel attention has no attention dropout (--attention-dropout "
+         "{a.attention_dropout})", "give --attention-dropout 0, as Megatron-LM's Llama "
+         "examples do"),
+    Rule("--context-parallel-size, --attention-backend",
+         lambda f: f.cp == 1 or f.args.attention_backend not in ("unfused", "local"),
+         "megatron-core's unfused attention ({a.attention_backend}) has no context-parallel "
+         "form", "use --attention-backend auto"),
+    Rule("--cp-comm-type", lambda f: f.args.cp_comm_type in ("p2p", "all_gather"),
+         "--cp-comm-type {a.cp_comm_type} (Transformer Engine's all-to-all) is not "
+         "implemented", "use p2p (a ring, the default) or all_gather"),
+)
+
 RULES: tuple[Rule, ...] = (
     Rule("--pipeline-schedule", lambda f: _known_schedule(f.args.pipeline_schedule),
          "unknown pipeline schedule {a.pipeline_schedule!r}",
@@ -443,10 +487,11 @@ RULES: tuple[Rule, ...] = (
          "no --load", "give --load DIR, or leave them out"),
     Rule("--split", lambda f: _split_ok(f.args.split), "invalid split {a.split!r}",
          "give up to three non-negative weights, not all zero, e.g. 969,30,1"),
-    Rule("--tensor-model-parallel-size, --pipeline-model-parallel-size",
-         lambda f: f.world_size % f.grid == 0,
-         "world size {f.world_size} is not divisible by TP x PP = {f.grid}",
-         "launch a multiple of TP x PP processes, or change the sizes"),
+    Rule("--tensor-model-parallel-size, --pipeline-model-parallel-size, "
+         "--context-parallel-size", lambda f: f.world_size % f.grid == 0,
+         "world size {f.world_size} is not divisible by TP x PP x CP = {f.grid}",
+         "launch a multiple of TP x PP x CP processes, or change the sizes"),
+    *CONTEXT_PARALLEL_RULES,
     Rule("--hidden-size, --num-attention-heads",
          lambda f: (f.args.kv_channels is not None
                     or f.args.hidden_size % f.args.num_attention_heads == 0),
