@@ -31,6 +31,7 @@ from ..schedules.actions import SEND_KINDS, Action, Schedule
 from ..schedules.channels import receives_ahead, send_releases
 from ..schedules.stop import last_step, stop_cut
 from ..schedules.validate import require_valid
+from .activations import ActivationMeter
 from .grad_sync import GradReduceConfig, GradReducer, TiedGradSync
 from .p2p import P2P, StageLinks, Transport
 from .versions import WeightStore, WeightVersionError
@@ -124,6 +125,7 @@ class PipelineExecutor:
         self.reducer = reducer if reducer is not None else GradReducer(dp_group, grads)
         self.tied = tied
         self.updater = updater
+        self.activations = ActivationMeter()  # the first training forward's saved bytes
         self._count_tokens = count_tokens
         self._train = True
         self._handlers: dict[K, Callable[[Action], Optional[int]]] = {
@@ -306,7 +308,8 @@ class PipelineExecutor:
         if inp is not None:
             inp.requires_grad_()
         self.weights.acquire(a.version)
-        out = module(inp, batch)
+        with self.activations.measure(module):
+            out = module(inp, batch)
         if last:
             self._record_loss(a, module, out)
             divisor = 1 if self._count_tokens is not None else self._m  # per-token: a sum

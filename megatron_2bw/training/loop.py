@@ -175,6 +175,7 @@ class Trainer:
                                 flags=run.flags, delayed=schedule_spec(par.schedule).delayed)
         self._report_optimizer_memory()
         self.history: dict[int, dict] = {}
+        self._activations_reported = False
         self.stop_at = stop_iteration(self.iteration, t.train_iters, t.exit_interval)
         self.housekeeping = Housekeeping(t.housekeeping, env.rank, env.device)
         self.skip_guard = SkipGuard(t.skip_guard, self.iteration)
@@ -240,6 +241,26 @@ class Trainer:
         self.sink.note({"split": "memory", "iteration": self.iteration,
                         "optimizer_state_bytes": held, "data_parallel": par.data_parallel,
                         "distributed_optimizer": par.distributed_optimizer})
+
+    def _report_activation_memory(self, iteration: int) -> None:
+        """Every rank's bytes saved for backward by one microbatch's forward (measured on
+        its first, `runtime.activations`), one line and a "memory" row: what sequence
+        parallelism divides by TP and context parallelism by CP. Collective, at the
+        first step every rank takes."""
+        self._activations_reported = True
+        mine = self.executor.activations.bytes or 0
+        held = comm.all_gather_object(mine) if comm.world_runs() else [mine]
+        par = self.run.parallel
+        logger.info(f"activation memory per microbatch: {max(held) / 2**20:.2f} MiB at most "
+                    f"per rank (saved for backward; TP {par.tensor_parallel}"
+                    f"{' with sequence parallelism' if self.run.model.sequence_parallel else ''}"
+                    f", CP {par.context_parallel}, PP {par.pipeline_parallel})")
+        self.sink.note({"split": "memory", "iteration": iteration,
+                        "activation_bytes_per_microbatch": held,
+                        "tensor_parallel": par.tensor_parallel,
+                        "sequence_parallel": self.run.model.sequence_parallel,
+                        "context_parallel": par.context_parallel,
+                        "pipeline_parallel": par.pipeline_parallel})
 
     def _schedule(self, count: int) -> Schedule:
         """`count` minibatches from the current iteration, all of this phase's batch size."""
@@ -448,6 +469,8 @@ class Trainer:
         True when the run must end here (`skip_guard`, decided alike on every rank)."""
         self.housekeeping.after_step(k + 1)
         PROGRESS.iteration = k + 1  # for a line that stops the run by hand
+        if not self._activations_reported:
+            self._report_activation_memory(k + 1)
         stop = self._stop_learning_after(k + 1, result.steps[k])
         if not self.executor.links.is_last:
             return stop
