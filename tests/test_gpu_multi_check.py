@@ -33,7 +33,11 @@ def test_plan_leaves_out_what_the_gpus_cannot_hold() -> None:
     skipped = {r.name for r in gpu_parity.plan(3) if r.wave is None}
     assert skipped == {"flush_dp2pp2", "2bw_dp2pp2"}
     lines = gpu_parity.plan_lines(gpu_parity.plan(3), gpu_parity.GPU)
-    assert len(lines) == 8 and not any("dp2pp2" in line for line in lines)
+    assert len(lines) == 12 and not any("dp2pp2" in line for line in lines)
+    sp = next(line.split("\t") for line in lines if "\t2bw_tp2sp\t" in line)
+    assert "--tensor-model-parallel-size 2" in sp[5] and "--sequence-parallel" in sp[5]
+    cp = next(line.split("\t") for line in lines if "\tflush_cp2\t" in line)
+    assert cp[2] == "2" and "--context-parallel-size 2" in cp[5]
     tp2 = next(line.split("\t") for line in lines if "\tflush_tp2\t" in line)
     assert tp2[2] == "2" and "--tensor-model-parallel-size 2" in tp2[5]
     assert "--pipeline-schedule flush" in tp2[5] and "--bf16" not in tp2[5]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Multi-GPU parity check of megatron-2bw, on N >= 2 GPUs of one node:
 #   1. install what is missing (as tools/gpu_check.sh: carried wheels, else pip);
-#   2. flush and 2bw, each at PP1 (the reference), PP2, DP2, TP2 and DP2 x PP2 (4 GPUs),
+#   2. flush and 2bw, each at PP1 (the reference), PP2, DP2, TP2, TP2 + SP, CP2 and
+#      DP2 x PP2 (4 GPUs),
 #      through pretrain_gpt.py under torchrun on NCCL: a 135M GPT in fp32 (8 layers,
 #      hidden 1024, seq 1024, micro-batch 4: a 16 MiB boundary tensor), 10 iterations,
 #      the same global batch and samples at every layout;

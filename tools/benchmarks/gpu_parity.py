@@ -52,29 +52,36 @@ BUDGET_S = 600  # the check's promise on 8 GPUs
 
 @dataclass(frozen=True)
 class Layout:
-    """A TP x PP x DP arrangement of the same model."""
+    """A TP (+SP) x CP x PP x DP arrangement of the same model."""
 
     name: str
     tp: int
     pp: int
     dp: int
+    sp: bool = False  # --sequence-parallel (at TP > 1)
+    cp: int = 1       # --context-parallel-size
 
     @property
     def processes(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def flags(self) -> list[str]:
         """DP is what remains of the world size; the trainer derives it."""
         return ["--tensor-model-parallel-size", str(self.tp),
-                "--pipeline-model-parallel-size", str(self.pp)]
+                "--pipeline-model-parallel-size", str(self.pp),
+                "--context-parallel-size", str(self.cp),
+                *(["--sequence-parallel"] if self.sp else [])]
 
     @property
     def label(self) -> str:
-        return f"TP{self.tp} x PP{self.pp} x DP{self.dp}"
+        tp = f"TP{self.tp}{' + SP' if self.sp else ''}"
+        cp = f" x CP{self.cp}" if self.cp > 1 else ""
+        return f"{tp}{cp} x PP{self.pp} x DP{self.dp}"
 
 
 LAYOUTS = (Layout("pp1", 1, 1, 1), Layout("pp2", 1, 2, 1), Layout("dp2", 1, 1, 2),
-           Layout("tp2", 2, 1, 1), Layout("dp2pp2", 1, 2, 2))
+           Layout("tp2", 2, 1, 1), Layout("tp2sp", 2, 1, 1, sp=True),
+           Layout("cp2", 1, 1, 1, cp=2), Layout("dp2pp2", 1, 2, 2))
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,7 @@ class Run:
 def plan(gpus: int, layouts: Optional[set[str]] = None) -> list[Run]:
     """Every schedule x layout, references first, packed in order into waves of at most
     `gpus` devices (a run that does not fit starts the next wave); a layout wider than
-    `gpus` is not run. On 8 GPUs: 1+1+2+2+2, 2+2+2, 4+4: three waves. `layouts`: only
+    `gpus` is not run. On 8 GPUs: four waves (the 4-GPU DP2 x PP2 runs last). `layouts`: only
     these besides the reference (None: all)."""
     runs: list[Run] = []
     wave, free = 0, 0
