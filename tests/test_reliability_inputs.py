@@ -154,6 +154,18 @@ CROSS = [  # (extra flags, world size, where, part of the message, base or None)
     (["--decoupled-lr", "1e-4", "--min-lr", "2e-4"], 2, "--decoupled-lr", "above", None),
     (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"], 2,
      "--no-create-attention-mask-in-dataloader", "turns off", None),
+    (["--context-parallel-size", "3"], 3, "--context-parallel-size", "6 equal parts", None),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size",
+      "2"], 4, "--sequence-parallel", "8 equal parts",
+     BASE[:BASE.index("--seq-length")] + ["--seq-length", "12"]
+     + BASE[BASE.index("--seq-length") + 2:]),
+    (["--context-parallel-size", "2", "--reset-attention-mask"], 2, "--reset-attention-mask",
+     "causal attention only", None),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, "--attention-dropout",
+     "no attention dropout", None),
+    (["--context-parallel-size", "2", "--attention-dropout", "0", "--attention-backend",
+      "unfused"], 2, "--attention-backend", "no context-parallel form", None),
+    (["--cp-comm-type", "a2a"], 2, "--cp-comm-type", "not implemented", None),
 ]
 
 
@@ -172,6 +184,10 @@ BERT_CROSS = [
     (["--reset-position-ids"], "--reset-position-ids", "GPT's documents"),
     (["--reset-attention-mask"], "--reset-attention-mask", "GPT's documents"),
     (["--attention-backend", "flash"], "--attention-backend", "takes no attention mask"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "--sequence-parallel",
+     "with BERT"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0"], "--context-parallel-size",
+     "with BERT"),
 ]
 
 

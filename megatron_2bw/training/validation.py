@@ -446,6 +446,10 @@ CONTEXT_PARALLEL_RULES: tuple[Rule, ...] = (
          "--seq-length {a.seq_length} does not split into {f.sequence_split} equal parts "
          "(2 x --context-parallel-size load-balanced chunks, each over the tensor-parallel "
          "ranks under --sequence-parallel)", "use a multiple of {f.sequence_split}"),
+    Rule("--sequence-parallel", lambda f: f.model == "gpt" or not f.args.sequence_parallel
+         or f.args.tensor_model_parallel_size == 1,
+         "sequence parallelism with BERT is not supported: megatron-core's BERT LM head "
+         "builds a torch norm that refuses it", "drop --sequence-parallel for BERT"),
     Rule("--context-parallel-size", lambda f: f.cp == 1 or f.model == "gpt",
          "context parallelism with BERT is not supported: its padding mask is not causal, "
          "and the context-parallel attention computes causal attention only",
