@@ -4,7 +4,7 @@
 
 The checked flags are every flag of Megatron-LM's example scripts at core_v0.16.1
 (examples/gpt3/train_gpt3_175b_distributed.sh, examples/bert/train_bert_340m_distributed.sh,
-examples/llama/train_llama3_8b_h100_fp8.sh) plus the commonly used ones issue 12 names.
+examples/llama/train_llama3_8b_h100_fp8.sh) plus commonly used ones (their own sources below).
 Each is classified from the real parsers and megatron_2bw/training/megatron_flags.py,
 not from a hand-kept list, so the table cannot drift from the code:
 
@@ -54,7 +54,7 @@ LLAMA = """--use-mcore-models --num-layers --hidden-size --ffn-hidden-size --num
 --log-throughput --profile --profile-step-start --profile-step-end --ckpt-format
 --distributed-timeout-minutes --save --load --tensorboard-dir"""
 ISSUE = """--use-flash-attn --no-masked-softmax-fusion --recompute-activations
---recompute-granularity --recompute-method --recompute-num-layers --normalization
+--recompute-granularity --recompute-method --recompute-num-layers --normalization --cp-comm-type
 --lr-warmup-iters --timing-log-level --wandb-project --checkpoint-activations
 --transformer-impl --qk-layernorm --decoder-first-pipeline-num-layers
 --decoder-last-pipeline-num-layers --seed --adam-eps --loss-scale --initial-loss-scale
@@ -68,8 +68,8 @@ KERNELS = """--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fus
 DATA = """--eod-mask-loss --reset-position-ids --reset-attention-mask"""
 # a run that stopped learning (issue 31)
 NAN = """--no-check-for-nan-in-loss-and-grad --ckpt-step --exit-on-missing-checkpoint"""
-SOURCES = {"GPT-3 175B": GPT3, "BERT 340M": BERT, "Llama-3 8B fp8": LLAMA, "issue 12": ISSUE,
-           "GPT data": DATA, "kernels": KERNELS, "issue 31": NAN}
+SOURCES = {"GPT-3 175B": GPT3, "BERT 340M": BERT, "Llama-3 8B fp8": LLAMA, "common": ISSUE,
+           "GPT data": DATA, "kernels": KERNELS, "run health": NAN}
 # what an honored flag's row adds (where this project's meaning has a part of its own)
 NOTES = {"--no-check-for-nan-in-loss-and-grad":
          "the check is on by default and ends the run at the first NaN/inf (one error line, "
