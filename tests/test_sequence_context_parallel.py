@@ -72,13 +72,21 @@ def test_2bw_equals_delayed_oracle(tmp_path, nproc, flags) -> None:
     assert err < 1e-5
 
 
-def test_checkpoint_of_sp_and_cp_resumes_on_one_rank(tmp_path, references) -> None:
-    """Saved at TP 2 + SP x CP 2 (torch_dist, iteration 3: the context-parallel ranks
-    hold one copy of the weights, written once), resumed on one rank: iterations 4-5 are
-    the uninterrupted run's."""
+@pytest.mark.parametrize("fmt,nproc,resume", [
+    ("torch_dist", 1, []),
+    # Megatron-LM's file per (TP, PP) rank: another CP, the same TP
+    pytest.param("torch", 2, SP, marks=pytest.mark.matrix),
+], ids=["torch_dist-one-rank", "torch-cp1"])
+def test_checkpoint_of_sp_and_cp_resumes_elsewhere(tmp_path, references, fmt, nproc,
+                                                   resume) -> None:
+    """Saved at TP 2 + SP x CP 2 (iteration 3: the context-parallel ranks hold one copy
+    of the weights, written once), resumed without CP (torch_dist: on one rank):
+    iterations 4-5 are the uninterrupted run's."""
     saved = str(tmp_path / "ckpt")
-    launch("gpt", 4, ITERS + LLAMA + SP + CP + ["--save", saved, "--exit-interval", "3"],
+    launch("gpt", 4, ITERS + LLAMA + SP + CP + ["--save", saved, "--exit-interval", "3",
+                                                "--ckpt-format", fmt],
            str(tmp_path / "a.jsonl"))
-    resumed = launch("gpt", 1, ITERS + LLAMA + ["--load", saved], str(tmp_path / "b.jsonl"))
+    resumed = launch("gpt", nproc, ITERS + LLAMA + resume + ["--load", saved],
+                     str(tmp_path / "b.jsonl"))
     assert [r["iteration"] for r in resumed] == [4, 5]
     assert max_rel(losses(resumed), losses(references["llama"])[3:]) < 1e-5
