@@ -285,7 +285,8 @@ def test_tiny_bert_run_prints_megatron_lines(tmp_path) -> None:
         assert {tag, tag + " vs samples"} <= tags, tag
     rows = [json.loads(x) for x in open(metrics)]
     memory = [r for r in rows if r["split"] == "memory"]
-    assert len(memory) == 1 and len(memory[0]["optimizer_state_bytes"]) == 1
+    assert len(memory) == 2 and len(memory[0]["optimizer_state_bytes"]) == 1
+    assert memory[1]["iteration"] == 1 and memory[1]["activation_bytes_per_microbatch"][0] > 0
     rows = [r for r in rows if r["split"] != "memory"]
     assert KEYS | {"sop_loss", "global_batch_size", "weight_version"} <= set(rows[0])
     assert [r["iteration"] for r in rows if r["split"] == "train"] == [1, 2, 3]

@@ -168,7 +168,6 @@ def test_attention_backend_that_cannot_run_is_refused(backend, model, extra, wor
 
 
 @pytest.mark.parametrize("extra,world,flag", [
-    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2, "--sequence-parallel"),
     (["--fp8-format", "hybrid"], 1, "--fp8-format"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1,
      "--num-layers-per-virtual-pipeline-stage"),
@@ -191,14 +190,13 @@ def test_several_refused_flags_are_named_in_one_line() -> None:
     err = _refused(["--train-iters", "2"] + FP8)
     assert err.where.split(", ") == FP8_FLAGS and err.what.startswith("4 ")
     assert err.fix.count("Transformer Engine on a GPU") == 1 and err.fix.endswith(f"({M.DOC})")
-    err = _refused(["--train-iters", "2", "--checkpoint-activations", "--sequence-parallel",
-                    "--tensor-model-parallel-size", "2"] + FP8, world=2)
-    named = ["--checkpoint-activations", "--sequence-parallel"] + FP8_FLAGS
+    err = _refused(["--train-iters", "2", "--checkpoint-activations"] + FP8)
+    named = ["--checkpoint-activations"] + FP8_FLAGS
     assert err.where.split(", ") == named and err.what.startswith(f"{len(named)} ")
     reasons = err.fix.removesuffix(f" ({M.DOC})").split(" | ")
-    assert [r.split(": ")[0] for r in reasons] == [*named[:2], ", ".join(FP8_FLAGS)]
-    assert "--recompute-activations" in reasons[0] and "[s/TP, b, h]" in reasons[1]
-    assert "Transformer Engine on a GPU" in reasons[2]
+    assert [r.split(": ")[0] for r in reasons] == [named[0], ", ".join(FP8_FLAGS)]
+    assert "--recompute-activations" in reasons[0]
+    assert "Transformer Engine on a GPU" in reasons[1]
     assert "\n" not in str(err)  # the entry point's one `error:` line
 
 
@@ -225,7 +223,7 @@ def test_sequence_parallel_at_tp1_is_said_to_be_off() -> None:
 
 def test_refused_flags_pass_where_they_change_nothing() -> None:
     """As in Megatron-LM: sequence parallelism is off at TP=1; one data-parallel rank
-    has nothing to shard; context parallel size 1 and the torch format are what runs."""
+    has nothing to shard."""
     _run(["--train-iters", "2", "--sequence-parallel", "--use-distributed-optimizer",
           "--context-parallel-size", "1", "--ckpt-format", "torch"], world=1)
 
