@@ -8,6 +8,9 @@ import warnings
 
 # megatron-core announces its fallbacks when apex / Transformer Engine are absent (expected here)
 warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
+# megatron-core's sequence-parallel layers call torch's collectives by their pre-2.13 names
+warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\."
+                        r"(all_gather_single|reduce_scatter_single)`")
 
 try:
     from megatron_2bw.training.entry import main

@@ -118,7 +118,9 @@ def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group,
     """Sum `t` over the group; this rank's 1/size of it into `out` (may be that part of
     `t` itself: in place)."""
     _check("reduce_scatter_tensor", group, out, t)
-    return dist.reduce_scatter_tensor(out, t, group=group, async_op=async_op)
+    # torch 2.13 renamed it reduce_scatter_single (the old name warns); earlier ones lack it
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, t, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group,

@@ -60,6 +60,11 @@ def _env_rank() -> int:
 
 def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     args = parse_args(model, argv)
+    if args.sequence_parallel:
+        # what Megatron-LM's scripts export for SP: one CUDA work queue, so that each
+        # all-gather is launched before the computation meant to overlap it (before any
+        # CUDA context exists; megatron-core warns without it)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if args.exit_signal_handler:  # SIGTERM is GracefulStop's: noted from here on
         HAND_STOP.install(graceful_sigterm=True)
     PROGRESS.save = os.path.abspath(args.save) if args.save else None
