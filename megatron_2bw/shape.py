@@ -191,52 +191,97 @@ class ModelShape:
         return self.logits_forward_flops(b, tp) + float(bert)
 
     # ---- activation bytes: Korthikanti et al. 2022, "Reducing Activation Recomputation in
-    # Large Transformer Models", Section 4: per layer s b h (34 + 5 a s / h) bytes with
-    # 16-bit activations and 1-byte dropout masks; with tensor parallelism t (no sequence
-    # parallelism) s b h (10 + 24/t + 5 a s / (h t)). Written here for any f: the 24 is
-    # 8 + 4f/h, the 10 (LayerNorm inputs, dropout masks, QKV and MLP inputs) is replicated.
-    # Multi-head attention and a GeLU MLP: grouped-query attention and SwiGLU (which the
-    # planner has no flag for) are not modelled here.
-    def layer_activation_bytes(self, b: int, tp: int) -> float:
+    # Large Transformer Models", Sections 4.2-4.3: per layer s b h (34 + 5 a s / h) bytes
+    # with 16-bit activations and 1-byte dropout masks; with tensor parallelism t and no
+    # sequence parallelism s b h (10 + 24/t + 5 a s / (h t)); with sequence parallelism
+    # (Megatron-LM's --sequence-parallel) the 10 is split too: s b h (34/t + 5 a s / (h t)).
+    # The 10 is what lies outside the tensor-parallel regions (LayerNorm inputs 4, the QKV
+    # and MLP inputs 2 + 2, the two dropout masks 1 + 1); the 24 is the attention's
+    # Q, K, V and projection input (8 with multi-head attention; 4q + 4kv per token with
+    # q = heads x head dim and kv = key/value heads x head dim) and the MLP's fc1 output and
+    # activation (16 = 4f/h; with SwiGLU the gate and up halves and their product, 6f/h).
+    # Context parallelism c (--context-parallel-size) holds s/c tokens per rank: every
+    # s-linear term / c, and the s^2 term is its s/c queries against all s keys (s^2 / c).
+    # The s^2 term (softmax output, its dropout mask and output) is what a non-fused
+    # attention keeps; it is counted as such, and selective recomputation drops it.
+    def layer_activation_bytes(self, b: int, tp: int, *, sp: bool = False,
+                               cp: int = 1) -> float:
+        """Bytes one layer keeps for backward on one rank: at tensor-parallel size `tp`,
+        with sequence parallelism `sp` (ignored at tp = 1) and context-parallel size `cp`."""
         h, s, f, a = self.hidden_size, self.seq_length, self.ffn_size, self.num_attention_heads
-        replicated = 10.0 * s * b * h
-        split = 8.0 * s * b * h + 4.0 * s * b * f + 5.0 * a * s * s * b
+        q = self.num_attention_heads * self.head_dim
+        kv = self.query_groups * self.head_dim
+        g = 2 if self.swiglu else 1
+        tokens = s * b / cp
+        replicated = 10.0 * tokens * h
+        split = (4.0 * q + 4.0 * kv + 2.0 * f * (g + 1)) * tokens + 5.0 * a * s * tokens
+        if sp:
+            return (replicated + split) / tp
         return replicated + split / tp
 
     # ---- the core attention, softmax(QK^T / sqrt(d)) V: what selective recomputation
     # (Korthikanti et al. 2022, Section 5) drops and recomputes. Its activations are the
     # s^2 terms: softmax output 2as^2b, dropout mask as^2b, dropout output 2as^2b = 5as^2b
-    # bytes at 16 bit, split by tp with the heads; its FLOPs are QK^T and the attention
-    # over V, 2bs^2q each.
+    # bytes at 16 bit, split by tp with the heads (and by cp with the queries); its FLOPs
+    # are QK^T and the attention over V, 2bs^2q each.
     def attention_core_forward_flops(self, b: int) -> float:
         """QK^T (2bs^2q) + attention over V (2bs^2q): the 4bs^2q of `layer_forward_flops`
         (q = h with multi-head attention)."""
         q = self.num_attention_heads * self.head_dim
         return float(4 * b * self.seq_length * self.seq_length * q)
 
-    def attention_core_activation_bytes(self, b: int, tp: int) -> float:
-        """5as^2b / t: the bytes selective recomputation does not keep."""
+    def attention_core_activation_bytes(self, b: int, tp: int, *, cp: int = 1) -> float:
+        """5as^2b / (t c): the bytes selective recomputation does not keep (s/c queries
+        against s keys under context parallelism; sequence parallelism leaves it split by
+        heads as it was)."""
         s = self.seq_length
-        return 5.0 * self.num_attention_heads * s * s * b / tp
+        return 5.0 * self.num_attention_heads * s * s * b / (tp * cp)
 
-    def layer_selective_activation_bytes(self, b: int, tp: int) -> float:
+    def layer_selective_activation_bytes(self, b: int, tp: int, *, sp: bool = False,
+                                         cp: int = 1) -> float:
         """A layer under selective recomputation: Korthikanti et al.'s 34sbh at t = 1,
-        sbh(10 + 24/t) with tensor parallelism (no sequence parallelism)."""
-        return self.layer_activation_bytes(b, tp) - self.attention_core_activation_bytes(b, tp)
+        sbh(10 + 24/t) with tensor parallelism, 34sbh/t with sequence parallelism; / c."""
+        return (self.layer_activation_bytes(b, tp, sp=sp, cp=cp)
+                - self.attention_core_activation_bytes(b, tp, cp=cp))
 
-    def boundary_bytes(self, b: int, activation_bytes: int = 2) -> float:
-        """The [s, b, h] tensor a stage hands the next: a layer's input, the p2p message."""
-        return float(activation_bytes * self.seq_length * b * self.hidden_size)
+    @staticmethod
+    def sequence_split(tp: int = 1, sp: bool = False, cp: int = 1) -> int:
+        """Ranks one sample's [s, b, h] activation is split over along the sequence
+        outside the tensor-parallel regions: c, times t with sequence parallelism."""
+        return cp * (tp if sp else 1)
 
-    def embedding_activation_bytes(self, b: int) -> float:
-        """Embedding dropout mask (1 byte per element); its output is layer 0's input."""
-        return float(self.seq_length * b * self.hidden_size)
+    def boundary_bytes(self, b: int, activation_bytes: int = 2, *, tp: int = 1,
+                       sp: bool = False, cp: int = 1) -> float:
+        """The [s, b, h] tensor a stage hands the next: a layer's input, the p2p message;
+        per rank [s / c, b, h], [s / (c t), b, h] with sequence parallelism."""
+        return (float(activation_bytes * self.seq_length * b * self.hidden_size)
+                / self.sequence_split(tp, sp, cp))
 
-    def output_activation_bytes(self, b: int, tp: int) -> float:
-        """Final LayerNorm and logit-layer inputs (4sbh) + fp32 softmax for the loss (4sbV/t)."""
+    def embedding_activation_bytes(self, b: int, *, tp: int = 1, sp: bool = False,
+                                   cp: int = 1) -> float:
+        """Embedding dropout mask (1 byte per element); its output is layer 0's input.
+        megatron-core scatters the embedding's output along the sequence under sequence
+        parallelism, so / t there, and / c under context parallelism."""
+        return (float(self.seq_length * b * self.hidden_size)
+                / self.sequence_split(tp, sp, cp))
+
+    def output_activation_bytes(self, b: int, tp: int, *, sp: bool = False,
+                                cp: int = 1) -> float:
+        """Final LayerNorm and logit-layer inputs (4sbh; / t with sequence parallelism,
+        where the logit layer keeps its input scattered and gathers it again in backward)
+        + fp32 softmax for the loss (4sbV/t); all / c under context parallelism."""
         s, h = self.seq_length, self.hidden_size
         vocab = self.padded_vocab(tp) // tp
-        return 4.0 * s * b * h + 4.0 * s * b * vocab
+        return (4.0 * s * b * h / (tp if sp else 1) + 4.0 * s * b * vocab) / cp
+
+    def kv_block_bytes(self, b: int, activation_bytes: int = 2, *, tp: int = 1,
+                       cp: int = 1) -> float:
+        """The keys and values of one rank's s/c tokens, [s/c, b, 2 kv_heads head_dim / t]:
+        what context-parallel attention sends at each step of its ring (the key/value
+        heads split over tensor parallelism, at least one per rank)."""
+        heads = max(self.query_groups // tp, 1)
+        return (float(activation_bytes * self.seq_length * b * 2 * heads * self.head_dim)
+                / cp)
 
     def training_flops(self, b: int, recompute_granularity: Optional[str] = None) -> float:
         """FLOPs of one training step over `b` samples, as Megatron-LM's

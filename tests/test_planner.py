@@ -509,8 +509,11 @@ def test_search_enumerates_exactly_the_valid_configurations():
                         for rc in (NO_RECOMPUTE, SELECTIVE, FULL):
                             # the sharded optimizer at DP >= 2 only: at DP = 1 it shards nothing
                             for dopt in ((False, True) if w > 1 else (False,)):
+                                # sequence parallelism on every TP > 1 plan; no context
+                                # parallelism at 128 tokens
                                 want.add(ParallelConfig(name, t, d, w, b, m, rc, virtual_stages=v,
-                                                        distributed_optimizer=dopt))
+                                                        distributed_optimizer=dopt,
+                                                        sequence_parallel=t > 1))
     assert not large_vocabulary(SMALL)  # V h < layer / 2: no uneven splits tried
     assert got == want
     assert any(c.virtual_stages == 4 for c in got)
@@ -641,6 +644,10 @@ def test_profile_roundtrip_and_interpolation(tmp_path):
     # the core attention's time: its FLOP share 4s / (8h + 4f + 4s) = 512 / 12800 = 4%
     assert layers.layer_selective_activation_bytes(1, 1) == pytest.approx(510 * 34 / 44)
     assert layers.attention_core_forward_s(4) == pytest.approx(2.0 * 0.04)
+    # sequence / context parallelism: the measured bytes scaled by the formula, times / c
+    assert layers.layer_activation_bytes(1, 2, sp=True, cp=2) == pytest.approx(510 / 4)
+    assert layers.layer_forward_s(4, 1, 2) == pytest.approx(1.0)
+    assert layers.output_s(4, 1, 2) == pytest.approx((0.5, 1.0))
 
 
 # ---------------------------------------------------------------- CLI
@@ -688,6 +695,9 @@ def test_cli_writes_json_with_every_field(tmp_path, capsys):
     (["--global-batch-size", "x"], "--global-batch-size"),
     (["--recompute", "partial"], "--recompute"),
     (["--recompute", "full-block-0"], "--recompute"),
+    (["--num-query-groups", "2"], "--group-query-attention"),
+    (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups"),
+    (["--context-parallel-sizes", "0"], "--context-parallel-sizes"),
 ])
 def test_cli_bad_flag_is_one_line_naming_it(change, flag, capsys):
     assert cli_main(SMALL_FLAGS + change) == 2
@@ -1115,3 +1125,197 @@ def test_profile_network_fits_gloo_and_writes_a_hardware_file(tmp_path):
     assert hw.intra_node_latency_us > 0 and hw.intra_node_p2p_latency_us >= 0
     assert hw.intra_node_bandwidth_gb_s != 1 and hw.memory_per_device_gb == 8
     assert json.loads(out.read_text())["launch"]["gpus"] is False
+
+
+# ---------------------------------------------------------------- sequence and context parallelism
+
+LONG = ModelShape("gpt", 8, 512, 8, 4096, 1024)  # activations dominate: s = 8h
+LLAMA_3_8B_32K = ModelShape("gpt", 32, 4096, 32, 32768, 128256, 14336, swiglu=True,
+                            num_query_groups=8)
+
+
+def test_rank_order_with_context_parallelism_matches_megatron_core():
+    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    for tp, cp, dp, pp in ((2, 2, 2, 2), (1, 4, 2, 2), (4, 2, 1, 2), (2, 8, 1, 1)):
+        gen = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp,
+                                           order="tp-cp-ep-dp-pp")
+        lay = Layout(tp, dp, pp, 8, cp)
+        for mine, theirs in ((lay.tp_groups(), "tp"), (lay.cp_groups(), "cp"),
+                             (lay.dp_groups(), "dp"), (lay.gradient_groups(), "dp-cp")):
+            assert sorted(map(list, mine)) == sorted(gen.get_ranks(theirs)), theirs
+        assert sorted([lay.rank(t, d, s, c) for s in range(pp)] for t in range(tp)
+                      for c in range(cp) for d in range(dp)) == sorted(gen.get_ranks("pp"))
+
+
+def test_sequence_and_context_parallel_activation_bytes():
+    """Korthikanti et al.: sbh(34/t + 5as/(ht)) with sequence parallelism; context
+    parallelism divides every s-linear term by c and the s^2 term (s/c queries against s
+    keys) too; the boundary, embedding and output bytes follow the sequence split."""
+    m, b, t, c = GPT_2_2B, 2, 4, 2
+    s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
+    assert m.layer_activation_bytes(b, t, sp=True) == pytest.approx(
+        s * b * h * (34 / t + 5 * a * s / (h * t)))
+    assert m.layer_selective_activation_bytes(b, t, sp=True) == pytest.approx(34 * s * b * h / t)
+    assert m.layer_activation_bytes(b, t, cp=c) == pytest.approx(
+        s / c * b * h * (10 + 24 / t) + 5 * a * (s / c) * s * b / t)
+    assert m.layer_activation_bytes(b, t, sp=True, cp=c) == pytest.approx(
+        m.layer_activation_bytes(b, 1) / (t * c))
+    assert m.boundary_bytes(b, tp=t, sp=True, cp=c) == m.boundary_bytes(b) / (t * c)
+    assert m.boundary_bytes(b, tp=t, cp=c) == m.boundary_bytes(b) / c  # no SP: not split
+    assert m.embedding_activation_bytes(b, tp=t, sp=True, cp=c) == pytest.approx(
+        s * b * h / (t * c))
+    assert m.output_activation_bytes(b, t, sp=True, cp=c) == pytest.approx(
+        (4 * s * b * h / t + 4 * s * b * m.padded_vocab(t) / t) / c)
+    # grouped-query attention and SwiGLU: Q, K, V and projection input 4q + 4kv, MLP 6f
+    llama = replace(LLAMA_3_8B_32K, seq_length=512)
+    q, kv, f = 4096, 1024, 14336
+    assert llama.layer_selective_activation_bytes(1, 1) == pytest.approx(
+        512 * (10 * 4096 + 4 * q + 4 * kv + 6 * f))
+    assert llama.kv_block_bytes(1, tp=8, cp=4) == 2 * 512 / 4 * 2 * 1 * 128
+
+
+@pytest.mark.parametrize("recompute", [NO_RECOMPUTE, SELECTIVE, FULL])
+def test_activation_memory_falls_by_tp_with_sp_and_by_cp_with_cp(recompute):
+    """Every activation a stage keeps is split: at TP t with sequence parallelism the
+    stage keeps 1/t of what TP 1 keeps, at CP c 1/c; on a model whose memory is mostly
+    activations the device's memory falls almost as much."""
+    cm = cost_model(LONG, replace(P3, memory_per_device_gb=1000.0))
+    base = ParallelConfig("flush", 1, 2, 1, 2, 8, recompute)
+    plain = cm.evaluate(base, simulate_time=False)
+    for t in (2, 8):
+        sp = cm.evaluate(replace(base, tensor_parallel=t, sequence_parallel=True),
+                         simulate_time=False)
+        no_sp = cm.evaluate(replace(base, tensor_parallel=t), simulate_time=False)
+        for mine, theirs in zip(sp.stages, plain.stages):
+            assert mine.activation_bytes == pytest.approx(theirs.activation_bytes / t)
+        assert sp.memory_bytes < no_sp.memory_bytes
+        if recompute == NO_RECOMPUTE:  # activations dominate: memory falls almost t-fold
+            assert (plain.memory_bytes - P3.reserved_memory_gb * 1e9) / (
+                sp.memory_bytes - P3.reserved_memory_gb * 1e9) > 0.8 * t
+    for c in (2, 8):
+        cp = cm.evaluate(replace(base, context_parallel=c), simulate_time=False)
+        for mine, theirs in zip(cp.stages, plain.stages):
+            assert mine.activation_bytes == pytest.approx(theirs.activation_bytes / c)
+            assert mine.state == theirs.state  # weights replicated, optimizer not sharded
+        if recompute == NO_RECOMPUTE:
+            assert (plain.memory_bytes - P3.reserved_memory_gb * 1e9) / (
+                cp.memory_bytes - P3.reserved_memory_gb * 1e9) > 0.8 * c
+
+
+def test_sequence_parallel_pairs_cost_the_same_bytes_and_twice_the_collectives():
+    """Each all-reduce becomes a reduce-scatter + all-gather: the same ring bytes, one more
+    latency; the stage boundary shrinks by t."""
+    def tp_model(latency_us: float) -> CostModel:
+        return cost_model(SMALL, replace(P3, intra_node_latency_us=latency_us))
+    plain = ParallelConfig("flush", 4, 2, 1, 2, 4, NO_RECOMPUTE)
+    sp = replace(plain, sequence_parallel=True)
+    free, slow = tp_model(0.0), tp_model(100.0)
+    assert free.tensor_parallel_allreduce_s(sp) == pytest.approx(
+        free.tensor_parallel_allreduce_s(plain))
+    assert (slow.tensor_parallel_allreduce_s(sp) - slow.tensor_parallel_allreduce_s(plain)
+            == pytest.approx(100e-6))
+    n = SMALL.num_layers // 2
+    stages = free.evaluate(sp).stages
+    assert stages[0].tensor_parallel_collectives == 2 * (4 * n + 1)  # layers + embedding
+    assert stages[1].tensor_parallel_collectives == 2 * (4 * n + 1) + 3  # + output, loss
+    for mine, theirs in zip(stages, free.evaluate(plain).stages):
+        assert mine.tensor_parallel_s == pytest.approx(theirs.tensor_parallel_s)
+        assert mine.compute_s == theirs.compute_s and mine.params == theirs.params
+    lay = Layout(4, 1, 2, 8)
+    assert free.p2p_s(sp) == pytest.approx(FABRICS["nvlink"].p2p_us * 1e-6 + SMALL.boundary_bytes(2)
+                                           / 4 / p2p_bandwidth(lay, 0, P3))
+    assert ParallelConfig("flush", 1, 2, 1, 2, 4, NO_RECOMPUTE, sequence_parallel=True
+                          ).sequence_parallel is False  # off at TP 1, as in Megatron-LM
+
+
+def test_context_parallel_compute_traffic_and_gradient_group():
+    """Compute / c; per layer a ring of c - 1 key/value transfers in forward and two in
+    backward (keys and values again, their gradients back), once more per recomputed
+    layer; gradients reduced over DP x CP, the distributed optimizer sharded over it."""
+    hw = replace(P3, layer_overhead_ms=0.0)
+    cm = cost_model(LONG, hw)
+    base = ParallelConfig("flush", 1, 1, 2, 1, 4, NO_RECOMPUTE)
+    cfg = replace(base, context_parallel=4)  # 8 devices: one server
+    plain, split = cm.evaluate(base).stages[0], cm.evaluate(cfg).stages[0]
+    assert split.compute_s == pytest.approx(plain.compute_s / 4)
+    step = P3.intra_node_p2p_latency_us * 1e-6 + LONG.kv_block_bytes(1, cp=4) / P3.intra_bytes_per_s
+    assert cm.context_parallel_s(cfg) == pytest.approx(3 * step)
+    assert split.context_parallel_s == pytest.approx(LONG.num_layers * 3 * 3 * step)
+    assert split.forward_s == pytest.approx(split.compute_s / 3 + LONG.num_layers * 3 * step)
+    selective = cm.evaluate(replace(cfg, recompute=SELECTIVE)).stages[0]
+    assert selective.context_parallel_s == pytest.approx(LONG.num_layers * 4 * 3 * step)
+    assert cm.context_parallel_s(base) == 0.0 and plain.context_parallel_s == 0.0
+    params = split.params
+    assert split.params == plain.params  # weights replicated over CP
+    assert cm.allreduce_s(cfg, 0, params) == pytest.approx(
+        ring_allreduce_s(params * 4, 8, P3.intra_bytes_per_s, P3.intra_node_latency_us * 1e-6))
+    sharded = cm.evaluate(replace(cfg, distributed_optimizer=True), simulate_time=False)
+    assert sharded.stages[0].state.optimizer_state == pytest.approx(
+        -(-params // 8) * cm.precision.optimizer_bytes)
+    # across servers the ring pays the network
+    wide = ParallelConfig("flush", 8, 1, 1, 1, 4, NO_RECOMPUTE, context_parallel=2,
+                          sequence_parallel=True)
+    assert cm.network(wide).context_parallel.bytes_per_s < P3.intra_bytes_per_s
+
+
+def test_context_parallel_sizes_follow_the_sequence_split():
+    """CP: powers of two dividing the devices left by TP, the sequence divisible by 2 CP;
+    searched by default from 4096 tokens on (GPT only); sequence parallelism only where
+    each chunk splits over TP."""
+    odd = ModelShape("gpt", 8, 512, 8, 4104, 1024)  # 4104 = 8 x 513: 2 CP | s for CP <= 4
+    cm = cost_model(odd)
+    space = SearchSpace(64, 64, schedules=("flush",), micro_batch_sizes=(1,),
+                        recompute=(FULL,), virtual_stages=(1,), distributed_optimizer=(False,))
+    got = {(c.tensor_parallel, c.context_parallel, c.sequence_parallel)
+           for c in enumerate_configs(cm, space)}
+    assert {c for _, c, _ in got} == {1, 2, 4}
+    for t, c, sp in got:
+        assert sp == (t > 1 and 4104 % ((2 * c if c > 1 else 1) * t) == 0)
+    assert {(8, 1, True), (2, 2, True), (2, 4, False), (8, 4, False)} <= got
+    assert all(c.num_gpus == 64 for c in enumerate_configs(cm, space))
+    short = {c.context_parallel for c in enumerate_configs(cost_model(SMALL), space)}
+    assert short == {1}  # 128 tokens: not searched by default
+    given = replace(space, context_parallel_sizes=(2, 16))
+    assert {c.context_parallel for c in enumerate_configs(cost_model(SMALL), given)} == {2, 16}
+    bert = replace(LONG, model="bert")
+    assert {(c.context_parallel, c.sequence_parallel)
+            for c in enumerate_configs(cost_model(bert), space)} == {(1, False)}
+    no_sp = replace(space, sequence_parallel=False)
+    assert not any(c.sequence_parallel for c in enumerate_configs(cm, no_sp))
+
+
+def test_context_parallelism_is_chosen_for_a_long_llama_sequence():
+    """Llama-3-8B's shape at 32k tokens on 64 V100s: no plan without context parallelism
+    fits (a layer's input alone is s b h / t); the planner splits the sequence, the
+    flags say so, and the explanation says why."""
+    cm = cost_model(LLAMA_3_8B_32K)
+    space = SearchSpace(64, 32, schedules=("flush",), micro_batch_sizes=(1,),
+                        recompute=(FULL,), virtual_stages=(1,), distributed_optimizer=(True,),
+                        uneven_stages=False)
+    result = search(cm, space)
+    best = result.best.config
+    assert best.context_parallel > 1 and best.sequence_parallel
+    assert f" cp{best.context_parallel} " in best.label() and " sp " in best.label()
+    assert LLAMA_3_8B_32K.seq_length % (2 * best.context_parallel * best.tensor_parallel) == 0
+    assert search(cm, replace(space, context_parallel_sizes=(1,))).best is None
+    words = explain(cm, result)
+    assert "Context parallelism:" in words and "no plan without it fits" in words
+    assert "Sequence parallelism: on" in words
+    command = launch_command(LLAMA_3_8B_32K, best, 8)
+    assert (f"--sequence-parallel --context-parallel-size {best.context_parallel} "
+            "--attention-dropout 0" in command)
+    assert "--swiglu" in command and "--group-query-attention --num-query-groups 8" in command
+    row = format_table(result).splitlines()[2].split()
+    assert row[2:5] == [str(best.tensor_parallel), "yes", str(best.context_parallel)]
+    best_json = to_json(cm, result)["best"]
+    assert (best_json["sequence_parallel"], best_json["context_parallel"]) == (
+        True, best.context_parallel)
+    assert best_json["seconds_by_cause"]["context-parallel key/value exchange"] > 0
+
+
+def test_sequence_and_context_parallel_flags_parse_with_the_trainers_parser():
+    cfg = ParallelConfig("flush", 2, 2, 1, 1, 4, SELECTIVE, context_parallel=2,
+                         sequence_parallel=True)
+    args = trainer_args(launch_command(LONG, cfg, 8), cfg.num_gpus)
+    assert (args.tensor_model_parallel_size, args.sequence_parallel,
+            args.context_parallel_size, args.attention_dropout) == (2, True, 2, 0.0)

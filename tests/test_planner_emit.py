@@ -219,6 +219,10 @@ def test_default_time_is_the_predicted_run_time_with_room(capsys):
     (["--emit", "script"], "--emit"),
     (["--emit", "command", "--train-iters", "10", "--lr", "1"] + DATA
      + ["--", "--use-distributed-optimizer"], "--distributed-optimizer on"),
+    (["--emit", "command", "--train-iters", "10", "--lr", "1"] + DATA
+     + ["--", "--context-parallel-size", "2"], "--context-parallel-sizes"),
+    (["--emit", "command", "--train-iters", "10", "--lr", "1"] + DATA
+     + ["--", "--sequence-parallel"], "--no-sequence-parallel"),
 ])
 def test_bad_launch_input_is_one_line_naming_the_flag(change, flag, capsys):
     gpus = [] if "--num-gpus" in change else ["--num-gpus", "8"]
@@ -251,6 +255,28 @@ def test_a_plan_that_fits_only_sharded_launches_with_the_distributed_optimizer(t
     assert json.loads(plan.read_text())["best"]["distributed_optimizer"] is True
     code, _, err = planner(argv + ["--distributed-optimizer", "off"], capsys)
     assert code == 1 and "no configuration" in err
+
+
+def test_sequence_and_context_parallel_plans_launch_with_their_flags(tmp_path, capsys):
+    """A plan with TP > 1 and CP > 1 launches with --sequence-parallel,
+    --context-parallel-size and --attention-dropout 0 (context-parallel attention has no
+    dropout), which the trainer's parser and checks accept; --no-sequence-parallel drops
+    the first."""
+    plan = tmp_path / "plan.json"
+    argv = (SMALL + ["--num-gpus", "8", "--hardware", "p4d.24xlarge", "--json", str(plan),
+                     "--tensor-parallel-sizes", "2", "--context-parallel-sizes", "2",
+                     "--emit", "command", "--mock-data"] + LENGTH)
+    code, text, err = planner(argv, capsys)
+    assert code == 0, err
+    assert "--sequence-parallel --context-parallel-size 2 --attention-dropout 0" in text
+    _, args = trainer_args(launched_words("command", text, tmp_path, 1))
+    assert (args.tensor_model_parallel_size, args.sequence_parallel,
+            args.context_parallel_size, args.attention_dropout) == (2, True, 2, 0.0)
+    best = json.loads(plan.read_text())["best"]
+    assert (best["sequence_parallel"], best["context_parallel"]) == (True, 2)
+    code, text, err = planner(argv + ["--no-sequence-parallel"], capsys)
+    assert code == 0 and "--sequence-parallel" not in text, err
+    assert "--context-parallel-size 2" in text
 
 
 def test_bad_launch_object_in_a_hardware_file_names_hardware(tmp_path, capsys):

@@ -1,6 +1,7 @@
-"""`python -m megatron_2bw.planner`: choose TP, PP, DP, microbatch, recomputation, schedule
-(Flush also interleaved, v model chunks per device) and (with a large vocabulary) uneven
-first/last stages.
+"""`python -m megatron_2bw.planner`: choose TP (with sequence parallelism), CP (context
+parallelism, for long sequences), PP, DP, microbatch, recomputation, schedule (Flush also
+interleaved, v model chunks per device) and (with a large vocabulary) uneven first/last
+stages.
 
 Takes Megatron-LM's model flags, the batch, the device count and the cluster; prints a
 ranked table and a paragraph on why the best plan won; `--json FILE` writes
@@ -32,7 +33,7 @@ from .hardware import PRESETS, Hardware, LaunchEnv, load_hardware, load_launch_e
 from .launch import (FORMS, Job, LaunchError, add_launch_flags, check_launch_args,
                      default_time, emit, nodes_for, trainer_groups)
 from .report import ENTRY_POINTS, plan_groups, to_json
-from .search import SearchResult, SearchSpace, search
+from .search import CONTEXT_PARALLEL_MIN_SEQ_LENGTH, SearchResult, SearchSpace, search
 from .spec import (COMPENSATIONS, DEFAULT_RECOMPUTE_OPTIONS, OPTIMIZERS, SCHEDULES,
                    Recompute, optimizer_precision)
 
@@ -94,8 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", choices=("gpt", "bert"), default="gpt")
     m.add_argument("--num-layers", type=_positive_int, required=True)
     m.add_argument("--hidden-size", type=_positive_int, required=True)
-    m.add_argument("--ffn-hidden-size", type=_positive_int, help="default 4 * hidden size")
+    m.add_argument("--ffn-hidden-size", type=_positive_int,
+                   help="default 4 * hidden size (with --swiglu 2/3 of that, rounded down "
+                        "to a multiple of 64)")
+    m.add_argument("--swiglu", action="store_true", help="gated MLP with SiLU (Llama)")
     m.add_argument("--num-attention-heads", type=_positive_int, required=True)
+    m.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    m.add_argument("--num-query-groups", type=_positive_int,
+                   help="key/value heads with --group-query-attention")
     m.add_argument("--seq-length", type=_positive_int, required=True)
     m.add_argument("--vocab-size", type=_positive_int,
                    help="unpadded; default 50257 (GPT-2 BPE) or 30522 (BERT WordPiece)")
@@ -121,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batch-sizes", type=_int_list, help="only these, e.g. 1,2,4")
     s.add_argument("--tensor-parallel-sizes", type=_int_list,
                    help="only these, e.g. 1 for the paper's pipeline x data search")
+    s.add_argument("--no-sequence-parallel", action="store_true",
+                   help="plans with TP > 1 without --sequence-parallel (default: with it, "
+                        "activations and stage boundaries split over the TP ranks)")
+    s.add_argument("--context-parallel-sizes", type=_int_list,
+                   help="context-parallel sizes to try, e.g. 1 for none or 1,2,4,8 at any "
+                        "sequence length; default 1 and every power of two that divides the "
+                        "devices and splits the sequence into 2 x CP chunks, from "
+                        f"--seq-length {CONTEXT_PARALLEL_MIN_SEQ_LENGTH} on (GPT only)")
     s.add_argument("--recompute", type=_recompute_list, default=DEFAULT_RECOMPUTE_OPTIONS,
                    help="comma-separated recomputation options to try: none, selective, "
                         "full (= full-uniform-1), full-uniform-N, full-block-N "
@@ -143,8 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_from_args(args: argparse.Namespace) -> ModelShape:
     vocab = args.vocab_size or DEFAULT_VOCAB[args.model]
+    if args.num_query_groups and not args.group_query_attention:
+        raise ValueError("--num-query-groups needs --group-query-attention (as in "
+                         "Megatron-LM, which ignores it otherwise)")
+    groups = args.num_query_groups or 1 if args.group_query_attention else None
     return ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
-                     args.seq_length, vocab, args.ffn_hidden_size)
+                     args.seq_length, vocab, args.ffn_hidden_size, swiglu=args.swiglu,
+                     num_query_groups=groups)
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
@@ -193,6 +214,14 @@ def _check_launch(args: argparse.Namespace, hw: Hardware, extra: list[str]) -> L
         raise PlannerArgumentError("--use-distributed-optimizer (after --) changes the "
                                    "memory the plan needs: give --distributed-optimizer on "
                                    "before --, and the plan passes it on")
+    planned = {"--sequence-parallel": "plans with TP > 1 use it (--no-sequence-parallel: "
+                                      "none do)",
+               "--context-parallel-size": "give --context-parallel-sizes N before --"}
+    for word in extra:
+        flag = word.split("=")[0]
+        if flag in planned:
+            raise PlannerArgumentError(f"{flag} (after --) changes the plan's memory and "
+                                       f"time: {planned[flag]}, and the plan passes it on")
     try:
         env = load_launch_env(args.hardware)
     except ValueError as err:
@@ -223,7 +252,9 @@ def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
                         tensor_parallel_sizes=args.tensor_parallel_sizes,
                         recompute=args.recompute, uneven_stages=not args.no_uneven_stages,
                         virtual_stages=args.virtual_stages,
-                        distributed_optimizer=SHARDING[args.distributed_optimizer])
+                        distributed_optimizer=SHARDING[args.distributed_optimizer],
+                        sequence_parallel=not args.no_sequence_parallel,
+                        context_parallel_sizes=args.context_parallel_sizes)
     return cm, search(cm, space, keep=max(args.top, 20), exhaustive=args.exhaustive), args
 
 

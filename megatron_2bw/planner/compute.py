@@ -13,6 +13,13 @@ not split. A profile measured at tp = 1 and at some tp = k (`--tensor-parallel-s
 fits each time to `u + s / tp` (unsplit + split, `amdahl_time`); a profile measured at
 tp = 1 only, and the FLOPs estimate, keep the old `time / tp` (the FLOPs estimate's fixed
 per-layer overhead is not split).
+
+Context parallelism (`cp`) gives each rank s/c of every sequence: its share of a layer's
+work is 1/c (the linear parts by tokens, the core attention its s/c queries against all s
+keys, load-balanced over causal chunks), so every time is the time at cp = 1 / c (the
+FLOPs estimate keeps its fixed per-layer overhead whole); sequence parallelism changes no
+FLOPs. Activation bytes take sequence parallelism (`sp`) and `cp` as Korthikanti et al.'s
+formula does (`ModelShape.layer_activation_bytes`).
 """
 from __future__ import annotations
 
@@ -33,14 +40,16 @@ class LayerModel(Protocol):
 
     source: str
 
-    def layer_forward_s(self, b: int, tp: int = 1) -> float: ...
-    def layer_backward_s(self, b: int, tp: int = 1) -> float: ...
-    def layer_recompute_backward_s(self, b: int, tp: int = 1) -> float: ...
-    def embedding_s(self, b: int) -> tuple[float, float]: ...
-    def output_s(self, b: int, tp: int = 1) -> tuple[float, float]: ...
-    def layer_activation_bytes(self, b: int, tp: int) -> float: ...
-    def layer_selective_activation_bytes(self, b: int, tp: int) -> float: ...
-    def attention_core_forward_s(self, b: int, tp: int = 1) -> float: ...
+    def layer_forward_s(self, b: int, tp: int = 1, cp: int = 1) -> float: ...
+    def layer_backward_s(self, b: int, tp: int = 1, cp: int = 1) -> float: ...
+    def layer_recompute_backward_s(self, b: int, tp: int = 1, cp: int = 1) -> float: ...
+    def embedding_s(self, b: int, cp: int = 1) -> tuple[float, float]: ...
+    def output_s(self, b: int, tp: int = 1, cp: int = 1) -> tuple[float, float]: ...
+    def layer_activation_bytes(self, b: int, tp: int, *, sp: bool = False,
+                               cp: int = 1) -> float: ...
+    def layer_selective_activation_bytes(self, b: int, tp: int, *, sp: bool = False,
+                                         cp: int = 1) -> float: ...
+    def attention_core_forward_s(self, b: int, tp: int = 1, cp: int = 1) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -57,33 +66,37 @@ class FlopsCompute:
     hardware: Hardware
     source: str = "flops"
 
-    def layer_forward_s(self, b: int, tp: int = 1) -> float:
-        return (self.model.layer_forward_flops(b) / tp / self.hardware.flops_per_s
+    def layer_forward_s(self, b: int, tp: int = 1, cp: int = 1) -> float:
+        return (self.model.layer_forward_flops(b) / (tp * cp) / self.hardware.flops_per_s
                 + self.hardware.layer_overhead_ms * 1e-3)
 
-    def layer_backward_s(self, b: int, tp: int = 1) -> float:
-        return 2.0 * self.layer_forward_s(b, tp)
+    def layer_backward_s(self, b: int, tp: int = 1, cp: int = 1) -> float:
+        return 2.0 * self.layer_forward_s(b, tp, cp)
 
-    def layer_recompute_backward_s(self, b: int, tp: int = 1) -> float:
-        return self.layer_backward_s(b, tp) + self.layer_forward_s(b, tp)
+    def layer_recompute_backward_s(self, b: int, tp: int = 1, cp: int = 1) -> float:
+        return self.layer_backward_s(b, tp, cp) + self.layer_forward_s(b, tp, cp)
 
-    def embedding_s(self, b: int) -> tuple[float, float]:
+    def embedding_s(self, b: int, cp: int = 1) -> tuple[float, float]:
         return 0.0, 0.0
 
-    def output_s(self, b: int, tp: int = 1) -> tuple[float, float]:
-        forward = self.model.output_forward_flops(b) / tp / self.hardware.flops_per_s
+    def output_s(self, b: int, tp: int = 1, cp: int = 1) -> tuple[float, float]:
+        forward = self.model.output_forward_flops(b) / (tp * cp) / self.hardware.flops_per_s
         return forward, 2.0 * forward
 
-    def layer_activation_bytes(self, b: int, tp: int) -> float:
-        return self.model.layer_activation_bytes(b, tp)
+    def layer_activation_bytes(self, b: int, tp: int, *, sp: bool = False,
+                               cp: int = 1) -> float:
+        return self.model.layer_activation_bytes(b, tp, sp=sp, cp=cp)
 
-    def layer_selective_activation_bytes(self, b: int, tp: int) -> float:
-        return self.model.layer_selective_activation_bytes(b, tp)
+    def layer_selective_activation_bytes(self, b: int, tp: int, *, sp: bool = False,
+                                         cp: int = 1) -> float:
+        return self.model.layer_selective_activation_bytes(b, tp, sp=sp, cp=cp)
 
-    def attention_core_forward_s(self, b: int, tp: int = 1) -> float:
-        """QK^T and attention over V (4bs^2h FLOPs), what selective recomputation repeats;
-        no per-layer overhead: it is a few kernels inside a layer already counted."""
-        return self.model.attention_core_forward_flops(b) / tp / self.hardware.flops_per_s
+    def attention_core_forward_s(self, b: int, tp: int = 1, cp: int = 1) -> float:
+        """QK^T and attention over V (4bs^2h FLOPs, / c: s/c queries against s keys),
+        what selective recomputation repeats; no per-layer overhead: it is a few kernels
+        inside a layer already counted."""
+        return (self.model.attention_core_forward_flops(b) / (tp * cp)
+                / self.hardware.flops_per_s)
 
 
 @dataclass(frozen=True)
@@ -255,10 +268,11 @@ class ProfiledCompute:
     """Compute times from a profile, activation bytes from it scaled to fp16 and to tp.
 
     Times at tp > 1: `amdahl_time` over the profile's tp = 1 entry and its tensor-parallel
-    entries (all-reduces taken out), or the tp = 1 time / tp when it has none. Activation
-    bytes are measured at tp = 1 and scaled to tp by the ratio of Korthikanti et al.'s
-    formula at tp and at 1 (the part of a layer's activations that tensor parallelism
-    splits).
+    entries (all-reduces taken out), or the tp = 1 time / tp when it has none; at
+    context-parallel size cp, / cp (the profile is measured on whole sequences). Activation
+    bytes are measured at tp = 1 and scaled to (tp, sp, cp) by the ratio of Korthikanti et
+    al.'s formula there and at tp = 1 (the part of a layer's activations that tensor,
+    sequence and context parallelism split).
     """
 
     profile: Profile
@@ -270,7 +284,9 @@ class ProfiledCompute:
         xs = [e.micro_batch_size for e in self.profile.entries]
         return xs, [getattr(getattr(e, part), name) for e in self.profile.entries]
 
-    def _at(self, part: str, name: str, b: int, tp: int = 1) -> float:
+    def _at(self, part: str, name: str, b: int, tp: int = 1, cp: int = 1) -> float:
+        if cp > 1:
+            return self._at(part, name, b, tp) / cp
         single = _interpolate(*self._series(part, name), b)
         if tp == 1:
             return single
@@ -282,39 +298,45 @@ class ProfiledCompute:
             points.append((k, _interpolate(xs, [e.compute_part(part, name) for e in entries], b)))
         return amdahl_time(points, tp)
 
-    def layer_forward_s(self, b: int, tp: int = 1) -> float:
-        return self._at("layer", "forward_s", b, tp)
+    def layer_forward_s(self, b: int, tp: int = 1, cp: int = 1) -> float:
+        return self._at("layer", "forward_s", b, tp, cp)
 
-    def layer_backward_s(self, b: int, tp: int = 1) -> float:
-        return self._at("layer", "backward_s", b, tp)
+    def layer_backward_s(self, b: int, tp: int = 1, cp: int = 1) -> float:
+        return self._at("layer", "backward_s", b, tp, cp)
 
-    def layer_recompute_backward_s(self, b: int, tp: int = 1) -> float:
+    def layer_recompute_backward_s(self, b: int, tp: int = 1, cp: int = 1) -> float:
         if self._at("layer", "recompute_backward_s", b) > 0:
-            return self._at("layer", "recompute_backward_s", b, tp)
-        return self.layer_backward_s(b, tp) + self.layer_forward_s(b, tp)
+            return self._at("layer", "recompute_backward_s", b, tp, cp)
+        return self.layer_backward_s(b, tp, cp) + self.layer_forward_s(b, tp, cp)
 
-    def embedding_s(self, b: int) -> tuple[float, float]:
-        return self._at("embedding", "forward_s", b), self._at("embedding", "backward_s", b)
+    def embedding_s(self, b: int, cp: int = 1) -> tuple[float, float]:
+        return (self._at("embedding", "forward_s", b, 1, cp),
+                self._at("embedding", "backward_s", b, 1, cp))
 
-    def output_s(self, b: int, tp: int = 1) -> tuple[float, float]:
-        return self._at("output", "forward_s", b, tp), self._at("output", "backward_s", b, tp)
+    def output_s(self, b: int, tp: int = 1, cp: int = 1) -> tuple[float, float]:
+        return (self._at("output", "forward_s", b, tp, cp),
+                self._at("output", "backward_s", b, tp, cp))
 
-    def layer_activation_bytes(self, b: int, tp: int) -> float:
+    def layer_activation_bytes(self, b: int, tp: int, *, sp: bool = False,
+                               cp: int = 1) -> float:
         scale = self.activation_bytes / self.profile.dtype_bytes
         measured = (self._at("layer", "activation_bytes_float", b) * scale
                     + self._at("layer", "activation_bytes_other", b))
-        return measured * self.model.layer_activation_bytes(b, tp) / self.model.layer_activation_bytes(b, 1)
+        return (measured * self.model.layer_activation_bytes(b, tp, sp=sp, cp=cp)
+                / self.model.layer_activation_bytes(b, 1))
 
-    def layer_selective_activation_bytes(self, b: int, tp: int) -> float:
+    def layer_selective_activation_bytes(self, b: int, tp: int, *, sp: bool = False,
+                                         cp: int = 1) -> float:
         """The measured bytes scaled by Korthikanti et al.'s selective / full ratio (the
         profile does not measure selective recomputation; the ratio keeps the measured
         level and the formula's share of the s^2 terms)."""
         spec = self.model
-        return (self.layer_activation_bytes(b, tp) * spec.layer_selective_activation_bytes(b, tp)
-                / spec.layer_activation_bytes(b, tp))
+        return (self.layer_activation_bytes(b, tp, sp=sp, cp=cp)
+                * spec.layer_selective_activation_bytes(b, tp, sp=sp, cp=cp)
+                / spec.layer_activation_bytes(b, tp, sp=sp, cp=cp))
 
-    def attention_core_forward_s(self, b: int, tp: int = 1) -> float:
+    def attention_core_forward_s(self, b: int, tp: int = 1, cp: int = 1) -> float:
         """The measured forward times the core attention's share of the layer's FLOPs."""
         spec = self.model
-        return (self.layer_forward_s(b, tp) * spec.attention_core_forward_flops(b)
+        return (self.layer_forward_s(b, tp, cp) * spec.attention_core_forward_flops(b)
                 / spec.layer_forward_flops(b))

@@ -15,12 +15,29 @@ their sources:
   the f and g operators); full recomputation repeats the forward's 2 in backward; the
   vocab-parallel embedding adds 1 in forward, the output layer 1 in backward, and the
   vocab-parallel cross entropy 3 small ones in forward (max, sum of exponentials, target
-  logit: [s, b] fp32 each, megatron-core `_VocabParallelCrossEntropy`);
+  logit: [s, b] fp32 each, megatron-core `_VocabParallelCrossEntropy`). With sequence
+  parallelism (Korthikanti et al. 2022, Section 4.2.2) each all-reduce is a
+  reduce-scatter + all-gather pair: the same ring bytes, two latencies; the embedding's
+  pair is split between forward (reduce-scatter) and backward (all-gather), the output
+  layer's too (all-gather, reduce-scatter); the all-gather megatron-core repeats in
+  backward for the weight gradient of each column-parallel layer runs asynchronously
+  beside the input-gradient GEMM and is not counted. Not overlapped with compute, like
+  the all-reduces (megatron-core's local layers block on them);
+- context parallelism, c ranks per sequence (`context_parallel_s`): compute / c (s/c
+  tokens, and the s^2 attention as s/c queries against s keys); per layer in forward a
+  ring of c - 1 steps, each sending one rank's keys and values, [s/c, b, 2 kv_heads
+  head_dim / t] (megatron-core's and the trainer's default `--cp-comm-type p2p`), and in
+  backward the ring again with the keys and values and with their gradients, which go
+  back to their owners (the reduce-scatter of dK/dV): 2 passes; recomputation of the
+  layer (full) or of its core attention (selective) runs the forward pass again. Counted
+  in full on the critical path, like the tensor-parallel collectives, though the ring
+  posts each step's transfer before computing the previous block: an upper bound that
+  is tight when the transfer outlasts a block's attention;
 - every collective and transfer: the alpha-beta model (`hardware.py`), a fixed latency
   per collective or transfer plus bytes over bandwidth, so that many small all-reduces
   (tensor parallelism at a small microbatch) cost what their count says, not only their
   bytes; which groups cross servers (latency and bandwidth of the network) follows
-  megatron-core's rank order (`placement.py`); ring all-reduce
+  megatron-core's rank order, tp-cp-dp-pp (`placement.py`); ring all-reduce
   alpha + 2 (n - 1) / n * bytes / bandwidth;
 - pipeline bubbles, exposed all-reduce, optimizer-step synchronisation and stash counts:
   from the schedules package itself, i.e. the same action lists the executor runs, through
@@ -33,7 +50,12 @@ their sources:
   `_state_bytes`) + activation stashes (Korthikanti et al. 2022 per-layer bytes, or the
   profile, by recomputation option: `_kept_bytes`), the first stage also holding the
   embedding and the last the output layer. The paper's Section 3 table is the special
-  case without the embedding and output layer;
+  case without the embedding and output layer. Sequence parallelism divides the
+  activations (all of them, the stage boundary and the embedding's and output layer's
+  included) by t, context parallelism by c; weights and optimizer state are unaffected by
+  either, except that the distributed optimizer shards over the DP x CP ranks;
+- the data-parallel gradient reduction runs over the DP x CP ranks that hold the same
+  weights (`ParallelConfig.gradient_ranks`);
 - the distributed optimizer's traffic: a ring reduce-scatter of the fp32 gradient
   (alpha + (w - 1) / w * bytes / bandwidth, half an all-reduce) where the all-reduce was,
   started at the same point (under 2BW overlapped with the next minibatch), plus, on the
@@ -108,7 +130,8 @@ class StageCost:
     tensor_parallel_s: float
     """Of forward_s + backward_s: tensor-parallel all-reduces."""
     tensor_parallel_collectives: int
-    """Tensor-parallel all-reduces per microbatch (0 at tp = 1), each paying the latency."""
+    """Tensor-parallel collectives per microbatch (0 at tp = 1), each paying the latency:
+    all-reduces, or with sequence parallelism reduce-scatters and all-gathers."""
     allreduce_s: float
     """Data-parallel gradient all-reduce (and tied-embedding sync) once per minibatch."""
     step_s: float
@@ -117,6 +140,8 @@ class StageCost:
     activation_bytes: float
     stash: int
     state: StateBytes
+    context_parallel_s: float = 0.0
+    """Of forward_s + backward_s: context parallelism's key/value exchange."""
 
     @property
     def memory_bytes(self) -> float:
@@ -174,6 +199,7 @@ class Estimate:
         busy = m * (st.forward_s + st.backward_s)
         return {"compute_s": m * st.compute_s, "recompute_s": m * st.recompute_s,
                 "tensor_parallel_s": m * st.tensor_parallel_s,
+                "context_parallel_s": m * st.context_parallel_s,
                 "idle_s": max(0.0, self.iteration_time_s - busy),
                 "allreduce_s": max(s.allreduce_s for s in self.stages)}
 
@@ -237,7 +263,7 @@ class CostModel:
             return None
         whole = (stage_matrices(self.model, cfg.tensor_parallel, stage, cfg.pipeline_depth,
                                 layers) if self.precision.whole_matrices else ())
-        return divide(params, whole, cfg.data_parallel_width)
+        return divide(params, whole, cfg.gradient_ranks)
 
     # ---- per-stage pieces ----
     def stage_costs(self, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
@@ -245,41 +271,71 @@ class CostModel:
 
     def network(self, cfg: ParallelConfig) -> "Network":
         return network(self.hardware, cfg.tensor_parallel, cfg.data_parallel_width,
-                       cfg.pipeline_depth, cfg.virtual_stages > 1)
+                       cfg.pipeline_depth, cfg.virtual_stages > 1, cfg.context_parallel)
 
     def tensor_parallel_allreduce_s(self, cfg: ParallelConfig) -> float:
-        """One all-reduce of the [s, b, h] activation over the tensor-parallel group:
-        its latency + its bytes at the group's bandwidth."""
-        size = self.model.boundary_bytes(cfg.micro_batch_size, self.precision.activation_bytes)
-        net = self.network(cfg)
-        return ring_allreduce_s(size, cfg.tensor_parallel, net.tensor_parallel.bytes_per_s,
-                                net.tensor_parallel.latency_s)
+        """One all-reduce of the [s/c, b, h] activation over the tensor-parallel group:
+        its latency + its bytes at the group's bandwidth; with sequence parallelism the
+        reduce-scatter + all-gather pair that replaces it (the same bytes, two latencies:
+        `tensor_parallel_collectives_per_allreduce`)."""
+        size = self.model.boundary_bytes(cfg.micro_batch_size, self.precision.activation_bytes,
+                                         cp=cfg.context_parallel)
+        link = self.network(cfg).tensor_parallel
+        if cfg.sequence_parallel:
+            return 2 * ring_allgather_s(size, cfg.tensor_parallel, link.bytes_per_s,
+                                        link.latency_s)
+        return ring_allreduce_s(size, cfg.tensor_parallel, link.bytes_per_s, link.latency_s)
+
+    @staticmethod
+    def tensor_parallel_collectives_per_allreduce(cfg: ParallelConfig) -> int:
+        """Collectives one of Megatron's tensor-parallel all-reduces is: 1, or 2 with
+        sequence parallelism (reduce-scatter + all-gather); 0 at tp = 1."""
+        if cfg.tensor_parallel == 1:
+            return 0
+        return 2 if cfg.sequence_parallel else 1
+
+    def context_parallel_s(self, cfg: ParallelConfig) -> float:
+        """One pass of context-parallel attention's ring for one layer: c - 1 steps, each a
+        transfer of one rank's keys and values ([s/c, b, 2 kv_heads head_dim / t],
+        `ModelShape.kv_block_bytes`) paying the transfer latency; 0 at cp = 1. Forward
+        runs one pass, backward two (`_layer_times`)."""
+        c = cfg.context_parallel
+        if c == 1:
+            return 0.0
+        size = self.model.kv_block_bytes(cfg.micro_batch_size, self.precision.activation_bytes,
+                                         tp=cfg.tensor_parallel, cp=c)
+        link = self.network(cfg).context_parallel
+        return (c - 1) * (link.latency_s + size / link.bytes_per_s)
 
     def loss_allreduce_s(self, cfg: ParallelConfig) -> float:
-        """One of the vocab-parallel cross entropy's all-reduces of [s, b] fp32 values."""
-        size = 4.0 * self.model.seq_length * cfg.micro_batch_size
+        """One of the vocab-parallel cross entropy's all-reduces of [s/c, b] fp32 values."""
+        size = 4.0 * self.model.seq_length * cfg.micro_batch_size / cfg.context_parallel
         net = self.network(cfg)
         return ring_allreduce_s(size, cfg.tensor_parallel, net.tensor_parallel.bytes_per_s,
                                 net.tensor_parallel.latency_s)
 
     def p2p_s(self, cfg: ParallelConfig) -> float:
-        """Slowest stage-to-stage transfer of one [s, b, h] tensor, latency included (the
-        simulator takes one p2p time for every boundary, the wrap-around one of an
-        interleaved schedule too)."""
+        """Slowest stage-to-stage transfer of one rank's [s, b, h] tensor ([s/c, b, h],
+        [s/(c t), b, h] with sequence parallelism), latency included (the simulator takes
+        one p2p time for every boundary, the wrap-around one of an interleaved schedule
+        too)."""
         if cfg.pipeline_depth == 1:
             return 0.0
-        size = self.model.boundary_bytes(cfg.micro_batch_size, self.precision.activation_bytes)
+        size = self.model.boundary_bytes(cfg.micro_batch_size, self.precision.activation_bytes,
+                                         tp=cfg.tensor_parallel, sp=cfg.sequence_parallel,
+                                         cp=cfg.context_parallel)
         link = self.network(cfg).p2p
         return link.latency_s + size / link.bytes_per_s
 
     def allreduce_s(self, cfg: ParallelConfig, stage: int, params: int,
                     shard: Shard | None = None) -> float:
-        """Data-parallel gradient all-reduce of one stage, plus the tied-embedding sync
-        between first and last stage (pp > 1), which Megatron runs right after it. With
-        the distributed optimizer (`shard`) a reduce-scatter of the padded gradient
-        instead, and on the tied stages the embedding gradient all-reduced whole besides."""
+        """Data-parallel gradient all-reduce of one stage (over the DP x CP ranks), plus
+        the tied-embedding sync between first and last stage (pp > 1), which Megatron runs
+        right after it. With the distributed optimizer (`shard`) a reduce-scatter of the
+        padded gradient instead, and on the tied stages the embedding gradient all-reduced
+        whole besides."""
         net, grad_bytes = self.network(cfg), self.precision.grad_bytes
-        dp, w = net.data_parallel[stage], cfg.data_parallel_width
+        dp, w = net.data_parallel[stage], cfg.gradient_ranks
         tied = cfg.pipeline_depth > 1 and stage in (0, cfg.pipeline_depth - 1)
         embedding = self.tied_embedding_params(cfg)
         if shard is None:
@@ -329,32 +385,39 @@ class Network:
 
     tensor_parallel: Link
     data_parallel: tuple[Link, ...]
-    """Per stage."""
+    """Per stage: the gradient reduction's group, DP x CP ranks."""
     embedding: Link
     p2p: Link
+    context_parallel: Link = Link(0.0, 0.0)
+    """The ring of context-parallel attention: its slowest hop, with the transfer latency."""
 
 
 @lru_cache(maxsize=1024)
-def network(hw: Hardware, tp: int, dp: int, pp: int, wrap: bool = False) -> Network:
-    """Where the groups of a (tp, dp, pp) layout sit decides their bandwidth and latency
-    (placement.py): a group inside a server gets the intra-node pair, one across servers
-    the network's. `wrap`: the last stage also sends to the first (interleaving)."""
-    lay = Layout(tp, dp, pp, hw.devices_per_node)
+def network(hw: Hardware, tp: int, dp: int, pp: int, wrap: bool = False,
+            cp: int = 1) -> Network:
+    """Where the groups of a (tp, cp, dp, pp) layout sit decides their bandwidth and
+    latency (placement.py): a group inside a server gets the intra-node pair, one across
+    servers the network's. `wrap`: the last stage also sends to the first (interleaving)."""
+    lay = Layout(tp, dp, pp, hw.devices_per_node, cp)
 
     def slowest(groups: list, concurrent: list) -> Link:
         if not groups:
             return Link(hw.intra_bytes_per_s, hw.collective_latency_s(False))
         return Link(min(collective_bandwidth(lay, g, concurrent, hw) for g in groups),
                     hw.collective_latency_s(any(lay.crosses(g) for g in groups)))
-    every_dp = lay.dp_groups()
+    every_dp = lay.gradient_groups()
     boundaries = range(pp if wrap and pp > 1 else pp - 1)
+    rings = lay.cp_groups() if cp > 1 else []
     return Network(
         tensor_parallel=slowest(lay.tp_groups(), lay.tp_groups()),
-        data_parallel=tuple(slowest(lay.dp_groups(s), every_dp) for s in range(pp)),
+        data_parallel=tuple(slowest(lay.gradient_groups(s), every_dp) for s in range(pp)),
         embedding=slowest(lay.embedding_groups(), lay.embedding_groups()),
         p2p=Link(min((p2p_bandwidth(lay, s, hw) for s in boundaries),
                      default=hw.intra_bytes_per_s),
-                 hw.p2p_latency_s(any(lay.boundary_crosses(s) for s in boundaries))))
+                 hw.p2p_latency_s(any(lay.boundary_crosses(s) for s in boundaries))),
+        context_parallel=Link(min((collective_bandwidth(lay, g, rings, hw) for g in rings),
+                                  default=hw.intra_bytes_per_s),
+                              hw.p2p_latency_s(any(lay.crosses(g) for g in rings))))
 
 
 def _without_allreduce(stage: StageCost) -> StageCost:
@@ -377,7 +440,9 @@ class _MicrobatchTimes:
     recompute: float
     tensor_parallel: float
     collectives: int = 0
-    """Tensor-parallel all-reduces (0 at tp = 1)."""
+    """Tensor-parallel collectives (0 at tp = 1)."""
+    context_parallel: float = 0.0
+    """Context parallelism's key/value exchange."""
 
     def __add__(self, other: "_MicrobatchTimes") -> "_MicrobatchTimes":
         return _MicrobatchTimes(*(a + b for a, b in zip(_fields(self), _fields(other))))
@@ -387,7 +452,8 @@ class _MicrobatchTimes:
 
 
 def _fields(t: _MicrobatchTimes) -> tuple:
-    return (t.forward, t.backward, t.compute, t.recompute, t.tensor_parallel, t.collectives)
+    return (t.forward, t.backward, t.compute, t.recompute, t.tensor_parallel, t.collectives,
+            t.context_parallel)
 
 
 @dataclass(frozen=True)
@@ -399,36 +465,52 @@ class _LayerTimes:
     full_recompute_s: float
     """The forward run again inside backward, compute only."""
     full_recompute_tp_s: float
-    """Its 2 tensor-parallel all-reduces."""
+    """Its 2 tensor-parallel all-reduces (pairs with sequence parallelism)."""
     selective_recompute_s: float
     """The core attention (QK^T, softmax, attention over V) run again: no all-reduce."""
+    recompute_cp_s: float = 0.0
+    """The forward pass of context parallelism's ring, run again by either recomputation
+    (the core attention holds it)."""
+    collectives_per_allreduce: int = 0
+    """`CostModel.tensor_parallel_collectives_per_allreduce`."""
 
 
 def _layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
-    """One transformer layer at this tp and b: per-microbatch seconds."""
-    b, t = cfg.micro_batch_size, cfg.tensor_parallel
+    """One transformer layer at this tp, cp and b: per-microbatch seconds. Context
+    parallelism's ring runs once in forward, twice in backward (keys and values again,
+    and their gradients back to their owners)."""
+    b, t, c = cfg.micro_batch_size, cfg.tensor_parallel, cfg.context_parallel
     ar = cm.tensor_parallel_allreduce_s(cfg)
-    fwd, bwd = cm.layers.layer_forward_s(b, t), cm.layers.layer_backward_s(b, t)
-    plain = _MicrobatchTimes(forward=fwd + 2 * ar, backward=bwd + 2 * ar, compute=fwd + bwd,
-                             recompute=0.0, tensor_parallel=4 * ar,
-                             collectives=4 if t > 1 else 0)
-    return _LayerTimes(plain, full_recompute_s=cm.layers.layer_recompute_backward_s(b, t) - bwd,
+    k = cm.tensor_parallel_collectives_per_allreduce(cfg)
+    ring = cm.context_parallel_s(cfg)
+    fwd, bwd = cm.layers.layer_forward_s(b, t, c), cm.layers.layer_backward_s(b, t, c)
+    plain = _MicrobatchTimes(forward=fwd + 2 * ar + ring, backward=bwd + 2 * ar + 2 * ring,
+                             compute=fwd + bwd, recompute=0.0, tensor_parallel=4 * ar,
+                             collectives=4 * k, context_parallel=3 * ring)
+    return _LayerTimes(plain,
+                       full_recompute_s=cm.layers.layer_recompute_backward_s(b, t, c) - bwd,
                        full_recompute_tp_s=2 * ar,
-                       selective_recompute_s=cm.layers.attention_core_forward_s(b, t))
+                       selective_recompute_s=cm.layers.attention_core_forward_s(b, t, c),
+                       recompute_cp_s=ring, collectives_per_allreduce=k)
 
 
 def _stage_layer_times(layer: _LayerTimes, rc: Recompute, n: int) -> _MicrobatchTimes:
     """n layers of one stage under `rc`: full recomputation adds one forward (and its 2
-    all-reduces) per recomputed layer, selective the core attention of every layer."""
+    all-reduces) per recomputed layer, selective the core attention of every layer; both
+    run context parallelism's forward ring again for each layer they recompute."""
     full = rc.full_layers(n)
     selective = n if rc.granularity == "selective" else 0
     rc_s = full * layer.full_recompute_s + selective * layer.selective_recompute_s
     rc_tp = full * layer.full_recompute_tp_s
+    rc_cp = (full + selective) * layer.recompute_cp_s
     p = layer.plain
-    return _MicrobatchTimes(forward=n * p.forward, backward=n * p.backward + rc_s + rc_tp,
+    return _MicrobatchTimes(forward=n * p.forward,
+                            backward=n * p.backward + rc_s + rc_tp + rc_cp,
                             compute=n * p.compute, recompute=rc_s,
                             tensor_parallel=n * p.tensor_parallel + rc_tp,
-                            collectives=n * p.collectives + (2 * full if p.collectives else 0))
+                            collectives=n * p.collectives
+                            + 2 * full * layer.collectives_per_allreduce,
+                            context_parallel=n * p.context_parallel + rc_cp)
 
 
 def _chunked_layer_times(layer: _LayerTimes, rc: Recompute, n: int, v: int) -> _MicrobatchTimes:
@@ -442,25 +524,32 @@ def _ends_times(cm: CostModel, cfg: ParallelConfig, first: bool, last: bool) -> 
 
     With tp > 1 the vocab-parallel embedding all-reduces its output in forward and the
     output layer all-reduces its input gradient in backward (one [s, b, h] each), and the
-    vocab-parallel loss does `LOSS_ALLREDUCES` small all-reduces in forward.
+    vocab-parallel loss does `LOSS_ALLREDUCES` small all-reduces in forward. With sequence
+    parallelism each of the two is a pair split over forward and backward: the
+    embedding reduce-scatters its output (forward) and all-gathers its gradient
+    (backward), the output layer all-gathers its input (forward) and reduce-scatters its
+    input gradient (backward).
     """
-    b, t = cfg.micro_batch_size, cfg.tensor_parallel
+    b, t, c = cfg.micro_batch_size, cfg.tensor_parallel, cfg.context_parallel
     ar = cm.tensor_parallel_allreduce_s(cfg)
+    k = cm.tensor_parallel_collectives_per_allreduce(cfg)
+    half = ar / 2 if cfg.sequence_parallel else 0.0  # one collective of the pair
     loss = LOSS_ALLREDUCES * cm.loss_allreduce_s(cfg) if t > 1 else 0.0
-    fwd = bwd = tp = 0.0
+    fwd = bwd = tp_fwd = tp_bwd = 0.0
     count = 0
     if first:
-        ef, eb = cm.layers.embedding_s(b)
-        fwd, bwd, tp, count = fwd + ef, bwd + eb, tp + ar, count + 1
+        ef, eb = cm.layers.embedding_s(b, c)
+        fwd, bwd = fwd + ef, bwd + eb
+        tp_fwd, tp_bwd, count = tp_fwd + ar - half, tp_bwd + half, count + k
     if last:
-        of, ob = cm.layers.output_s(b, t)
+        of, ob = cm.layers.output_s(b, t, c)
         fwd, bwd = fwd + of, bwd + ob
-        tp, count = tp + ar + loss, count + 1 + LOSS_ALLREDUCES
+        tp_fwd, tp_bwd = tp_fwd + half + loss, tp_bwd + ar - half
+        count += k + (LOSS_ALLREDUCES if t > 1 else 0)
     compute = fwd + bwd
-    return _MicrobatchTimes(forward=fwd + (ar if first else 0.0) + (loss if last else 0.0),
-                            backward=bwd + (ar if last else 0.0),
-                            compute=compute, recompute=0.0, tensor_parallel=tp,
-                            collectives=count if t > 1 else 0)
+    return _MicrobatchTimes(forward=fwd + tp_fwd, backward=bwd + tp_bwd,
+                            compute=compute, recompute=0.0, tensor_parallel=tp_fwd + tp_bwd,
+                            collectives=count)
 
 
 def _stage_params(model: ModelShape, cfg: ParallelConfig, stage: int, layers: int) -> int:
@@ -489,13 +578,17 @@ class _LayerBytes:
     selective: float
     """Core attention dropped (34sbh at t = 1)."""
     layer_input: float
-    """The [s, b, h] input a fully recomputed chunk keeps (2sbh at 16 bit)."""
+    """The [s, b, h] input a fully recomputed chunk keeps (2sbh at 16 bit; / c, and / t
+    with sequence parallelism)."""
 
 
-def _layer_bytes(cm: CostModel, b: int, t: int) -> _LayerBytes:
-    return _LayerBytes(full=cm.layers.layer_activation_bytes(b, t),
-                       selective=cm.layers.layer_selective_activation_bytes(b, t),
-                       layer_input=cm.model.boundary_bytes(b, cm.precision.activation_bytes))
+def _layer_bytes(cm: CostModel, cfg: ParallelConfig) -> _LayerBytes:
+    b, t = cfg.micro_batch_size, cfg.tensor_parallel
+    sp, c = cfg.sequence_parallel, cfg.context_parallel
+    return _LayerBytes(full=cm.layers.layer_activation_bytes(b, t, sp=sp, cp=c),
+                       selective=cm.layers.layer_selective_activation_bytes(b, t, sp=sp, cp=c),
+                       layer_input=cm.model.boundary_bytes(b, cm.precision.activation_bytes,
+                                                           tp=t, sp=sp, cp=c))
 
 
 def _kept_bytes(per: _LayerBytes, rc: Recompute, n: int) -> float:
@@ -533,11 +626,13 @@ def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, layers: in
     stash points (`_chunk_peaks`), not the unit count times the largest unit.
     """
     b, t, d, v = cfg.micro_batch_size, cfg.tensor_parallel, cfg.pipeline_depth, cfg.virtual_stages
-    per = _layer_bytes(cm, b, t)
+    sp, c = cfg.sequence_parallel, cfg.context_parallel
+    per = _layer_bytes(cm, cfg)
     n = layers // v
     unit = _kept_bytes(per, cfg.recompute, n)
-    first = cm.model.embedding_activation_bytes(b) if stage == 0 else 0.0
-    last = cm.model.output_activation_bytes(b, t) if stage == d - 1 else 0.0
+    first = (cm.model.embedding_activation_bytes(b, tp=t, sp=sp, cp=c) if stage == 0
+             else 0.0)
+    last = cm.model.output_activation_bytes(b, t, sp=sp, cp=c) if stage == d - 1 else 0.0
     if v == 1:
         stashed = declared.stash_limit[stage] * (unit + first + last)
     else:
@@ -619,6 +714,7 @@ def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, .
             forward_s=total.forward, backward_s=total.backward, compute_s=total.compute,
             recompute_s=total.recompute, tensor_parallel_s=total.tensor_parallel,
             tensor_parallel_collectives=total.collectives,
+            context_parallel_s=total.context_parallel,
             allreduce_s=cm.allreduce_s(cfg, s, params, shard),
             step_s=cm.step_s(cfg, s, params, shard),
             weight_bytes=state.total,

@@ -1,12 +1,13 @@
 """Turn a search result into words: a table for people, a paragraph on why the best won.
 
-The paragraph says which recomputation option and stage split the best plan uses and
-what the alternatives of the same plan would cost, compares the best plan with the best
-plan of every other group (each schedule, interleaved Flush, and no pipeline at all) and
-with the fastest configurations that do not fit, and names the cost that separates them:
-memory, pipeline bubble, exposed data-parallel all-reduce, tensor-parallel traffic or
-recomputation. A group where nothing fits gets the memory its smallest plan needs and the
-term that dominates it (`memory_sentence`). The seconds come from the cost model
+The paragraph says which recomputation option and stage split the best plan uses, whether
+it splits sequences (sequence and context parallelism), and what the alternatives of the
+same plan would cost, compares the best plan with the best plan of every other group (each
+schedule, interleaved Flush, and no pipeline at all) and with the fastest configurations
+that do not fit, and names the cost that separates them: memory, pipeline bubble, exposed
+data-parallel all-reduce, tensor-parallel traffic, context parallelism's key/value exchange
+or recomputation. A group where nothing fits gets the memory its smallest plan needs and
+the term that dominates it (`memory_sentence`). The seconds come from the cost model
 (`Estimate.breakdown`, `CostModel.exposed_allreduce_s`), not from new formulas.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import replace
 from ..schedules import SCHEDULES
 from .cost_model import CostModel, Estimate
 from .hardware import GB
-from .search import INTERLEAVED, SearchResult, chunks_fit, plan_group
+from .search import (INTERLEAVED, SearchResult, chunks_fit, plan_group,
+                     sequence_parallel_option)
 from .spec import Recompute
 
 RECOMPUTE_WORDS = {"none": "none", "selective": "selective (the core attention of every layer)",
@@ -84,6 +86,7 @@ def costs_by_cause(cm: CostModel, est: Estimate) -> dict[str, float]:
     exposed = max(0.0, cm.exposed_allreduce_s(est))
     return {"compute": parts["compute_s"], "recomputation": parts["recompute_s"],
             "tensor-parallel all-reduces": parts["tensor_parallel_s"],
+            "context-parallel key/value exchange": parts["context_parallel_s"],
             "exposed data-parallel all-reduce": min(exposed, parts["idle_s"]),
             "pipeline bubble and transfers": max(0.0, parts["idle_s"] - exposed)}
 
@@ -97,7 +100,12 @@ def _cause_clause(cm: CostModel, other: Estimate, cause: str, seconds: float,
     if cause == "pipeline bubble and transfers":
         return f"its pipeline idles {other.bubble_fraction:.0%} of the time"
     if cause == "tensor-parallel all-reduces":
-        return f"tensor-parallel all-reduces take {seconds:.2f} s per iteration"
+        what = ("reduce-scatters and all-gathers" if other.config.sequence_parallel
+                else "all-reduces")
+        return f"tensor-parallel {what} take {seconds:.2f} s per iteration"
+    if cause == "context-parallel key/value exchange":
+        return (f"context parallelism's key/value exchange takes {seconds:.2f} s per "
+                "iteration")
     if cause == "recomputation":
         return f"recomputing activations costs {seconds:.2f} s per iteration"
     stage = other.busiest_stage()
@@ -155,10 +163,11 @@ def recompute_sentence(cm: CostModel, est: Estimate, options: tuple[Recompute, .
 
 
 def sharding_sentence(cm: CostModel, est: Estimate) -> str:
-    """At DP >= 2: whether the plan shards its optimizer state (--use-distributed-optimizer),
-    what that does to its memory, and what the same plan costs the other way."""
+    """At DP x CP >= 2: whether the plan shards its optimizer state
+    (--use-distributed-optimizer), what that does to its memory, and what the same plan
+    costs the other way."""
     cfg = est.config
-    if cfg.data_parallel_width == 1:
+    if cfg.gradient_ranks == 1:
         return ""
     other = cm.evaluate(replace(cfg, distributed_optimizer=not cfg.distributed_optimizer),
                         simulate_time=False)
@@ -175,6 +184,54 @@ def sharding_sentence(cm: CostModel, est: Estimate) -> str:
     timed = cm.evaluate(other.config)
     return (f"{text}: {timed.iteration_time_s / est.iteration_time_s:.3f}x the time at "
             f"{timed.memory_gb:.1f} GB.")
+
+
+def sequence_parallel_sentence(cm: CostModel, est: Estimate) -> str:
+    """At TP > 1: whether the plan uses sequence parallelism and what the same plan costs
+    the other way."""
+    cfg = est.config
+    if cfg.tensor_parallel == 1:
+        return ""
+    if not cfg.sequence_parallel and not sequence_parallel_option(
+            cm.model, cfg.tensor_parallel, cfg.context_parallel, True):
+        return ""  # not possible here (BERT, or a sequence that does not split over TP)
+    other = replace(cfg, sequence_parallel=not cfg.sequence_parallel)
+    if cfg.sequence_parallel:
+        text = (f"Sequence parallelism: on (--sequence-parallel), the activations outside "
+                f"the tensor-parallel layers and the stage boundary split over the "
+                f"{cfg.tensor_parallel} TP ranks (reduce-scatter + all-gather instead of "
+                "each all-reduce); without it")
+    else:
+        text = "Sequence parallelism: off; with it (--sequence-parallel)"
+    sized = cm.evaluate(other, simulate_time=False)
+    if not sized.fits:
+        return f"{text} the plan needs {sized.memory_gb:.1f} GB."
+    timed = cm.evaluate(other)
+    return (f"{text}: {timed.iteration_time_s / est.iteration_time_s:.3f}x the time at "
+            f"{timed.memory_gb:.1f} GB.")
+
+
+def context_parallel_sentence(cm: CostModel, est: Estimate, result: SearchResult) -> str:
+    """For a context-parallel plan: the split, the key/value exchange's cost, and the best
+    plan without context parallelism (or the memory the smallest one needs)."""
+    cfg = est.config
+    c = cfg.context_parallel
+    if c == 1:
+        return ""
+    ring = est.breakdown()["context_parallel_s"]
+    text = (f"Context parallelism: {c} ranks hold {cm.model.seq_length // c} tokens of each "
+            f"sequence (--context-parallel-size {c}), activations / {c}; the key/value "
+            f"exchange takes {ring:.3f} s per iteration")
+    plain = next((e for e in result.ranked if e.config.context_parallel == 1), None)
+    if plain is not None:
+        ratio = plain.iteration_time_s / est.iteration_time_s
+        return (f"{text}; the best plan without it, {plain.config.label()}, is {ratio:.2f}x "
+                f"the time ({plain.memory_gb:.1f} GB).")
+    smallest = next((e for e in result.not_fitting if e.config.context_parallel == 1), None)
+    if smallest is not None:
+        return (f"{text}; no plan without it fits (the smallest, {smallest.config.label()}, "
+                f"{memory_sentence(cm, smallest)}).")
+    return text + "."
 
 
 def stages_sentence(cm: CostModel, est: Estimate) -> str:
@@ -209,6 +266,10 @@ def explain(cm: CostModel, result: SearchResult) -> str:
     searched = result.space.distributed_optimizer if result.space else (False, True)
     if len(searched) > 1:
         text.append(sharding_sentence(cm, best))
+    if best.config.tensor_parallel > 1:
+        text.append(sequence_parallel_sentence(cm, best))
+    if best.config.context_parallel > 1:
+        text.append(context_parallel_sentence(cm, best, result))
     if best.config.uneven:
         text.append(stages_sentence(cm, best))
     if best.config.interleaved:
@@ -237,7 +298,7 @@ def explain(cm: CostModel, result: SearchResult) -> str:
             GROUP_NAMES[g] + (f" (the smallest, {closest[g].config.label()}, "
                               f"{memory_sentence(cm, closest[g])})" if g in closest else "")
             for g in missing) + ".")
-    return " ".join(text)
+    return " ".join(t for t in text if t)
 
 
 def searched_groups(result: SearchResult) -> set[tuple[str, bool]]:
@@ -263,15 +324,19 @@ def best_per_group(result: SearchResult) -> dict[tuple[str, bool], Estimate]:
 
 
 def format_table(result: SearchResult, top: int = 10) -> str:
-    """The ranked plans as a fixed-width table (`v`: model chunks per device, 1 without
-    interleaving; `dopt`: yes with --use-distributed-optimizer)."""
-    head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'pp':>3} {'v':>2} {'dp':>3} {'b':>4} {'m':>5} "
+    """The ranked plans as a fixed-width table (`sp`: yes with --sequence-parallel; `cp`:
+    context-parallel size; `v`: model chunks per device, 1 without interleaving; `dopt`:
+    yes with --use-distributed-optimizer)."""
+    head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'sp':>3} {'cp':>3} {'pp':>3} {'v':>2} "
+            f"{'dp':>3} {'b':>4} {'m':>5} "
             f"{'recompute':>9} {'stages':>8} {'dopt':>4} {'samples/s':>10} {'iter s':>8} "
             f"{'bubble':>7} {'mem GB':>7}")
     rows = [head, "-" * len(head)]
     for i, est in enumerate(result.ranked[:top], 1):
         c = est.config
-        rows.append(f"{i:>3} {c.schedule:8} {c.tensor_parallel:>3} {c.pipeline_depth:>3} "
+        rows.append(f"{i:>3} {c.schedule:8} {c.tensor_parallel:>3} "
+                    f"{'yes' if c.sequence_parallel else '':>3} {c.context_parallel:>3} "
+                    f"{c.pipeline_depth:>3} "
                     f"{c.virtual_stages:>2} {c.data_parallel_width:>3} {c.micro_batch_size:>4} "
                     f"{c.num_microbatches:>5} "
                     f"{c.recompute.name:>9} {_stages_cell(est):>8} "

@@ -2,13 +2,16 @@
 
 megatron-core numbers ranks in the order "tp-cp-ep-dp-pp" (`parallel_state.
 initialize_model_parallel(order=...)`, default): tensor-parallel rank varies fastest, then
-data-parallel, then pipeline stage. With cp = ep = 1:
+context-parallel, then data-parallel, then pipeline stage. With ep = 1:
 
-    rank = tp_rank + TP * (dp_rank + DP * stage),   node = rank // devices_per_node
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * stage)),
+    node = rank // devices_per_node
 
 so tensor-parallel groups are consecutive ranks (inside a server when TP divides the
-server size), data-parallel groups stride by TP, and neighbouring stages are TP * DP apart.
-Whether a group crosses servers follows from this, not from a guess.
+server size), context-parallel groups stride by TP, data-parallel groups by TP * CP, and
+neighbouring stages are TP * CP * DP apart. Gradients are reduced over the DP x CP ranks
+of one (tp_rank, stage) (`gradient_groups`; megatron-core's data-parallel group with
+context parallelism). Whether a group crosses servers follows from this, not from a guess.
 
 Bandwidth of a group that crosses servers: each server's network is shared by the groups
 that cross it at the same time (all-reduces: conservatively every group of that kind;
@@ -32,29 +35,45 @@ class Layout:
     dp: int
     pp: int
     devices_per_node: int
+    cp: int = 1
 
-    def rank(self, tp_rank: int, dp_rank: int, stage: int) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * stage)
+    def rank(self, tp_rank: int, dp_rank: int, stage: int, cp_rank: int = 0) -> int:
+        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * stage))
 
     def node(self, rank: int) -> int:
         return rank // self.devices_per_node
 
+    def _replicas(self):
+        """Every (cp_rank, dp_rank)."""
+        return [(c, d) for d in range(self.dp) for c in range(self.cp)]
+
     def tp_groups(self) -> list[Group]:
-        return [tuple(self.rank(t, d, s) for t in range(self.tp))
-                for s in range(self.pp) for d in range(self.dp)]
+        return [tuple(self.rank(t, d, s, c) for t in range(self.tp))
+                for s in range(self.pp) for c, d in self._replicas()]
+
+    def cp_groups(self) -> list[Group]:
+        """The ranks that split one sequence: one group per (tp_rank, dp_rank, stage)."""
+        return [tuple(self.rank(t, d, s, c) for c in range(self.cp))
+                for s in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
 
     def dp_groups(self, stage: int | None = None) -> list[Group]:
         stages = range(self.pp) if stage is None else (stage,)
-        return [tuple(self.rank(t, d, s) for d in range(self.dp))
+        return [tuple(self.rank(t, d, s, c) for d in range(self.dp))
+                for s in stages for c in range(self.cp) for t in range(self.tp)]
+
+    def gradient_groups(self, stage: int | None = None) -> list[Group]:
+        """The DP x CP ranks holding the same weights (the data-parallel groups at cp = 1)."""
+        stages = range(self.pp) if stage is None else (stage,)
+        return [tuple(self.rank(t, d, s, c) for c, d in self._replicas())
                 for s in stages for t in range(self.tp)]
 
     def boundary_pairs(self, stage: int) -> list[tuple[int, int]]:
-        """(sender, receiver) of the activation from `stage` to `stage + 1`, one per (tp, dp);
-        from the last stage to stage 0 (the wrap-around between model chunks of an
-        interleaved schedule) for `stage = pp - 1`."""
+        """(sender, receiver) of the activation from `stage` to `stage + 1`, one per
+        (tp, cp, dp); from the last stage to stage 0 (the wrap-around between model chunks
+        of an interleaved schedule) for `stage = pp - 1`."""
         nxt = (stage + 1) % self.pp
-        return [(self.rank(t, d, stage), self.rank(t, d, nxt))
-                for t in range(self.tp) for d in range(self.dp)]
+        return [(self.rank(t, d, stage, c), self.rank(t, d, nxt, c))
+                for t in range(self.tp) for c, d in self._replicas()]
 
     def boundary_crosses(self, stage: int) -> bool:
         """Whether the transfers from `stage` to the next leave a server."""
@@ -64,8 +83,8 @@ class Layout:
         """First and last stage ranks that keep the tied word embedding equal (pp > 1)."""
         if self.pp == 1:
             return []
-        return [(self.rank(t, d, 0), self.rank(t, d, self.pp - 1))
-                for t in range(self.tp) for d in range(self.dp)]
+        return [(self.rank(t, d, 0, c), self.rank(t, d, self.pp - 1, c))
+                for t in range(self.tp) for c, d in self._replicas()]
 
     def crosses(self, group: Group) -> bool:
         return len({self.node(r) for r in group}) > 1

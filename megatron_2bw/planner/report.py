@@ -17,26 +17,39 @@ ENTRY_POINTS = {"gpt": "pretrain_gpt.py", "bert": "pretrain_bert.py"}
 
 
 def model_flags(model: ModelShape) -> list[str]:
-    """Megatron-LM's model flags for `model`."""
-    return ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
-            "--ffn-hidden-size", str(model.ffn_size),
-            "--num-attention-heads", str(model.num_attention_heads),
-            "--seq-length", str(model.seq_length),
-            "--max-position-embeddings", str(model.seq_length),
-            "--vocab-size", str(model.vocab_size)]
+    """Megatron-LM's model flags for `model` (SwiGLU and grouped-query attention where the
+    shape has them)."""
+    gqa = (["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
+           if model.num_query_groups and model.num_query_groups != model.num_attention_heads
+           else [])
+    return (["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+             "--ffn-hidden-size", str(model.ffn_size)]
+            + (["--swiglu"] if model.swiglu else [])
+            + ["--num-attention-heads", str(model.num_attention_heads)] + gqa
+            + ["--seq-length", str(model.seq_length),
+               "--max-position-embeddings", str(model.seq_length),
+               "--vocab-size", str(model.vocab_size)])
+
+
+CONTEXT_PARALLEL_MODEL_FLAGS = ["--attention-dropout", "0"]
+"""What a context-parallel plan adds: context-parallel attention has no attention dropout
+(the trainer refuses it, as Megatron-LM's Llama recipes run without it)."""
 
 
 def plan_flags(cfg: ParallelConfig, num_layers: int | None = None) -> list[str]:
-    """Megatron-LM's flags for the plan itself: parallel sizes, schedule, batch,
-    recomputation (`Recompute.flags`), uneven stages (`ParallelConfig.stage_flags`),
+    """Megatron-LM's flags for the plan itself: parallel sizes, sequence and context
+    parallelism (`--sequence-parallel`, `--context-parallel-size` and, with context
+    parallelism, `--attention-dropout 0`: `ParallelConfig.sequence_flags`), schedule,
+    batch, recomputation (`Recompute.flags`), uneven stages (`ParallelConfig.stage_flags`),
     model chunks (`--num-layers-per-virtual-pipeline-stage`, which needs `num_layers`) and
     the sharded optimizer (`--use-distributed-optimizer`, `ParallelConfig.optimizer_flags`).
     Shared with the planner validation, which runs these plans."""
     if cfg.interleaved and num_layers is None:
         raise ValueError(f"{cfg.label()}: the flags of an interleaved plan need num_layers")
-    return (["--tensor-model-parallel-size", str(cfg.tensor_parallel),
-             "--pipeline-model-parallel-size", str(cfg.pipeline_depth),
-             "--pipeline-schedule", cfg.schedule]
+    return (["--tensor-model-parallel-size", str(cfg.tensor_parallel)] + cfg.sequence_flags()
+            + (CONTEXT_PARALLEL_MODEL_FLAGS if cfg.context_parallel > 1 else [])
+            + ["--pipeline-model-parallel-size", str(cfg.pipeline_depth),
+               "--pipeline-schedule", cfg.schedule]
             + (cfg.virtual_stage_flags(num_layers) if cfg.interleaved else [])
             + ["--micro-batch-size", str(cfg.micro_batch_size),
                "--global-batch-size", str(cfg.global_batch_size)]
@@ -84,6 +97,7 @@ def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
     c = est.config
     timed = est.iteration_time_s != float("inf")
     out = {"schedule": c.schedule, "tensor_parallel": c.tensor_parallel,
+           "sequence_parallel": c.sequence_parallel, "context_parallel": c.context_parallel,
            "pipeline_depth": c.pipeline_depth, "virtual_stages": c.virtual_stages,
            "data_parallel_width": c.data_parallel_width,
            "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
@@ -109,6 +123,7 @@ def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
         out["tensor_memory_per_stage_gb"] = [round(s.memory_bytes / GB, 3) for s in est.stages]
         out["p2p_s"] = round(est.p2p_s, 6)
         out["allreduce_s"] = round(max(s.allreduce_s for s in est.stages), 6)
+        out["context_parallel_s"] = round(max(s.context_parallel_s for s in est.stages), 6)
     return out
 
 
@@ -132,12 +147,19 @@ def to_json(cm: CostModel, result: SearchResult) -> dict:
                                       else None),  # None: 1 and every allowed power of two
                    "distributed_optimizer": (list(result.space.distributed_optimizer)
                                              if result.space else []),
+                   "sequence_parallel": bool(result.space and result.space.sequence_parallel),
+                   "context_parallel_sizes": (list(result.space.context_parallel_sizes)
+                                              if result.space
+                                              and result.space.context_parallel_sizes
+                                              else None),  # None: the default rule
                    "not_fitting": len(result.not_fitting),
                    "compute_source": cm.layers.source, "hardware": cm.hardware.to_dict(),
                    "model": {"model": cm.model.model, "num_layers": cm.model.num_layers,
                              "hidden_size": cm.model.hidden_size,
                              "ffn_hidden_size": cm.model.ffn_size,
                              "num_attention_heads": cm.model.num_attention_heads,
+                             "num_query_groups": cm.model.query_groups,
+                             "swiglu": cm.model.swiglu,
                              "seq_length": cm.model.seq_length,
                              "vocab_size": cm.model.vocab_size,
                              "parameters": cm.model.total_params()}},

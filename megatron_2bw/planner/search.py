@@ -11,6 +11,15 @@ vocabulary is large, the first and/or last stage given one or two layers fewer t
 even share (`uneven_splits`), and at DP >= 2 each plan with and without Megatron-LM's
 distributed optimizer (`--use-distributed-optimizer`: optimizer state sharded over DP),
 which the cost model decides between like any other choice (memory first, then time).
+
+Sequence and context parallelism (GPT only; megatron-core's BERT supports neither here):
+every plan with TP > 1 uses sequence parallelism (`--sequence-parallel`, what Megatron-LM
+runs always use; `SearchSpace.sequence_parallel` False turns it off), and the
+context-parallel size CP is searched like the other sizes: 1 and the powers of two that
+divide the devices left by TP and split the sequence into 2 x CP equal load-balanced
+chunks (each over TP with sequence parallelism), by default only for sequences of at least
+`CONTEXT_PARALLEL_MIN_SEQ_LENGTH` tokens (`context_parallel_sizes`). The world is
+TP x CP x PP x DP.
 """
 from __future__ import annotations
 
@@ -31,6 +40,14 @@ logger = logging.getLogger(__name__)
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+CONTEXT_PARALLEL_MIN_SEQ_LENGTH = 4096
+"""Context parallelism is searched by default from this sequence length on, where
+Megatron-LM's long-context recipes turn it on: below it a rank's s/c tokens are too few to
+keep the GEMMs efficient, which the FLOPs estimate (a fixed FLOP rate) does not see, and a
+context-parallel plan competes with data parallelism only through its smaller activations.
+`SearchSpace.context_parallel_sizes` searches given sizes at any length."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,12 @@ class SearchSpace:
     distributed_optimizer: tuple[bool, ...] = (False, True)
     """`--use-distributed-optimizer` off and/or on, tried at DP >= 2 (`sharding_options`);
     (False,): never, (True,): always where DP >= 2."""
+    sequence_parallel: bool = True
+    """`--sequence-parallel` on every plan with TP > 1 (GPT; where the sequence splits
+    evenly over TP); False: never."""
+    context_parallel_sizes: tuple[int, ...] | None = None
+    """Context-parallel sizes to try (None: 1 and every power of two that fits, from
+    `CONTEXT_PARALLEL_MIN_SEQ_LENGTH` tokens on; (1,): none)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", tuple(as_recompute(r) for r in self.recompute))
@@ -62,9 +85,9 @@ class SearchSpace:
 
 
 def sharding_options(w: int, allowed: tuple[bool, ...]) -> tuple[bool, ...]:
-    """The distributed optimizer settings to try at data-parallel size w: at w = 1 only
-    off (with one replica there is nothing to shard; the flag would only add the gather
-    buffer), else `allowed`."""
+    """The distributed optimizer settings to try over w ranks holding the same weights
+    (DP x CP): at w = 1 only off (with one replica there is nothing to shard; the flag
+    would only add the gather buffer), else `allowed`."""
     return (False,) if w == 1 else allowed
 
 
@@ -88,10 +111,45 @@ def virtual_stage_options(name: str, num_layers: int, d: int, m: int,
 
 
 def tensor_parallel_sizes(cm: CostModel, num_gpus: int) -> list[int]:
-    """TP divides the server (groups stay inside it), the device count and the heads."""
+    """TP divides the server (groups stay inside it), the device count, the heads and the
+    MLP width; the key/value heads are a multiple or a divisor of it (megatron-core
+    replicates them below TP)."""
     per_node = min(cm.hardware.devices_per_node, num_gpus)
+    groups = cm.model.query_groups
     return [t for t in divisors(per_node) if num_gpus % t == 0
-            and cm.model.num_attention_heads % t == 0 and cm.model.ffn_size % t == 0]
+            and cm.model.num_attention_heads % t == 0 and cm.model.ffn_size % t == 0
+            and (groups % t == 0 or t % groups == 0)]
+
+
+def sequence_parallel_option(model: ModelShape, t: int, c: int, allowed: bool) -> bool:
+    """Whether a plan at TP t and CP c uses sequence parallelism: `allowed`, TP > 1, a GPT,
+    and the sequence splitting into the 2c load-balanced chunks (one chunk at c = 1),
+    each over t ranks."""
+    chunks = 2 * c if c > 1 else 1
+    return (allowed and t > 1 and model.model == "gpt"
+            and model.seq_length % (chunks * t) == 0)
+
+
+def context_parallel_sizes(model: ModelShape, devices: int,
+                           allowed: tuple[int, ...] | None = None) -> list[int]:
+    """CP sizes for the `devices` left by TP: 1, and (a GPT; by default from
+    `CONTEXT_PARALLEL_MIN_SEQ_LENGTH` tokens on) every power of two (or `allowed` size)
+    dividing `devices` with the sequence divisible by 2 CP (megatron-core's load-balanced
+    causal split: 2 CP chunks, rank i holding chunks i and 2 CP - 1 - i)."""
+    options = [1] if allowed is None or 1 in allowed else []
+    if model.model != "gpt":
+        return options
+    if allowed is None:
+        if model.seq_length < CONTEXT_PARALLEL_MIN_SEQ_LENGTH:
+            return options
+        candidates, c = [], 2
+        while c <= devices:
+            candidates.append(c)
+            c *= 2
+    else:
+        candidates = sorted(k for k in set(allowed) if k > 1)
+    return options + [c for c in candidates
+                      if devices % c == 0 and model.seq_length % (2 * c) == 0]
 
 
 def large_vocabulary(model: ModelShape) -> bool:
@@ -154,27 +212,37 @@ def _even_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]
     for t in tensor_parallel_sizes(cm, space.num_gpus):
         if space.tensor_parallel_sizes and t not in space.tensor_parallel_sizes:
             continue
-        for d in divisors(space.num_gpus // t):
-            if cm.model.num_layers % d:
+        for c in context_parallel_sizes(cm.model, space.num_gpus // t,
+                                        space.context_parallel_sizes):
+            sp = sequence_parallel_option(cm.model, t, c, space.sequence_parallel)
+            yield from _configs_at(cm, space, t, c, sp)
+
+
+def _configs_at(cm: CostModel, space: SearchSpace, t: int, c: int,
+                sp: bool) -> Iterator[ParallelConfig]:
+    """The equal-stage configurations at TP t (sequence parallel or not) and CP c."""
+    for d in divisors(space.num_gpus // (t * c)):
+        if cm.model.num_layers % d:
+            continue
+        w = space.num_gpus // (t * c * d)
+        if space.global_batch_size % w:
+            continue
+        per_replica = space.global_batch_size // w
+        for b in divisors(per_replica):
+            if space.micro_batch_sizes and b not in space.micro_batch_sizes:
                 continue
-            w = space.num_gpus // (t * d)
-            if space.global_batch_size % w:
-                continue
-            per_replica = space.global_batch_size // w
-            for b in divisors(per_replica):
-                if space.micro_batch_sizes and b not in space.micro_batch_sizes:
-                    continue
-                m = per_replica // b
-                for name in space.schedules:
-                    spec = schedule_spec(name)
-                    if d < spec.planner_min_depth or m < spec.min_microbatches(d):
-                        continue  # GPipe at d = 1 is Flush with m stashes; 2BW needs m >= d
-                    for v in virtual_stage_options(name, cm.model.num_layers, d, m,
-                                                   space.virtual_stages):
-                        for rc in space.recompute:
-                            for shard in sharding_options(w, space.distributed_optimizer):
-                                yield ParallelConfig(name, t, d, w, b, m, rc, virtual_stages=v,
-                                                     distributed_optimizer=shard)
+            m = per_replica // b
+            for name in space.schedules:
+                spec = schedule_spec(name)
+                if d < spec.planner_min_depth or m < spec.min_microbatches(d):
+                    continue  # GPipe at d = 1 is Flush with m stashes; 2BW needs m >= d
+                for v in virtual_stage_options(name, cm.model.num_layers, d, m,
+                                               space.virtual_stages):
+                    for rc in space.recompute:
+                        for shard in sharding_options(w * c, space.distributed_optimizer):
+                            yield ParallelConfig(name, t, d, w, b, m, rc, virtual_stages=v,
+                                                 distributed_optimizer=shard,
+                                                 context_parallel=c, sequence_parallel=sp)
 
 
 @dataclass

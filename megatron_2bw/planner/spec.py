@@ -258,13 +258,28 @@ class ParallelConfig:
     """`--use-distributed-optimizer`: the fp32 master weights, the optimizer state and the
     delay compensation sharded over the data-parallel ranks, the gradient reduce-scattered
     and the new weights all-gathered instead of one all-reduce. Planned only at DP >= 2
-    (at DP = 1 it changes nothing but adds a gather buffer)."""
+    (at DP = 1 it changes nothing but adds a gather buffer). With context parallelism the
+    shards span the DP x CP ranks (`gradient_ranks`), as megatron-core's do."""
+    context_parallel: int = 1
+    """`--context-parallel-size`, c: each sequence split over c ranks (s/c tokens each, in
+    megatron-core's load-balanced causal chunks), weights replicated over them as over
+    data-parallel ranks; the world is TP x CP x PP x DP."""
+    sequence_parallel: bool = False
+    """`--sequence-parallel`: at TP > 1 the activations outside the tensor-parallel regions
+    and the stage boundary split over the TP ranks along the sequence; TP's all-reduces
+    become reduce-scatter + all-gather pairs. Always False at TP = 1 (Megatron-LM turns it
+    off there), so that equal plans compare equal."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", as_recompute(self.recompute))
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise ValueError(f"virtual_stages must be a positive integer, got "
                              f"{self.virtual_stages!r}")
+        if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
+            raise ValueError(f"context_parallel must be a positive integer, got "
+                             f"{self.context_parallel!r}")
+        object.__setattr__(self, "sequence_parallel",
+                           bool(self.sequence_parallel) and self.tensor_parallel > 1)
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -274,7 +289,20 @@ class ParallelConfig:
 
     @property
     def num_gpus(self) -> int:
-        return self.tensor_parallel * self.pipeline_depth * self.data_parallel_width
+        return (self.tensor_parallel * self.context_parallel * self.pipeline_depth
+                * self.data_parallel_width)
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks holding the same weights, over which gradients are reduced and the
+        distributed optimizer shards: DP x CP."""
+        return self.data_parallel_width * self.context_parallel
+
+    @property
+    def sequence_split(self) -> int:
+        """Ranks one sample's [s, b, h] activation outside the tensor-parallel regions is
+        split over: c, times t with sequence parallelism."""
+        return self.context_parallel * (self.tensor_parallel if self.sequence_parallel else 1)
 
     @property
     def global_batch_size(self) -> int:
@@ -316,6 +344,13 @@ class ParallelConfig:
             flags += ["--decoder-last-pipeline-num-layers", str(self.last_stage_layers)]
         return flags
 
+    def sequence_flags(self) -> list[str]:
+        """Megatron-LM's flags for sequence and context parallelism (none when off)."""
+        flags = ["--sequence-parallel"] if self.sequence_parallel else []
+        if self.context_parallel > 1:
+            flags += ["--context-parallel-size", str(self.context_parallel)]
+        return flags
+
     def optimizer_flags(self) -> list[str]:
         """Megatron-LM's flag for the sharded optimizer (none without it)."""
         return ["--use-distributed-optimizer"] if self.distributed_optimizer else []
@@ -325,7 +360,9 @@ class ParallelConfig:
         split = "".join(f" {name}{n}" for name, n in (("first", self.first_stage_layers),
                                                        ("last", self.last_stage_layers)) if n)
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"{self.schedule} tp{self.tensor_parallel} pp{self.pipeline_depth} "
+        sequence = (" sp" if self.sequence_parallel else "") + (
+            f" cp{self.context_parallel}" if self.context_parallel > 1 else "")
+        return (f"{self.schedule} tp{self.tensor_parallel}{sequence} pp{self.pipeline_depth} "
                 f"dp{self.data_parallel_width} b{self.micro_batch_size} "
                 f"m{self.num_microbatches}{chunks}{rc}{split}"
                 + (" dopt" if self.distributed_optimizer else ""))
