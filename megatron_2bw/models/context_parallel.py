@@ -21,21 +21,23 @@ Two algorithms, as Megatron-LM's --cp-comm-type:
   [s_local, S] score block: memory grows with S, and the transfer is not overlapped.
 - p2p (ring attention): each rank's K/V block travels around the ring (N-1 steps), the
   next block's transfer posted before the current block is computed. Blocks are merged
-  by their log-sum-exp, so only one [s_local, s_local] score block lives at a time;
-  causality halves the off-diagonal blocks (a block from an earlier rank meets all local
+  by their log-sum-exp, so only part of one [s_local, s_local] score block lives at a
+  time; causality halves the off-diagonal blocks (a block from an earlier rank meets all local
   queries but only its early chunk; one from a later rank only the local late chunk).
   The backward runs the ring again, recomputing each block's probabilities from the
   saved log-sum-exp (flash-attention style) while the dK/dV accumulators travel with
   the blocks back to their owners. This is what long sequences need.
 
-Per-block math is explicit fp32 einsum (SDPA does not return the log-sum-exp portably);
-bf16/fp16 inputs are computed in fp32 and the output comes back in the input dtype.
+Per-block math is explicit fp32 einsum (SDPA does not return the log-sum-exp portably),
+QUERY_TILE query rows at a time: a tile's scores are [b, nq, QUERY_TILE, s_local], and a
+tile of the diagonal block stops at its last row's key. bf16/fp16 inputs are computed in
+fp32 and the output comes back in the input dtype.
 Attention dropout is not supported (callers refuse it with context parallelism).
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,9 @@ from megatron_2bw import comm
 logger = logging.getLogger(__name__)
 
 COMM_TYPES = ("p2p", "all_gather")
+# query rows per score tile of the ring: a tile's scores, probabilities and their
+# gradient are [b, nq, QUERY_TILE, s_local] fp32, whatever the local length
+QUERY_TILE = 512
 
 
 # --------------------------------------------------------------------------- layout
@@ -97,7 +102,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor,
     if not comm.runs(group):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=enable_gqa)
-    _chunk_len(q.shape[-2], 1, "context_parallel_attention (local)")
+    if q.shape[-2] % 2:
+        raise ValueError(f"context parallel attention: local length {q.shape[-2]} is odd "
+                         f"(each rank holds two chunks of equal length, see cp_slice)")
     if comm_type == "all_gather":
         return _all_gather_attention(q, k, v, group, scale, enable_gqa)
     return _RingAttention.apply(q, k, v, group, scale)
@@ -159,23 +166,45 @@ def _grouped(x: Tensor, nkv: int) -> Tensor:
     return x.float().reshape(b, nkv, nq // nkv, s, d)
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
-    """[b, h, g, sq, sk] scaled scores; the upper triangle -inf when `causal`."""
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k.float()) * scale
-    if causal:
+def _tiles(rows: int, causal: bool) -> Iterator[tuple[slice, slice, Optional[int]]]:
+    """(query rows, key columns, causal offset) of each score tile of a block: at most
+    QUERY_TILE rows at a time, so a tile's scores are [b, nq, QUERY_TILE, s_local]; a
+    causal tile stops at its last row's key (the columns after it are all masked)."""
+    for start in range(0, rows, QUERY_TILE):
+        stop = min(start + QUERY_TILE, rows)
+        yield slice(start, stop), slice(0, stop) if causal else slice(None), \
+            start if causal else None
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, offset: Optional[int]) -> Tensor:
+    """[b, h, g, sq, sk] scaled scores; with an offset (the first row's position, keys
+    from 0), the keys after each row's position are -inf."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q * scale, k)
+    if offset is not None:
         sq, sk = s.shape[-2:]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril_()
-        s.masked_fill_(~keep, float("-inf"))
+        row = torch.arange(offset, offset + sq, device=s.device)
+        s.masked_fill_(row[:, None] < torch.arange(sk, device=s.device), float("-inf"))
     return s
+
+
+def _tile_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                  offset: Optional[int]) -> tuple[Tensor, Tensor]:
+    """(output, lse) of one tile; its scores die on return."""
+    p = _scores(q, k, scale, offset)
+    lse = torch.logsumexp(p, dim=-1)
+    p.sub_(lse.unsqueeze(-1)).exp_()
+    return torch.einsum("bhgqk,bhkd->bhgqd", p, v), lse
 
 
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
                    causal: bool) -> tuple[Tensor, Tensor]:
-    """One block's normalized output and its rows' log-sum-exp."""
-    s = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s.sub_(lse.unsqueeze(-1)))
-    return torch.einsum("bhgqk,bhkd->bhgqd", p, v.float()), lse
+    """One block's normalized output and its rows' log-sum-exp, tile by tile."""
+    k, v = k.float(), v.float()
+    out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:-1])
+    for rows, cols, offset in _tiles(q.shape[-2], causal):
+        out[..., rows, :], lse[..., rows] = _tile_forward(
+            q[..., rows, :], k[..., cols, :], v[..., cols, :], scale, offset)
+    return out, lse
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -186,16 +215,31 @@ def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> No
     lse.copy_(new)
 
 
-def _block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor,
-                    delta: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of one block, its probabilities recomputed from the final lse:
+def _tile_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
+                   scale: float, offset: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one tile, its probabilities recomputed from the final lse:
     dS = P * (dP - rowsum(dO * O))."""
-    p = torch.exp(_scores(q, k, scale, causal).sub_(lse.unsqueeze(-1)))
+    p = _scores(q, k, scale, offset).sub_(lse.unsqueeze(-1)).exp_()
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-    ds = torch.einsum("bhgqd,bhkd->bhgqk", do, v.float())
-    ds.sub_(delta.unsqueeze(-1)).mul_(p).mul_(scale)
-    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.float())
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q)
+    ds = torch.einsum("bhgqd,bhkd->bhgqk", do, v)
+    ds.sub_(delta.unsqueeze(-1)).mul_(p)
+    del p
+    ds.mul_(scale)
+    return (torch.einsum("bhgqk,bhkd->bhgqd", ds, k),
+            torch.einsum("bhgqk,bhgqd->bhkd", ds, q), dv)
+
+
+def _block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
+                    scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one block, tile by tile."""
+    k, v = k.float(), v.float()
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, cols, offset in _tiles(q.shape[-2], causal):
+        dq[..., rows, :], dk_t, dv_t = _tile_backward(
+            q[..., rows, :], k[..., cols, :], v[..., cols, :], do[..., rows, :],
+            lse[..., rows], delta[..., rows], scale, offset)
+        dk[..., cols, :] += dk_t
+        dv[..., cols, :] += dv_t
     return dq, dk, dv
 
 
