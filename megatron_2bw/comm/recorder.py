@@ -45,13 +45,28 @@ def group_name(group: Optional[dist.ProcessGroup]) -> str:
     if group is None or group is dist.group.WORLD:
         return "world"
     from megatron.core import parallel_state as ps
-    for name, getter in _NAMED_GROUPS:
+    for name, get in _getters(ps):
         try:
-            if getattr(ps, getter)() is group:
+            if get() is group:
                 return name
         except (AssertionError, AttributeError, RuntimeError, TypeError):
             continue
     return f"ranks {dist.get_process_group_ranks(group)}"
+
+
+def _getters(ps) -> list:
+    """(name, getter) of megatron-core's groups; the data x context parallel group (over
+    which gradients are reduced) is "data-parallel" without context parallelism."""
+    getters = [(name, getattr(ps, getter, None)) for name, getter in _NAMED_GROUPS]
+
+    def data_and_context():
+        return ps.get_data_parallel_group(with_context_parallel=True)
+
+    cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    getters.append(("data-parallel" if cp == 1 else "data x context-parallel",
+                    data_and_context))
+    getters.append(("context-parallel", ps.get_context_parallel_group))
+    return getters
 
 
 def _caller() -> str:
