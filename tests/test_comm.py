@@ -24,7 +24,8 @@ from tests.devices import needs_cuda
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMM = ROOT / "megatron_2bw" / "comm"
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all",
+               "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_single",
+               "broadcast", "reduce", "all_to_all",
                "all_to_all_single", "isend", "irecv", "send", "recv", "barrier",
                "monitored_barrier", "all_gather_object", "broadcast_object_list",
                "gather_object", "scatter_object_list", "gather", "scatter",

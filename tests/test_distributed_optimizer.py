@@ -81,7 +81,7 @@ def test_flush_steps_as_without_it_and_reduce_scatters(tmp_path, replicated) -> 
                    [r["grad_norm"] for r in replicated]) < 1e-5
     entries = json.loads((tmp_path / "collectives.rank0.json").read_text())["collectives"]
     dp = [e for e in entries if e["group"] == "data-parallel"]
-    scatter = [e for e in dp if e["op"] == "reduce_scatter_tensor"]
+    scatter = [e for e in dp if e["op"] in ("reduce_scatter_tensor", "reduce_scatter_single")]
     gather = [e for e in dp if e["op"] in ("all_gather_into_tensor", "all_gather_single")]
     assert sum(e["calls"] for e in scatter) == sum(e["calls"] for e in gather) == 5
     per_step = sum(e["elements"] for e in scatter) // 5

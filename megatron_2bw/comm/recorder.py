@@ -26,7 +26,7 @@ import torch.distributed as dist
 RECORD_ENV = "MEGATRON_2BW_RECORD_COLLECTIVES"
 OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
        "reduce_scatter",
-       "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all_single", "isend", "irecv",
+       "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all_single", "isend", "irecv",
        "send", "recv", "barrier", "all_gather_object", "broadcast_object_list",
        "gather_object", "batch_isend_irecv")
 # megatron-core's groups by the names its parallel_state gives them
