@@ -52,10 +52,12 @@ def _local(q, k, v, do, group, scale, comm_type, gqa, rank, world):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _errors(rank, world, comm_type, nq, nkv, seq, dtype=torch.float32, tile=512):
+def _errors(rank, world, comm_type, nq, nkv, seq, dtype=torch.float32, tile=None):
     """Relative errors of (out, dq, dk, dv) against the reference slices (the ring's
-    blocks computed `tile` query rows at a time)."""
-    context_parallel.QUERY_TILE = tile
+    blocks by the CPU flash kernel, or with `tile` by the einsum tiles other devices run,
+    `tile` query rows at a time)."""
+    context_parallel.CPU_FUSED_KERNEL = tile is None
+    context_parallel.QUERY_TILE = tile or 512
     group = torch.distributed.group.WORLD
     q, k, v, do = _inputs(nq, nkv, seq, dtype)
     scale, gqa = 0.3, nq != nkv
@@ -87,6 +89,8 @@ def _worker_2(rank, world):
         "p2p": _errors(rank, world, "p2p", 2, 2, 16),
         "all_gather_gqa": _errors(rank, world, "all_gather", 4, 2, 16),
         "p2p_gqa": _errors(rank, world, "p2p", 4, 2, 16, tile=3),
+        "p2p_gqa_fused": _errors(rank, world, "p2p", 4, 2, 16),
+        "p2p_tiles": _errors(rank, world, "p2p", 2, 2, 16, tile=512),
         "all_gather": _errors(rank, world, "all_gather", 2, 2, 16),
         "p2p_bf16": _errors(rank, world, "p2p", 4, 2, 16, torch.bfloat16),
         "discriminates": _discriminates(rank, world),
@@ -95,6 +99,7 @@ def _worker_2(rank, world):
 
 def _worker_4(rank, world):
     return {"p2p_gqa": _errors(rank, world, "p2p", 4, 2, 24, tile=4),
+            "p2p_gqa_fused": _errors(rank, world, "p2p", 4, 2, 24),
             "all_gather": _errors(rank, world, "all_gather", 2, 2, 24),
             "discriminates": _discriminates(rank, world, 24)}
 
@@ -113,7 +118,8 @@ def _assert_exact(results, names):
 @pytest.mark.slow
 def test_cp2_both_comm_types_equal_full_causal_attention() -> None:
     results = run_distributed(_worker_2, 2)
-    _assert_exact(results, ["p2p", "all_gather", "p2p_gqa", "all_gather_gqa"])
+    _assert_exact(results, ["p2p", "all_gather", "p2p_gqa", "all_gather_gqa", "p2p_gqa_fused",
+                            "p2p_tiles"])
     for rank, res in enumerate(results):
         assert res["layout"], f"rank {rank}: cp_slice differs from megatron-core's layout"
         errors, dtypes = res["p2p_bf16"]
@@ -122,7 +128,7 @@ def test_cp2_both_comm_types_equal_full_causal_attention() -> None:
 
 @pytest.mark.slow
 def test_cp4_equal_full_causal_attention() -> None:
-    _assert_exact(run_distributed(_worker_4, 4), ["p2p_gqa", "all_gather"])
+    _assert_exact(run_distributed(_worker_4, 4), ["p2p_gqa", "all_gather", "p2p_gqa_fused"])
 
 
 def test_cp_slice_takes_chunks_i_and_2n_minus_1_minus_i() -> None:

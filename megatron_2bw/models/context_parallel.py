@@ -28,10 +28,13 @@ Two algorithms, as Megatron-LM's --cp-comm-type:
   saved log-sum-exp (flash-attention style) while the dK/dV accumulators travel with
   the blocks back to their owners. This is what long sequences need.
 
-Per-block math is explicit fp32 einsum (SDPA does not return the log-sum-exp portably),
-QUERY_TILE query rows at a time: a tile's scores are [b, nq, QUERY_TILE, s_local], and a
-tile of the diagonal block stops at its last row's key. bf16/fp16 inputs are computed in
-fp32 and the output comes back in the input dtype.
+Per-block math: on CPU, PyTorch's own flash-attention kernel (the one SDPA runs there),
+through the ATen op that also returns the log-sum-exp, and its backward, which takes
+the final output and log-sum-exp so that each block's gradients come out exact. Elsewhere
+explicit fp32 einsum (SDPA does not return the log-sum-exp portably), QUERY_TILE query
+rows at a time: a tile's scores are [b, nq, QUERY_TILE, s_local], and a tile of the
+diagonal block stops at its last row's key. bf16/fp16 inputs are computed in fp32 and
+the output comes back in the input dtype.
 Attention dropout is not supported (callers refuse it with context parallelism).
 """
 from __future__ import annotations
@@ -196,9 +199,55 @@ def _tile_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
     return torch.einsum("bhgqk,bhkd->bhgqd", p, v), lse
 
 
+def _flat_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Grouped [b, h, g, s, d] queries and [b, h, s, d] keys / values as the fused
+    kernel takes them: [b, h*g, s, d] each, every key/value head repeated for its g
+    query heads."""
+    b, h, g, s, d = q.shape
+    wide = lambda t: t.float()[:, :, None].expand(b, h, g, *t.shape[-2:]).reshape(  # noqa: E731
+        b, h * g, *t.shape[-2:])
+    return q.reshape(b, h * g, s, d), wide(k), wide(v)
+
+
+def _fused_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                   causal: bool) -> tuple[Tensor, Tensor]:
+    """(output, lse) of a block by the CPU flash kernel, in the grouped layout."""
+    fq, fk, fv = _flat_heads(q, k, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        fq, fk, fv, 0.0, causal, scale=scale)
+    return out.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def _fused_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, out: Tensor, lse: Tensor,
+                    scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of a block by the CPU flash kernel's backward, given the whole
+    attention's output and lse (so the block's probabilities are the final ones)."""
+    b, h, g, s, d = q.shape
+    fq, fk, fv = _flat_heads(q, k, v)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do.reshape(fq.shape).contiguous(), fq, fk, fv, out.reshape(fq.shape).contiguous(),
+        lse.reshape(fq.shape[:-1]).contiguous(), 0.0, causal, scale=scale)
+    fold = lambda t: t.reshape(b, h, g, *t.shape[-2:]).sum(dim=2)  # noqa: E731
+    return dq.reshape(q.shape), fold(dk), fold(dv)
+
+
+# the CPU flash kernel computes the ring's blocks on CPU (False: the einsum tiles, which
+# other devices run, so that a CPU test can check them too)
+CPU_FUSED_KERNEL = True
+
+
+def _fused(device: torch.device) -> bool:
+    """Whether the fused CPU kernel computes the blocks here."""
+    return device.type == "cpu" and CPU_FUSED_KERNEL and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
                    causal: bool) -> tuple[Tensor, Tensor]:
-    """One block's normalized output and its rows' log-sum-exp, tile by tile."""
+    """One block's normalized output and its rows' log-sum-exp (fused on CPU, else
+    tile by tile)."""
+    if _fused(q.device):
+        return _fused_forward(q, k, v, scale, causal)
     k, v = k.float(), v.float()
     out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:-1])
     for rows, cols, offset in _tiles(q.shape[-2], causal):
@@ -229,9 +278,13 @@ def _tile_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, del
             torch.einsum("bhgqk,bhgqd->bhkd", ds, q), dv)
 
 
-def _block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
-                    scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of one block, tile by tile."""
+def _block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, out: Tensor, lse: Tensor,
+                    delta: Tensor, scale: float,
+                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one block (fused on CPU, else tile by tile); `out`, `lse`, `delta`:
+    the whole attention's output, log-sum-exp and rowsum(dO * O) on these rows."""
+    if _fused(q.device):
+        return _fused_backward(q, k, v, do, out, lse, scale, causal)
     k, v = k.float(), v.float()
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rows, cols, offset in _tiles(q.shape[-2], causal):
@@ -296,18 +349,20 @@ def _ring_forward(q: Tensor, kv: Tensor, ring: _Ring, scale: float) -> tuple[Ten
     return out, lse
 
 
-def _ring_backward_step(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
-                        ring: _Ring, step: int, scale: float, dq: Tensor) -> Tensor:
+def _ring_backward_step(q: Tensor, kv: Tensor, do: Tensor, out: Tensor, lse: Tensor,
+                        delta: Tensor, ring: _Ring, step: int, scale: float,
+                        dq: Tensor) -> Tensor:
     """Add this step's block to dq; return the block's dK/dV ([2, b, h, s, d], fp32)."""
     if step == 0:
-        gq, gk, gv = _block_backward(q, kv[0], kv[1], do, lse, delta, scale, causal=True)
+        gq, gk, gv = _block_backward(q, kv[0], kv[1], do, out, lse, delta, scale,
+                                     causal=True)
         dq.add_(gq)
         return torch.stack([gk, gv])
     c = q.shape[-2] // 2
     rows, cols = ring.parts(step, c)
     gq, gk, gv = _block_backward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
-                                 do[..., rows, :], lse[..., rows], delta[..., rows],
-                                 scale, causal=False)
+                                 do[..., rows, :], out[..., rows, :], lse[..., rows],
+                                 delta[..., rows], scale, causal=False)
     dq[..., rows, :].add_(gq)
     dkv = torch.zeros_like(kv, dtype=torch.float32)
     dkv[0][..., cols, :] = gk
@@ -329,7 +384,7 @@ def _ring_backward(q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, do: Tensor,
         nxt = torch.empty_like(kv) if step < ring.n - 1 else None
         sends = [t for t, buf in ((acc, incoming), (kv, nxt)) if buf is not None]
         works = ring.exchange(sends, [buf for buf in (incoming, nxt) if buf is not None])
-        block = _ring_backward_step(q, kv, do, lse, delta, ring, step, scale, dq)
+        block = _ring_backward_step(q, kv, do, out, lse, delta, ring, step, scale, dq)
         _wait(works)
         acc = block if incoming is None else incoming.add_(block)
         kv = nxt if nxt is not None else kv
