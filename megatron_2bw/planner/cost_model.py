@@ -780,7 +780,7 @@ def _declared(name: str, d: int, m: int, v: int = 1) -> _Declared:
     repeats itself every d microbatches, so it is built with min(m, 3d) (m is a multiple
     of d; a test checks against full builds)."""
     built = schedule_spec(name).planner_microbatches(d, m, v)
-    sched = build_schedule(name, d, built, 1, tied_embedding=True, check=False, num_chunks=v)
+    sched = build_schedule(name, d, built, 1, tied_embedding=d > 1, check=False, num_chunks=v)
     peaks = tuple(_chunk_peaks(sched[s], v) for s in range(d)) if v > 1 else ()
     return _Declared(tuple(sched.stash_limit), sched.weight_versions, sched.grad_buffers, peaks)
 
@@ -806,7 +806,7 @@ def _schedule(name: str, d: int, m: int, n: int, v: int = 1) -> Schedule:
     """The schedule the runtime would run (tied embeddings, the default step placement),
     built once per shape: many configurations share (schedule, d, m, v). Validation is the
     schedules package's job (its tests); the simulator still raises on a deadlock."""
-    return build_schedule(name, d, m, n, tied_embedding=True, check=False, num_chunks=v)
+    return build_schedule(name, d, m, n, tied_embedding=d > 1, check=False, num_chunks=v)
 
 
 @lru_cache(maxsize=65536)

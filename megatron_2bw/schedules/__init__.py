@@ -40,7 +40,7 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
                    *, first_minibatch: int = 0, defer_step: bool | None = None,
                    tied_embedding: bool = False, num_chunks: int = 1,
                    microbatch_group_size: int | None = None, check: bool = True,
-                   tied_sync_at_one_stage: bool = False) -> Schedule:
+                   ) -> Schedule:
     """Build, lower and validate a schedule; the one place its run-time needs are decided.
 
     Args:
@@ -57,11 +57,11 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
             with minibatch k + 1 (one more gradient buffer). Default: on for a schedule
             whose spec `defers_step` (2BW) with more than one stage (with one stage there
             is nothing to wait for); a flush schedule drains anyway, so it never defers.
-        tied_embedding: the model ties its word embedding to its output layer, so the
-            first and last stage sum that gradient (action T) when they differ.
-        tied_sync_at_one_stage: with one stage, T on stage 0 too (a sum over a group of
-            one, which changes nothing): the trainer's exercise mode, in which a one-GPU
-            run drives the embedding group's all-reduce through NCCL.
+        tied_embedding: the tied word-embedding gradient is summed over megatron-core's
+            embedding group (action T) on the first and last stage, on stage 0 alone
+            with one stage. Pass it where that group has something to sum: a model with
+            tied embeddings and more than one stage (the trainer asks the comm layer
+            whether the group runs, `comm.runs`).
         num_chunks: model chunks per stage v (Megatron's virtual pipeline stages per
             rank, --num-virtual-stages-per-pipeline-rank). Above 1, a schedule with an
             `interleaved_builder` runs it; flush runs Megatron's
@@ -88,8 +88,7 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_miniba
         raise ValueError(f"{key} needs num_microbatches (m={num_microbatches}) to be at least "
                          f"num_stages (d={num_stages}): m must be at least d")
     defer = spec.defer_step(num_stages, defer_step)
-    tied = (tuple(sorted({0, num_stages - 1}))
-            if tied_embedding and (num_stages > 1 or tied_sync_at_one_stage) else ())
+    tied = tuple(sorted({0, num_stages - 1})) if tied_embedding else ()
     if num_chunks > 1:
         plan = spec.interleaved_builder(num_stages, num_microbatches, num_minibatches,
                                         first_minibatch, num_chunks, group)

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.minibatches,
-                                  tied_embedding=not args.untie_embeddings_and_output_weights,
+                                  tied_embedding=(not args.untie_embeddings_and_output_weights
+                                                  and args.stages > 1),
                                   num_chunks=args.chunks,
                                   microbatch_group_size=args.microbatch_group_size)
     except ValueError as err:

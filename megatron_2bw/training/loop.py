@@ -268,9 +268,14 @@ class Trainer:
         m = self.run.batch_sizes.size(self.iteration) // self.run.samples_per_microbatch
         return build_schedule(par.schedule, par.pipeline_parallel, m,
                               count, first_minibatch=self.iteration,
-                              tied_embedding=self.run.model.tie_embeddings,
-                              num_chunks=par.virtual_stages,
-                              tied_sync_at_one_stage=comm.exercising())
+                              tied_embedding=self._sums_tied_embedding(),
+                              num_chunks=par.virtual_stages)
+
+    def _sums_tied_embedding(self) -> bool:
+        """Whether the tied embedding's gradient is summed over the embedding group: a
+        tied model whose group runs (first and last stage; a group of one does not,
+        unless the comm layer drives groups of one)."""
+        return self.run.model.tie_embeddings and comm.runs(ps.get_embedding_group())
 
     def _segment_end(self, stop: Optional[GracefulStop] = None) -> int:
         """Where the next segment ends: the first save, exit, validation or stop check."""
