@@ -5,9 +5,9 @@
   (stages.py), deterministically initialized from split-independent global
   parameter names (init.py).
 - `apply_cpu_shims`, `model_parallel_manual_seed`: the megatron-core CPU compatibility
-  layer (compat.py); `apply_exercise_shims`: groups of one driven anyway (the GPU check).
+  layer (compat.py); `apply_group_shims`: megatron-core's TP all-reduce asks `comm.runs`.
 """
-from megatron_2bw.models.compat import (apply_cpu_shims, apply_exercise_shims,
+from megatron_2bw.models.compat import (PATCHES, apply_cpu_shims, apply_group_shims,
                                         model_parallel_manual_seed)
 from megatron_2bw.models.config import ModelConfig, pad_vocab_size
 from megatron_2bw.models.stages import PipelineStage, build_stage, global_parameter_names
@@ -16,7 +16,8 @@ __all__ = [
     "ModelConfig",
     "PipelineStage",
     "apply_cpu_shims",
-    "apply_exercise_shims",
+    "PATCHES",
+    "apply_group_shims",
     "build_stage",
     "global_parameter_names",
     "model_parallel_manual_seed",

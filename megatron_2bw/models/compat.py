@@ -1,9 +1,14 @@
-"""CPU shims for megatron-core 0.16.1: the one place where megatron-core is patched.
+"""Where this project patches megatron-core 0.16.1, and why: `PATCHES` lists every patch.
 
 megatron-core builds and trains GPT/BERT on CPU over gloo once a handful of spots that
 hard-code CUDA are replaced. Each shim below names the megatron-core function it
 replaces and why; `apply_cpu_shims()` installs them all, only when no CUDA device is in
-use, and is idempotent. Nothing else in this project monkey-patches megatron-core.
+use, and is idempotent. `apply_group_shims()` makes megatron-core's tensor-parallel
+all-reduce ask the comm layer whether a group runs. Two patches live elsewhere, beside
+what they serve, and are listed in `PATCHES` too: the torch_dist writer's CPU context
+(`cpu_dist_checkpointing`, here) and its result queue on CUDA
+(training/watchdog.py). tests/test_compat.py finds every assignment to a megatron-core
+attribute in the package and checks it is in `PATCHES`.
 
 What is deliberately *not* shimmed: megatron-core's pipeline schedules and
 `p2p_communication` (this project has its own executor), gradient-accumulation
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 import logging
 import operator
 from typing import Callable, Iterator, Optional
@@ -36,6 +42,65 @@ from .context_parallel import cp_slice
 logger = logging.getLogger(__name__)
 
 _APPLIED = False
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One attribute of megatron-core this project replaces: `target` (module path and
+    attribute), who installs it, when, and why."""
+
+    target: str
+    installed_by: str
+    when: str
+    why: str
+
+
+_CPU = "no CUDA device in use"
+PATCHES: tuple[Patch, ...] = (
+    Patch("megatron.core.utils.GlobalMemoryBuffer.get_tensor", "apply_cpu_shims", _CPU,
+          "allocates its scratch buffers on CUDA"),
+    Patch("megatron.core.tensor_parallel.random.initialize_rng_tracker", "apply_cpu_shims",
+          _CPU, "builds a CUDA RNG tracker (attention dropout forks it)"),
+    Patch("megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER", "apply_cpu_shims",
+          _CPU, "the tracker itself, with CPU generator states"),
+    Patch("megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER_INITIALIZED",
+          "apply_cpu_shims", _CPU, "marks that tracker as made"),
+    Patch("megatron.core.tensor_parallel.random._get_all_rng_states", "apply_cpu_shims", _CPU,
+          "recomputation snapshots the CUDA generator"),
+    Patch("megatron.core.tensor_parallel.random._set_all_rng_states", "apply_cpu_shims", _CPU,
+          "recomputation restores the CUDA generator"),
+    Patch("megatron.core.transformer.utils.get_default_causal_mask", "apply_cpu_shims", _CPU,
+          "builds the causal mask on CUDA"),
+    Patch("megatron.core.fusions.fused_softmax.get_default_causal_mask", "apply_cpu_shims",
+          _CPU, "the same function, imported by name"),
+    Patch("megatron.core.models.common.language_module.language_module.LanguageModule."
+          "setup_embeddings_and_output_layer", "apply_cpu_shims", _CPU,
+          "moves the tied embedding to CUDA before its all-reduce"),
+    Patch("megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding."
+          "get_emb", "apply_cpu_shims", _CPU, "moves the rotary frequencies to CUDA"),
+    Patch("megatron.core.models.common.embeddings.rotary_pos_embedding."
+          "get_pos_emb_on_this_cp_rank", "apply_cpu_shims", _CPU,
+          "builds its chunk index in pinned memory and moves it to CUDA"),
+    Patch("megatron.core.tensor_parallel.mappings._gather_along_last_dim", "apply_cpu_shims",
+          _CPU, "allocates the gathered buffer on CUDA"),
+    Patch("megatron.core.tensor_parallel.mappings._reduce_scatter_along_last_dim",
+          "apply_cpu_shims", _CPU, "reduce-scatters into a CUDA buffer"),
+    Patch("megatron.core.tensor_parallel.mappings._gather_along_first_dim", "apply_cpu_shims",
+          _CPU, "sequence parallelism's gather allocates on CUDA"),
+    Patch("megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim",
+          "apply_cpu_shims", _CPU, "sequence parallelism's reduce-scatter allocates on CUDA"),
+    Patch("megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication"
+          ".backward", "apply_cpu_shims", _CPU,
+          "under sequence parallelism allocates its reduce-scatter output on CUDA"),
+    Patch("megatron.core.tensor_parallel.mappings._reduce", "apply_group_shims", "always",
+          "short-cuts groups of one itself; the comm layer decides (`comm.runs`)"),
+    Patch("megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
+          "cpu_dist_checkpointing", "torch_dist saves and loads on CPU",
+          "a spawned Manager queue: an in-process queue on CPU"),
+    Patch("megatron.core.dist_checkpointing.strategies.filesystem_async."
+          "_get_write_results_queue", "training.watchdog.writer_queue_dies_with_rank",
+          "CUDA runs", "its spawned queue server outlives a killed rank"),
+)
 
 
 def cpu_shims_applied() -> bool:
@@ -73,29 +138,28 @@ def apply_cpu_shims(device: Optional[str] = None) -> bool:
     return True
 
 
-def apply_exercise_shims() -> bool:
-    """With MEGATRON_2BW_EXERCISE_COLLECTIVES=1 (the GPU check's mode), make megatron-core's
-    tensor-parallel all-reduce run over a group of one too, on CPU or CUDA.
+def apply_group_shims() -> None:
+    """Make megatron-core's tensor-parallel all-reduce ask the comm layer whether its
+    group runs, on CPU or CUDA (idempotent).
 
     Why: `mappings._reduce` (the row-parallel layers' forward, the column-parallel
-    layers' input-gradient backward) returns at once for a group of one, so a one-GPU run
-    would never hand NCCL the activations these layers reduce at TP > 1. The sum over one
-    member changes nothing. Idempotent; returns whether the shim is active.
+    layers' input-gradient backward) decides by itself to skip a group of one; every
+    other collective of this project asks `comm.runs`, which the comm layer may answer
+    "yes" for a group of one too (the sum over one member changes nothing), so that a
+    one-GPU check hands NCCL what TP > 1 reduces. Otherwise the same call as upstream.
     """
-    if not comm.exercising():
-        return False
-    if not getattr(mappings._reduce, "_exercise_shim", False):
-        mappings._reduce = _reduce_every_size
-    return True
+    if not getattr(mappings._reduce, "_group_shim", False):
+        mappings._reduce = _reduce_if_group_runs
 
 
-def _reduce_every_size(input_: torch.Tensor, group) -> torch.Tensor:
-    """`mappings._reduce` without its short cut for a group of one."""
-    comm.all_reduce(input_.contiguous(), group)
+def _reduce_if_group_runs(input_: torch.Tensor, group) -> torch.Tensor:
+    """`mappings._reduce`, skipping exactly the groups `comm.runs` skips."""
+    if comm.runs(group):
+        comm.all_reduce(input_.contiguous(), group)
     return input_
 
 
-_reduce_every_size._exercise_shim = True
+_reduce_if_group_runs._group_shim = True
 
 
 def model_parallel_manual_seed(seed: int) -> None:
@@ -352,7 +416,7 @@ def _wrap_linear_backward() -> None:
             return original(ctx, grad_output)
 
     backward._cpu_shim = True
-    cls.backward = staticmethod(backward)
+    tp_layers.LinearWithGradAccumulationAndAsyncCommunication.backward = staticmethod(backward)
 
 
 @contextlib.contextmanager
@@ -394,8 +458,8 @@ def _wrap_setup_embeddings() -> None:
             comm.all_reduce(weight.data, group)
 
     setup_embeddings_and_output_layer._cpu_shim = True
-    module_class = language_module.LanguageModule
-    module_class.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+    language_module.LanguageModule.setup_embeddings_and_output_layer = (
+        setup_embeddings_and_output_layer)
 
 
 def _needs_embedding_sync(module: language_module.LanguageModule) -> bool:

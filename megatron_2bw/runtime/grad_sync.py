@@ -113,7 +113,7 @@ class GradReducer:
         self.group, self.config = group, config
         self.sp_sum = sp_sum  # the TP sum sequence parallelism needs first, if any
         self.size = comm.size(group) if group is not None else 1
-        self.active = comm.runs(group)  # a group of one: no call, unless exercised
+        self.active = comm.runs(group)  # the comm layer says whether the group runs
         self._pending: dict[int, tuple[Optional[dist.Work], torch.Tensor,
                                        Optional[torch.Tensor]]] = {}
         self._tokens: dict[int, tuple[Optional[dist.Work], torch.Tensor]] = {}

@@ -53,7 +53,7 @@ def data_parallel_group():
     """The group over which this stage's replicas average gradients: the data x context
     parallel group (context-parallel ranks hold the same weights, each a part of every
     sequence, as megatron-core's DDP reduces over it); None if it has one member (a mean
-    over one changes nothing), unless the exercise mode drives groups of one."""
+    over one changes nothing), as the comm layer decides (`comm.runs`)."""
     group = ps.get_data_parallel_group(with_context_parallel=True)
     return group if comm.runs(group) else None
 

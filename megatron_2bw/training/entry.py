@@ -99,10 +99,10 @@ def _train(args, model: str, env) -> int:
     tokenizer = tokenizer_from_args(args, model)
     run = continue_data(config_from_args(args, model, env.world_size, tokenizer.vocab_size))
     sources = data_sources(run, tokenizer)
-    from ..models import apply_cpu_shims, apply_exercise_shims
+    from ..models import apply_cpu_shims, apply_group_shims
     from .loop import pretrain
     apply_cpu_shims(env.device.type)
-    apply_exercise_shims()  # MEGATRON_2BW_EXERCISE_COLLECTIVES=1 only
+    apply_group_shims()
     if env.device.type == "cuda":
         writer_queue_dies_with_rank()  # torch_dist's spawned queue server ends with the rank
     recorder = comm.recorder_from_env()  # MEGATRON_2BW_RECORD_COLLECTIVES=PREFIX only

@@ -205,8 +205,8 @@ class Trainer:
         groups = StepGroups(model_parallel=ps.get_model_parallel_group())
         reducer, layout = GradReducer(data_parallel_group(), _grad_reduce(run),
                                       _sequence_parallel_sum(params, run)), None
-        # one data-parallel rank has nothing to shard (unless the exercise mode drives
-        # its group of one, so that a one-GPU run issues the collectives anyway)
+        # one data-parallel rank has nothing to shard (data_parallel_group() is None
+        # where the comm layer says the group does not run)
         if run.parallel.distributed_optimizer and data_parallel_group() is not None:
             layout, reducer = _sharding(params, infos, run, schedule)
             updater = DistributedUpdater(params, infos, run.optimizer, layout,
