@@ -1,4 +1,4 @@
-"""Flush vs 2BW pretrained models judged downstream, as the paper judged them (issue 15).
+"""Flush vs 2BW pretrained models judged downstream, as the paper judged them.
 
 The paper compared 2BW with vanilla training by what the pretrained models do afterwards:
 GPT by held-out perplexity, BERT by finetuning accuracy. This tool does that for the

@@ -1,4 +1,4 @@
-"""Delay compensation's extra optimizer-step time as a % of the 2BW iteration (issue 10).
+"""Delay compensation's extra optimizer-step time as a % of the 2BW iteration.
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/compensation_overhead.py --rounds 30 \
         --json runs/compensation_overhead.json

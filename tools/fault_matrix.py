@@ -1,4 +1,4 @@
-"""Fault matrix (issue 11): bad inputs and faults against pretrain_gpt.py, tools/preprocess_data.py
+"""Fault matrix: bad inputs and faults against pretrain_gpt.py, tools/preprocess_data.py
 and the planner, one probe at a time, each in its own temporary directory with a timeout.
 
     OMP_NUM_THREADS=1 python tools/fault_matrix.py --markdown runs/fault_matrix.md \\
@@ -6,12 +6,11 @@ and the planner, one probe at a time, each in its own temporary directory with a
 
 Classes: 1 resume semantics, 2 checkpoints, 3 late failures / output paths, 4 graceful stop,
 5 hangs, 6 tracebacks for user errors, 7 bad data, 8 launcher misdetection, 9 the bugs,
-10 a run that stopped learning (NaN, skipped iterations; issue 31), 11 a checkpoint that
+10 a run that stopped learning (NaN, skipped iterations), 11 a checkpoint that
 does not fit the model (shapes, vocabulary; a note for another seed or data flag), 12 data
 the tokenizer cannot have produced, or that changes under a run, 13 data set
 specifications (blend weights, splits, BERT sentences, stale index caches), 14 output that
-cannot be written, 15 stopping a job by hand, 16 no rank outlives its job (issue 31, items
-5-7).
+cannot be written, 15 stopping a job by hand, 16 no rank outlives its job.
 
 Classes 14-16 fill filesystems with a small tmpfs mounted in the probe's directory where this
 process may mount one (root), else with a file size limit (RLIMIT_FSIZE, EFBIG) or /proc for

@@ -9,7 +9,7 @@
 #      eager and torch.compile'd; (c) ../shared/bench/gpu_anchor.py --variants sdpa (the
 #      loop that first measured the gap: the reference must be at least as fast; recorded
 #      "not run" when the file is absent). TFLOP/s by Megatron-LM's count for all, MFU
-#      against 790, peak memory, the ratios to the reference and the issue's targets;
+#      against 790, peak memory, the ratios to the reference and the targets on them;
 #   3. each schedule's stage program at pipeline depth 1 (flush, 2bw; flush interleaved
 #      over 2 chunks, which the trainer refuses at depth 1, is recorded so):
 #      GPT-355M (24 layers, hidden 1024, 16 heads, seq 1024) through pretrain_gpt.py
@@ -58,7 +58,7 @@ LOG="$OUT_DIR/gpu_check.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-# the plain loop that first measured the gap (issue 29), kept beside the repository
+# the plain loop that first measured the gap, kept beside the repository
 ANCHOR="${GPU_ANCHOR:-$ROOT/../shared/bench/gpu_anchor.py}"
 
 
@@ -141,7 +141,7 @@ gpt() {  # gpt NAME LIMIT_S FLAGS...: one stage program at pipeline depth 1
     --metrics-file "$OUT_DIR/$name.jsonl" "$@"
 }
 
-# against plain PyTorch first: what issue 29 measures. Dropout 0 on every side (the
+# against plain PyTorch first: the check's main comparison. Dropout 0 on every side (the
 # anchor has none), our trainer with its default flags otherwise.
 gpt gpt_1p3b "${LIMITS[1]}" "${GPT_1P3B[@]}" --hidden-dropout 0 --attention-dropout 0
 step reference_1p3b "${LIMITS[2]}" env PYTHONPATH="$ROOT/tools:$PYTHONPATH" "$PY" \

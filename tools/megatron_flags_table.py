@@ -66,7 +66,7 @@ KERNELS = """--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fus
 --no-masked-softmax-fusion --cross-entropy-loss-fusion"""
 # GPT data flags that go with --calculate-per-token-loss in Megatron-LM's users' scripts
 DATA = """--eod-mask-loss --reset-position-ids --reset-attention-mask"""
-# a run that stopped learning (issue 31)
+# flags about a run that stopped learning (the NaN/inf check, resuming a chosen checkpoint)
 NAN = """--no-check-for-nan-in-loss-and-grad --ckpt-step --exit-on-missing-checkpoint"""
 SOURCES = {"GPT-3 175B": GPT3, "BERT 340M": BERT, "Llama-3 8B fp8": LLAMA, "common": ISSUE,
            "GPT data": DATA, "kernels": KERNELS, "run health": NAN}

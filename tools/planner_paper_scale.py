@@ -5,7 +5,7 @@ and 8 p3.16xlarge servers, prints the planner's choice and the predicted speed-u
 best 2BW plan over the best Flush, interleaved Flush (Megatron-LM's interleaved 1F1B),
 GPipe and no-pipeline plans, and over Megatron tensor parallelism spread across servers; then the 2BW / Flush ratio at several batch sizes and
 the memory of the schedules for GPT-2.2B on 8 GPUs at batch 256 (the paper's memory
-figure). The numbers in docs/planner.md come from this script:
+figure). The figures of docs/planner.md, "At paper scale, on paper", come from this script:
 
     .venv/bin/python tools/planner_paper_scale.py [--json FILE]
 """

@@ -1,4 +1,4 @@
-"""Mutation testing of the schedule validator against the executor (issue 32).
+"""Mutation testing of the schedule validator against the executor.
 
     python tools/schedule_mutations.py [--per-op 3] [--seed 0] [--json runs/mutations.json]
 
@@ -530,7 +530,7 @@ def _moves(a: Action) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _version_pairs(schedule: Schedule, stage: int, actions: list[Action], add) -> None:
-    """The issue's mutants: a microbatch's forward and backward moved to another version
+    """Version-pair mutants: a microbatch's forward and backward moved to another version
     together (one never created, one created later, or one mixed into a minibatch)."""
     where = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(actions)
              if a.kind in COMPUTE_KINDS}

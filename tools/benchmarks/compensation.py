@@ -1,6 +1,6 @@
 """Delay compensation's extra optimizer-step time against the 2BW iteration time.
 
-Issue 10's target: each compensation's extra optimizer-step time is at most 5% of the
+The target: each compensation's extra optimizer-step time is at most 5% of the
 2BW iteration time, measured over 30 rounds with the benchmark's overhead method
 (overhead.py): the compared sides alternate in short rounds so a drift of the shared
 machine hits all of them alike, the statistic is a median, and rounds that another
@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 OPTIMIZERS = ("adam", "muon")
 COMPENSATIONS = ("none", "error-feedback", "weight-prediction")
-LIMIT = 0.05  # issue 10: extra step time <= 5% of the 2BW iteration
+LIMIT = 0.05  # the target: extra step time <= 5% of the 2BW iteration
 # The convergence study's model and batch (tools/compare_convergence.py MODEL, d = 1).
 STUDY_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
                "--seq-length", "128", "--max-position-embeddings", "128",

@@ -5,7 +5,7 @@
         [--variants eager,compiled] [--dropout 0] [--compile-backend inductor]
         [--json OUT.json] [--tiny]
 
-Issue 29 asks our trainer for at least 0.9x the speed of what PyTorch alone reaches on
+The GPU check asks our trainer for at least 0.9x the speed of what PyTorch alone reaches on
 the same GPT. That ratio means something only against a strong reference, so this loop
 is what a careful user writes around PyTorch for the model Megatron-LM's GPT defaults
 describe, with every choice no slower than ../shared/bench/gpu_anchor.py's (the loop

@@ -168,7 +168,7 @@ def weight_version_memory(stages: dict[str, dict]) -> Optional[dict]:
                                          "2bw": tbw["cuda_max_allocated_bytes"]}}
 
 
-# ---- against plain PyTorch (issue 29): our trainer, the reference loop, the anchor
+# ---- against plain PyTorch: our trainer, the reference loop, the anchor
 # system key -> (step, label); the reference's variants come from one step
 VERSUS_STEPS = {"ours": "gpt_1p3b", "reference eager": "reference_1p3b",
                 "reference compiled": "reference_1p3b", "anchor": "anchor_1p3b"}
@@ -248,7 +248,7 @@ def _target(value: Optional[float], bound: float, at_most: bool = False) -> dict
 def versus_reference(out: Path, steps: dict[str, dict], peak: float, skip: int,
                      model: str) -> dict:
     """Our trainer, the plain-PyTorch reference (eager and compiled) and the anchor on
-    one shape, each with its ratios to the reference, and the issue's targets."""
+    one shape, each with its ratios to the reference, and the targets on them."""
     systems = _systems(out, steps, peak, skip)
     eager, compiled = systems["reference eager"], systems["reference compiled"]
     for system in systems.values():
@@ -414,7 +414,7 @@ def _versus_section(summary: dict) -> list[str]:
             f"| {_fmt(system['vs_reference_compiled'], '.2f')} "
             f"| {_fmt(system['peak_vs_reference_eager'], '.2f')} |")
     t = v["targets"]
-    lines += ["", "Targets (issue 29):",
+    lines += ["", "Targets against plain PyTorch:",
               _target_line(f"ours >= {TARGET_VS_EAGER}x the eager reference",
                            t["ours_vs_reference_eager"]),
               _target_line(f"stretch: ours >= {STRETCH_VS_COMPILED}x the compiled reference",

@@ -88,7 +88,7 @@ def _profile_again(setup: Setup, work: Path, attempt: int, calib: dict) -> None:
     """The profile again, as many rounds as the first (before pass `attempt`), recorded in
     `calib`. One round (repeats 2) was tried: its b = 1 and b = 2 layer times spread over
     20-30 ms per sample where the first profile's three rounds gave 20-21 ms, and two of
-    three such profiles outvoted it in the median (validation runs 6 and 7)."""
+    three such profiles outvoted it in the median."""
     path = str(work / f"profile.pass{attempt}.json")
     calib["profile_other_load"].append(run_profile(setup, path))
     calib["profiles"].append(path)
