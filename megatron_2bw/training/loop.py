@@ -273,9 +273,14 @@ class Trainer:
 
     def _sums_tied_embedding(self) -> bool:
         """Whether the tied embedding's gradient is summed over the embedding group: a
-        tied model whose group runs (first and last stage; a group of one does not,
-        unless the comm layer drives groups of one)."""
-        return self.run.model.tie_embeddings and comm.runs(ps.get_embedding_group())
+        tied model with more than one stage (first and last stage sum; the middle ones
+        are in no embedding group), or with one stage whose group of one the comm layer
+        says runs."""
+        if not self.run.model.tie_embeddings:
+            return False
+        if self.run.parallel.pipeline_parallel > 1:
+            return True
+        return comm.runs(ps.get_embedding_group())
 
     def _segment_end(self, stop: Optional[GracefulStop] = None) -> int:
         """Where the next segment ends: the first save, exit, validation or stop check."""
