@@ -5,11 +5,17 @@ schedules; planner and models share `shape`, the model's pure shape. The planner
 pure: it reads schedules (and `models/` only in its profiler, which times the real
 layers), never training or runtime. A new import that breaks a rule fails here with the
 file, the line and the rule.
+
+Checkpointing sees the runtime and the optimizer through their declared checkpoint
+contracts only (runtime/checkpoint.py, optim/checkpoint.py): it imports nothing else of
+theirs, and calls nothing else on an executor or an updater (an attribute reach-in, which
+no import shows, fails here too).
 """
 from __future__ import annotations
 
 import ast
 import pathlib
+from typing import Optional
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megatron_2bw"
 
@@ -26,7 +32,7 @@ ALLOWED = {
     "runtime": {"schedules", "comm"},
     "planner": {"schedules", "shape", "vocab", "models", "comm"},
     # Megatron-LM's checkpoint layouts: beside training, which writes them
-    "checkpointing": {"models", "shape", "comm"},
+    "checkpointing": {"models", "shape", "comm", "runtime", "optim"},
     "training": {"runtime", "models", "shape", "data", "optim", "schedules", "vocab", "comm",
                  "checkpointing"},
     # the optional transformers tools
@@ -38,6 +44,9 @@ ALLOWED = {
 }
 # finer rules: (importing module, imported layer) pairs allowed only in these files
 ONLY_IN = {("planner", "models"): {"planner/profile.py"}}
+# (importing layer, imported layer) pairs allowed only through these modules
+ONLY_THROUGH = {("checkpointing", "runtime"): {"megatron_2bw.runtime.checkpoint"},
+                ("checkpointing", "optim"): {"megatron_2bw.optim.checkpoint"}}
 
 
 def _layer(path: pathlib.Path) -> str:
@@ -46,8 +55,9 @@ def _layer(path: pathlib.Path) -> str:
         else ""
 
 
-def _imported_layers(path: pathlib.Path) -> list[tuple[int, str]]:
-    """(line, layer) of every megatron_2bw import in the file, relative ones resolved."""
+def _imported_layers(path: pathlib.Path) -> list[tuple[int, str, str]]:
+    """(line, layer, module) of every megatron_2bw import in the file, relative ones
+    resolved."""
     tree = ast.parse(path.read_text(), str(path))
     here = path.relative_to(PACKAGE.parent).with_suffix("").parts
     out = []
@@ -64,7 +74,7 @@ def _imported_layers(path: pathlib.Path) -> list[tuple[int, str]]:
         for name in names:
             parts = [p for p in name.split(".") if p]
             if parts[:1] == ["megatron_2bw"] and len(parts) > 1:
-                out.append((node.lineno, parts[1]))
+                out.append((node.lineno, parts[1], ".".join(parts)))
     return out
 
 
@@ -75,7 +85,7 @@ def _violations() -> list[str]:
         if layer not in ALLOWED:
             continue
         rel = str(path.relative_to(PACKAGE))
-        for line, target in _imported_layers(path):
+        for line, target, module in _imported_layers(path):
             if target == layer:
                 continue
             if target not in ALLOWED[layer]:
@@ -84,6 +94,10 @@ def _violations() -> list[str]:
             elif (layer, target) in ONLY_IN and rel not in ONLY_IN[(layer, target)]:
                 bad.append(f"megatron_2bw/{rel}:{line}: {layer} imports {target} outside "
                            f"{sorted(ONLY_IN[(layer, target)])}")
+            elif (layer, target) in ONLY_THROUGH and \
+                    module not in ONLY_THROUGH[(layer, target)]:
+                bad.append(f"megatron_2bw/{rel}:{line}: {layer} imports {module}, not "
+                           f"{sorted(ONLY_THROUGH[(layer, target)])}")
     return bad
 
 
@@ -107,6 +121,115 @@ def test_the_check_catches_an_upward_import(tmp_path) -> None:
     finally:
         globals()["PACKAGE"] = saved
     assert len(found) == 2 and "planner imports training" in found[0]
+
+
+def test_the_check_catches_an_import_past_a_contract(tmp_path) -> None:
+    fake = tmp_path / "megatron_2bw"
+    (fake / "checkpointing").mkdir(parents=True)
+    (fake / "checkpointing" / "bad.py").write_text(
+        "from ..runtime.checkpoint import WeightsCheckpoint\n"
+        "from ..optim.updater import MegatronUpdater\n")
+    globals()["PACKAGE"], saved = fake, PACKAGE
+    try:
+        found = _violations()
+    finally:
+        globals()["PACKAGE"] = saved
+    assert len(found) == 1 and "imports megatron_2bw.optim.updater" in found[0], found
+
+
+# ---------------------------------------------------------------------------- reach-ins
+# what checkpointing may call on the objects it is handed: the executor's and the
+# updater's declared checkpoint contracts (runtime/checkpoint.py, optim/checkpoint.py)
+CONTRACTS = {"executor": {"checkpoint_state", "restore_checkpoint"},
+             "updater": {"checkpoint_state", "state_dict", "per_parameter_state",
+                         "trained_weights", "restore_checkpoint"}}
+# names checkpointing gives the records those hand out (and the weight store it once
+# reached for): read one field deep, never through a field into its object
+RECORDS = {"weights", "record", "store"}
+INTROSPECTION = {"getattr", "setattr", "hasattr", "delattr", "vars"}
+
+
+def _chain(node: ast.Attribute) -> tuple[Optional[str], list[str]]:
+    """The name an attribute chain starts from and its attributes (`a.b.c`: a, [b, c]);
+    None where it starts from something else (a call, a subscript)."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return (node.id if isinstance(node, ast.Name) else None), attrs[::-1]
+
+
+def _attribute_reach_in(node: ast.Attribute) -> Optional[str]:
+    """Why an outermost attribute chain reaches past a contract, or None."""
+    name, attrs = _chain(node)
+    text = ".".join([str(name), *attrs])
+    if name in CONTRACTS and attrs[0] not in CONTRACTS[name]:
+        return f"{text}: {attrs[0]} is not in the {name}'s checkpoint contract"
+    if (name in CONTRACTS or name in RECORDS) and len(attrs) > 1:
+        return f"{text}: reaches through {name}.{attrs[0]} into its object"
+    return None
+
+
+def _other_reach_in(node: ast.AST) -> Optional[str]:
+    """An introspecting call on, or an alias of, an executor or updater (which would hide
+    its reach-ins from the attribute check), or None."""
+    guarded = set(CONTRACTS) | RECORDS
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+            and node.func.id in INTROSPECTION and node.args \
+            and isinstance(node.args[0], ast.Name) and node.args[0].id in guarded:
+        return f"{node.func.id}({node.args[0].id}, ...): introspects past the contract"
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) \
+            and isinstance(node.value, ast.Name) and node.value.id in CONTRACTS:
+        return f"an alias of {node.value.id} hides its reach-ins"
+    return None
+
+
+def _reach_ins(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, why) of every use of an executor or updater beyond its checkpoint contract
+    in the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            why = None if id(node) in inner else _attribute_reach_in(node)
+        else:
+            why = _other_reach_in(node)
+        if why:
+            found.append((node.lineno, why))
+    return sorted(found)
+
+
+def _contract_violations() -> list[str]:
+    return [f"megatron_2bw/{path.relative_to(PACKAGE)}:{line}: {why}"
+            for path in sorted((PACKAGE / "checkpointing").rglob("*.py"))
+            for line, why in _reach_ins(path)]
+
+
+def test_checkpointing_uses_only_the_declared_contracts() -> None:
+    assert _contract_violations() == []
+
+
+def test_the_check_catches_a_reach_in(tmp_path) -> None:
+    fake = tmp_path / "megatron_2bw"
+    (fake / "checkpointing").mkdir(parents=True)
+    (fake / "checkpointing" / "bad.py").write_text(
+        "def save(executor, updater):\n"
+        "    weights = executor.checkpoint_state()\n"  # the contract: fine
+        "    step = updater.adam.step\n"
+        "    store = executor.weights\n"
+        "    module = store.modules[0]\n"  # one field deep: fine (the reach-in is above)
+        "    scale = weights.loss_scales.get(0)\n"
+        "    collective = getattr(updater, 'collective_state', False)\n"
+        "    alias = executor\n"
+        "    return updater.state_dict(), updater.scheduler.state_dict()\n")
+    globals()["PACKAGE"], saved = fake, PACKAGE
+    try:
+        found = _contract_violations()
+    finally:
+        globals()["PACKAGE"] = saved
+    assert [line.split(":")[1] for line in found] == ["3", "4", "6", "7", "8", "9"], found
+    assert "adam is not in the updater's checkpoint contract" in found[0]
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:

@@ -7,10 +7,13 @@
 - `sharded.py`: `--ckpt-format torch_dist` through megatron-core's dist_checkpointing;
 - `fit.py`: whether a checkpoint's tensors fit the model, shape by shape, and which flag
   makes a difference;
-- `save_load.py`: saving and resuming a run: every rank agrees on a failure, and a resume
-  refuses before any work what would silently go wrong.
+- `save_load.py`: saving and resuming a run, the names other layers import; behind it
+  `saving.py`, `reading.py`, `resume.py` (what a resume refuses before any work),
+  `restoring.py`, and `ranks.py` (every rank agrees on a failure).
 
-It imports `comm` and `models` only; `training`, `hf`, `evaluation` and `finetune` use it
-(tests/test_layers.py). `training/convert.py` converts through a Trainer, so it stays
-in training.
+It imports `comm` and `models`, and of `runtime` and `optim` only their checkpoint
+contracts (`runtime/checkpoint.py`: the weight versions; `optim/checkpoint.py`: the
+optimizer state): it calls nothing else on an executor or an updater. `training`, `hf`,
+`evaluation` and `finetune` use it (tests/test_layers.py checks both).
+`training/convert.py` converts through a Trainer, so it stays in training.
 """

@@ -1,7 +1,7 @@
 """Does a checkpoint fit the model? Every tensor's shape, compared before anything loads.
 
 A resume first compares the flags that fix shapes with the checkpoint's `args`
-(`save_load.check_shapes`, before the model is built). That cannot see everything: the
+(`resume.check_shapes`, before the model is built). That cannot see everything: the
 vocabulary comes from the tokenizer as much as from --vocab-size, a checkpoint written by
 another tool may lack an arg, and dist_checkpointing loads a tensor whose global shape
 differs without a word where megatron-core allows it (the word embedding and the output

@@ -26,7 +26,9 @@ them:
   opt_param_scheduler, and this engine's scalars (versions, loss scales, Adam's step).
 
 A load fills the same nested state a `--ckpt-format torch` checkpoint gives, so
-`checkpointing.restore` applies both alike (schedule checks, 2BW's versions, masters).
+`checkpointing.restoring.restore` applies both alike (schedule checks, 2BW's versions,
+masters). What is saved and what a load asks for come from the runtime's and the
+optimizer's checkpoint contracts (runtime/checkpoint.py, optim/checkpoint.py).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import logging
 import os
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,8 +49,10 @@ from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTens
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from ..models.compat import cpu_dist_checkpointing
 from .. import comm
+from ..models.compat import cpu_dist_checkpointing
+from ..optim.checkpoint import CheckpointedOptimizer, OptimizerCheckpoint
+from ..runtime.checkpoint import CheckpointedRuntime, WeightsCheckpoint
 from .contents import megatron_engine_state
 from .fit import misfit_line, misfits
 from .files import (MANIFEST, CheckpointError, FileEntry, iteration_dir, previous_hint,
@@ -62,6 +66,8 @@ PREDICTED = "pipedream_2bw.predicted_model"  # make_sharded_optimizer_tensor add
 COMMON_FILE = "common.pt"
 # checkpoint tensors beside the model's own: optimizer state, 2BW's extra weight versions
 NOT_MODEL = ("optimizer.", "pipedream_2bw.")
+# the optimizer's per-parameter tensors: {kind: [(parameter index, tensor)]}
+PerParameter = dict[str, list[tuple[int, torch.Tensor]]]
 
 
 def is_sharded(root: str, iteration: int) -> bool:
@@ -74,17 +80,17 @@ def is_sharded(root: str, iteration: int) -> bool:
 # ---------------------------------------------------------------------------- building
 
 
-def _model_shards(module, prefix: str = "") -> dict:
+def _model_shards(module: torch.nn.Module, prefix: str = "") -> dict:
     """megatron-core's sharded state dict of a stage, or of a rank's model chunks (keys:
     the module's state-dict names after `model.`; tensors: the global names of PP = 1)."""
     return module.sharded_state_dict(prefix)
 
 
-def _optimizer_shards(updater, names: list[str], model: dict,
+def _optimizer_shards(tensors: PerParameter, names: Sequence[str], model: dict,
                       kinds: Optional[set[str]] = None) -> dict:
     """{kind: {param name: ShardedTensor}} beside each parameter's own shard."""
     out: dict = {}
-    for kind, pairs in updater.per_parameter_state().items():
+    for kind, pairs in tensors.items():
         if kinds is not None and kind not in kinds:
             continue
         out[kind] = {names[i]: make_sharded_optimizer_tensor(
@@ -93,14 +99,15 @@ def _optimizer_shards(updater, names: list[str], model: dict,
     return out
 
 
-def _trained(model: dict, names: list[str], trained: list[torch.Tensor]) -> dict:
+def _trained(model: dict, names: Sequence[str], trained: list[torch.Tensor]) -> dict:
     """The newest version's shards with the optimizer's weights as their data (weight
     prediction: the buffer holds a prediction)."""
     data = {name[len(MODEL_PREFIX):]: t for name, t in zip(names, trained)}
     return {k: replace(v, data=data[k]) if k in data else v for k, v in model.items()}
 
 
-def _prediction_shards(model: dict, names: list[str], tensors: list[torch.Tensor]) -> dict:
+def _prediction_shards(model: dict, names: Sequence[str],
+                       tensors: Sequence[torch.Tensor]) -> dict:
     """{param name: ShardedTensor} of the newest buffer's prediction, beside each
     parameter's own shard."""
     return {name: make_sharded_optimizer_tensor(model[name[len(MODEL_PREFIX):]], tensor,
@@ -118,51 +125,55 @@ def _rng_shard(state: Optional[dict]) -> ShardedObject:
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
-def _common(iteration: int, executor, updater, args: argparse.Namespace, schedule: str,
-            optim: bool, rng: bool) -> dict:
-    # the scalars only: updater.state_dict() would copy every optimizer tensor for them
-    store = executor.weights
+def _common(iteration: int, weights: WeightsCheckpoint, record: OptimizerCheckpoint,
+            args: argparse.Namespace, schedule: str, kinds: Optional[list[str]],
+            rng: bool) -> dict:
+    """`common.pt`: Megatron-LM's scalars and this engine's (`kinds` None: no optimizer
+    state saved); the scalars only, so no optimizer tensor is copied for them."""
     return {"args": args, "checkpoint_version": 3.0,
-            "iteration": iteration, "opt_param_scheduler": updater.scheduler.state_dict(),
+            "iteration": iteration, "opt_param_scheduler": record.scheduler,
             "pipedream_2bw": {
-                "pipeline_schedule": schedule, "newest_version": store.newest,
-                "versions": sorted(store.valid),
-                "loss_scale_of": {v: store.loss_scale_of.get(v, 1.0) for v in store.valid},
-                "adam_step": updater.adam.step, "scaler": updater.scaler.state_dict(),
-                "lr_groups": updater.param_groups.limits(),
-                "optimizer": updater.config.optimizer,
-                "compensation_kind": updater.compensation.kind,
-                "predicted_newest": updater.compensation.predicts,
-                "optimizer_saved": optim, "rng_saved": rng,
-                "optimizer_tensors": sorted(updater.per_parameter_state()) if optim else []}}
+                "pipeline_schedule": schedule, "newest_version": weights.newest,
+                "versions": weights.versions,
+                "loss_scale_of": {v: weights.loss_scales[v] for v in weights.held},
+                "adam_step": record.step, "scaler": record.scaler,
+                "lr_groups": record.lr_groups,
+                "optimizer": record.optimizer,
+                "compensation_kind": record.compensation,
+                "predicted_newest": record.predicts,
+                "optimizer_saved": kinds is not None, "rng_saved": rng,
+                "optimizer_tensors": kinds or []}}
 
 
-def _sharded_state(iteration: int, executor, updater, args: argparse.Namespace,
+def _sharded_state(iteration: int, executor: CheckpointedRuntime,
+                   updater: CheckpointedOptimizer, args: argparse.Namespace,
                    schedule: str, rng: Optional[list], optim: bool) -> dict:
-    store = executor.weights
-    names = [info.name for info in updater.infos]
-    newest = store.modules[store.buffer_of(store.newest)]
-    model = _model_shards(newest)
-    newest_params = store.params[store.buffer_of(store.newest)]
+    """What every rank hands dist_checkpointing.save: its shards of each saved tensor."""
+    weights, record = executor.checkpoint_state(), updater.checkpoint_state()
+    names = record.param_names
+    model = _model_shards(weights.module(weights.newest))
+    newest_params = weights.params(weights.newest)
     trained = updater.trained_weights(newest_params)
-    state = {**_common(iteration, executor, updater, args, schedule, optim, rng is not None),
+    tensors = updater.per_parameter_state() if optim else None
+    kinds = sorted(tensors) if tensors is not None else None
+    state = {**_common(iteration, weights, record, args, schedule, kinds, rng is not None),
              "model": model if trained is None else _trained(model, names, trained)}
     if trained is not None:
         state["predicted_model"] = _prediction_shards(model, names, newest_params)
-    if optim:
-        state["optimizer"] = _optimizer_shards(updater, names, model)
+    if tensors is not None:
+        state["optimizer"] = _optimizer_shards(tensors, names, model)
     if rng is not None:
         state["rng_state"] = _rng_shard(rng)
-    older = [v for v in store.valid if v != store.newest]
-    if older:
-        state["shadow_model"] = _model_shards(store.modules[store.buffer_of(older[0])], SHADOW)
+    if weights.shadow is not None:
+        state["shadow_model"] = _model_shards(weights.module(weights.shadow), SHADOW)
     return state
 
 
 # ---------------------------------------------------------------------------- saving
 
 
-def save_sharded(path: str, iteration: int, executor, updater, args: argparse.Namespace,
+def save_sharded(path: str, iteration: int, executor: CheckpointedRuntime,
+                 updater: CheckpointedOptimizer, args: argparse.Namespace,
                  schedule: str, rng: Optional[list], optim: bool = True) -> None:
     """Every rank calls this (a collective); the caller has cleared `path`'s iteration.
     `rng` None / `optim` False: --no-save-rng / --no-save-optim."""
@@ -182,6 +193,7 @@ _WRITER_LOGGERS = ("megatron.core.dist_checkpointing.strategies.filesystem_async
 
 @contextmanager
 def _writer_logs_quiet() -> Iterator[None]:
+    """megatron-core's writer loggers silenced for the duration (CRITICAL only)."""
     loggers = [logging.getLogger(name) for name in _WRITER_LOGGERS]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -246,44 +258,47 @@ def read_common(root: str, iteration: int) -> dict:
 
 
 def _saved_layout(common: dict) -> tuple[int, int]:
+    """The (tensor, pipeline) parallel sizes the checkpoint was saved at."""
     args = vars(common["args"])
     return args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
 
 
-def _requested_kinds(common: dict, updater, path: str) -> set[str]:
-    """The optimizer tensors this run needs and the checkpoint has; a clear error where
-    the run needs one the checkpoint lacks (another optimizer or compensation)."""
-    saved, engine = set(common["pipedream_2bw"]["optimizer_tensors"]), common["pipedream_2bw"]
-    needed = set(updater.per_parameter_state())
-    if engine["compensation_kind"] != updater.config.delay_compensation:
+def _requested_kinds(common: dict, record: OptimizerCheckpoint, needed: set[str],
+                     path: str) -> set[str]:
+    """The optimizer tensors this run needs (`needed`) and the checkpoint has; a clear
+    error where the run needs one the checkpoint lacks (another optimizer or
+    compensation)."""
+    engine = common["pipedream_2bw"]
+    saved = set(engine["optimizer_tensors"])
+    if engine["compensation_kind"] != record.compensation:
         raise CheckpointError(f"the checkpoint was trained with --delay-compensation "
                               f"{engine['compensation_kind']}, this run asks for "
-                              f"{updater.config.delay_compensation} ({path}); resume with "
+                              f"{record.compensation} ({path}); resume with "
                               f"--delay-compensation {engine['compensation_kind']}, or pass "
                               "--no-load-optim to start the optimizer state afresh")
     missing = needed - saved - {"fp32_param"}  # no masters: the weights are the masters
-    if missing or engine["optimizer"] != updater.config.optimizer:
+    if missing or engine["optimizer"] != record.optimizer:
         raise CheckpointError(f"the checkpoint was saved with --optimizer "
                               f"{engine['optimizer']}, this run has --optimizer "
-                              f"{updater.config.optimizer} ({path}); resume with "
+                              f"{record.optimizer} ({path}); resume with "
                               f"--optimizer {engine['optimizer']}, or pass --no-load-optim "
                               "to start this optimizer's state afresh from the weights")
     return needed & saved
 
 
 def _without(shards: dict, names: list[str]) -> dict:
+    """`shards` but the keys in `names`."""
     return {k: v for k, v in shards.items() if k not in names}
 
 
-def _fresh_keys(executor, path: str) -> list[str]:
+def _fresh_keys(module: torch.nn.Module, path: str) -> list[str]:
     """--finetune with a task head: the model's tensors the checkpoint does not hold."""
-    module = executor.weights.modules[0]
     if not module.fresh_keys(set()):
         return []
     return module.fresh_keys(set(dist_checkpointing.load_tensors_metadata(path)))
 
 
-def _global_shapes(shards: dict, leave_out: list[str] = ()) -> dict[str, tuple]:
+def _global_shapes(shards: dict, leave_out: Sequence[str] = ()) -> dict[str, tuple]:
     """{key: global shape} of a stage's ShardedTensors (dict keys in `leave_out` not),
     factories built into theirs (SwiGLU's fc1 is saved as one tensor of both halves)."""
     shapes = {}
@@ -302,7 +317,7 @@ def _global_shapes(shards: dict, leave_out: list[str] = ()) -> dict[str, tuple]:
     return shapes
 
 
-def sharded_fit_error(path: str, executor, finetune: bool,
+def sharded_fit_error(path: str, executor: CheckpointedRuntime, finetune: bool,
                       vocab_rows_may_differ: bool) -> Optional[str]:
     """Every model tensor's global shape against the checkpoint's metadata, before
     anything loads: dist_checkpointing would load a vocabulary tensor of another shape in
@@ -317,7 +332,7 @@ def sharded_fit_error(path: str, executor, finetune: bool,
         unreadable = None
     saved = {key: tuple(meta.global_shape) for key, meta in metadata.items()
              if not key.startswith(NOT_MODEL)}
-    module = executor.weights.modules[0]
+    module = executor.checkpoint_state().buffers[0]
     fresh = module.fresh_keys(set(metadata)) if finetune else []
     mine = _global_shapes(_model_shards(module), fresh)
     held = set().union(*comm.all_gather_object(sorted(mine)))
@@ -330,21 +345,20 @@ def sharded_fit_error(path: str, executor, finetune: bool,
     return misfit_line(found, path)
 
 
-def _template(common: dict, executor, updater, kinds: Optional[set[str]], shadow: bool,
-              rng: bool, fresh: list[str]) -> dict:
+def _template(common: dict, weights: WeightsCheckpoint, names: Sequence[str],
+              tensors: PerParameter, kinds: Optional[set[str]], shadow: bool, rng: bool,
+              fresh: list[str]) -> dict:
     """What this rank asks for, in its own layout (loads reshard to it); `kinds` None:
     no optimizer state; `fresh`: model tensors not to ask for (a finetuning head)."""
-    store = executor.weights
-    names = [info.name for info in updater.infos]
-    model = _model_shards(store.modules[0])
+    model = _model_shards(weights.buffers[0])
     template = {"model": _without(model, fresh)}
     if kinds is not None:
-        template["optimizer"] = _optimizer_shards(updater, names, model, kinds)
+        template["optimizer"] = _optimizer_shards(tensors, names, model, kinds)
         if common["pipedream_2bw"].get("predicted_newest"):  # only a resume needs it
             template["predicted_model"] = _prediction_shards(
-                model, names, [torch.empty_like(p) for p in store.params[0]])
-    if shadow and len(common["pipedream_2bw"]["versions"]) > 1 and store.num_buffers > 1:
-        template["shadow_model"] = _model_shards(store.modules[1], SHADOW)
+                model, names, [torch.empty_like(p) for p in weights.buffer_params[0]])
+    if shadow and len(common["pipedream_2bw"]["versions"]) > 1 and weights.num_buffers > 1:
+        template["shadow_model"] = _model_shards(weights.buffers[1], SHADOW)
     if rng and _saved_layout(common) == (ps.get_tensor_model_parallel_world_size(),
                                          ps.get_pipeline_model_parallel_world_size()):
         template["rng_state"] = _rng_shard(None)
@@ -357,65 +371,81 @@ def _weights(loaded: dict, prefix: str = "") -> dict[str, torch.Tensor]:
             if torch.is_tensor(v)}
 
 
-def _optimizer_state(common: dict, updater, loaded: dict) -> dict:
-    """The nested optimizer state `MegatronUpdater.load_state_dict` reads."""
+def _optimizer_state(common: dict, updater: CheckpointedOptimizer, names: Sequence[str],
+                     tensors: PerParameter, loaded: dict) -> dict:
+    """The nested optimizer state `updater.restore_checkpoint` reads (the torch format's
+    `optimizer`): this run's state with the loaded tensors and the saved scalars in it."""
     engine, state = common["pipedream_2bw"], updater.state_dict()
-    order = {kind: [updater.infos[i].name for i, _ in pairs]
-             for kind, pairs in updater.per_parameter_state().items()}
-    tensors = {kind: [per[name].detach().clone() for name in order[kind]]
-               for kind, per in loaded.items()}
+    order = {kind: [names[i] for i, _ in pairs] for kind, pairs in tensors.items()}
+    found = {kind: [per[name].detach().clone() for name in order[kind]]
+             for kind, per in loaded.items()}
     state["adam"].update(step=engine["adam_step"],
-                         exp_avg=tensors.get("exp_avg", state["adam"]["exp_avg"]),
-                         exp_avg_sq=tensors.get("exp_avg_sq", state["adam"]["exp_avg_sq"]))
-    state["muon"]["momentum_buffers"] = tensors.get("momentum_buffer",
-                                                    state["muon"]["momentum_buffers"])
+                         exp_avg=found.get("exp_avg", state["adam"]["exp_avg"]),
+                         exp_avg_sq=found.get("exp_avg_sq", state["adam"]["exp_avg_sq"]))
+    state["muon"]["momentum_buffers"] = found.get("momentum_buffer",
+                                                  state["muon"]["momentum_buffers"])
     state["compensation"] = {"kind": engine["compensation_kind"],
-                             "previous_update": tensors.get("delay_compensation", [])}
+                             "previous_update": found.get("delay_compensation", [])}
     state.update(scheduler=common["opt_param_scheduler"], scaler=engine["scaler"],
-                 lr_groups=engine["lr_groups"], masters=tensors.get("fp32_param"))
+                 lr_groups=engine["lr_groups"], masters=found.get("fp32_param"))
     return state
 
 
-def load_sharded(root: str, iteration: int, common: dict, executor, updater,
-                 optimizer: bool = True, shadow: bool = True, rng: bool = True,
-                 finetune: bool = False) -> dict:
+def load_sharded(root: str, iteration: int, common: dict, executor: CheckpointedRuntime,
+                 updater: CheckpointedOptimizer, optimizer: bool = True, shadow: bool = True,
+                 rng: bool = True, finetune: bool = False) -> dict:
     """The checkpoint resharded to this rank's layout, as the nested state
-    `checkpointing.restore` applies (a collective: every rank calls it). `optimizer`,
-    `shadow`, `rng` False: --no-load-optim, --finetune, --no-load-rng leave them out;
-    `finetune`: a task head the checkpoint lacks is not asked for (restore keeps its
-    initialization)."""
-    path = iteration_dir(root, iteration)
-    optimizer = optimizer and common["pipedream_2bw"].get("optimizer_saved", True)
-    kinds = _requested_kinds(common, updater, path) if optimizer else None
-    rng = rng and common["pipedream_2bw"].get("rng_saved", True)
-    fresh = _fresh_keys(executor, path) if finetune else []
-    template = _template(common, executor, updater, kinds, shadow, rng, fresh)
+    `checkpointing.restoring.restore` applies (a collective: every rank calls it).
+    `optimizer`, `shadow`, `rng` False: --no-load-optim, --finetune, --no-load-rng leave
+    them out; `finetune`: a task head the checkpoint lacks is not asked for (restore keeps
+    its initialization)."""
+    path, engine = iteration_dir(root, iteration), common["pipedream_2bw"]
+    weights, record = executor.checkpoint_state(), updater.checkpoint_state()
+    optimizer = optimizer and engine.get("optimizer_saved", True)
+    tensors = updater.per_parameter_state() if optimizer else {}
+    kinds = _requested_kinds(common, record, set(tensors), path) if optimizer else None
+    rng = rng and engine.get("rng_saved", True)
+    fresh = _fresh_keys(weights.buffers[0], path) if finetune else []
+    template = _template(common, weights, record.param_names, tensors, kinds, shadow, rng,
+                         fresh)
+    loaded = _load(template, path)
+    if rng and loaded.get("rng_state") is None and "rng_state" not in template:
+        _warn_layout(common)
+    trained, versions = _versions(engine["newest_version"], loaded)
+    return {"iteration": common["iteration"], "args": common["args"],
+            "pipeline_schedule": engine["pipeline_schedule"],
+            "newest_version": engine["newest_version"], "model": trained,
+            "weight_versions": versions, "loss_scale_of": engine["loss_scale_of"],
+            "optimizer": (_optimizer_state(common, updater, record.param_names, tensors,
+                                           loaded["optimizer"]) if optimizer else None),
+            "rng_state": loaded.get("rng_state")}
+
+
+def _load(template: dict, path: str) -> dict:
+    """dist_checkpointing.load of `template` (a collective), a misfit as one line."""
     try:
         with cpu_dist_checkpointing():
-            loaded = dist_checkpointing.load(template, path)
+            return dist_checkpointing.load(template, path)
     except Exception as err:  # noqa: BLE001 (a clear line instead of a deep traceback)
         raise CheckpointError(f"the checkpoint does not fit this model ({path}: "
                               f"{str(err).strip().splitlines()[-1][:300]}); resume with the "
                               "model flags it was saved with") from err
-    engine = common["pipedream_2bw"]
-    newest = engine["newest_version"]
+
+
+def _versions(newest: int, loaded: dict) -> tuple[dict, dict[int, dict]]:
+    """The trained weights (`model`) and every loaded weight version as a module state
+    dict: the newest (weight prediction: with the prediction the buffer held), the
+    shadow where it was asked for."""
     trained = _weights(loaded["model"])
     versions = {newest: {**trained, **{name: t.detach().clone() for name, t in
                                        loaded.get("predicted_model", {}).items()}}}
     if "shadow_model" in loaded:
         versions[newest - 1] = _weights(loaded["shadow_model"], SHADOW)
-    rng_loaded = loaded.get("rng_state")
-    if rng and rng_loaded is None and "rng_state" not in template:
-        _warn_layout(common)
-    return {"iteration": common["iteration"], "args": common["args"],
-            "pipeline_schedule": engine["pipeline_schedule"], "newest_version": newest,
-            "model": trained, "weight_versions": versions, "loss_scale_of": engine["loss_scale_of"],
-            "optimizer": (_optimizer_state(common, updater, loaded["optimizer"])
-                          if optimizer else None),
-            "rng_state": rng_loaded}
+    return trained, versions
 
 
 def _warn_layout(common: dict) -> None:
+    """One warning (logging rank): the saved RNG states belong to another layout."""
     tp, pp = _saved_layout(common)
     if dist.get_rank() == dist.get_world_size() - 1:
         logger.warning(f"the checkpoint was saved at tensor x pipeline parallel {tp} x {pp}; "

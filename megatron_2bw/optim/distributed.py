@@ -16,12 +16,14 @@ the norm and the inf flag are summed over the data-parallel group too (StepGroup
 
 Checkpoints hold the whole optimizer state per parameter, as without the flag:
 `state_dict` and `per_parameter_state` gather it (a collective: every rank of the group
-calls them, which `collective_state` tells the checkpoint code), and `load_state_dict`
-takes this rank's pieces of it. So a checkpoint reshards to any data-parallel size, and
-between a distributed and a non-distributed optimizer, in either direction.
+calls them, which `checkpoint_state().collective` tells the checkpoint code: the
+contract of optim/checkpoint.py), and `restore_checkpoint` takes this rank's pieces of
+it. So a checkpoint reshards to any data-parallel size, and between a distributed and a
+non-distributed optimizer, in either direction.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -30,6 +32,7 @@ from torch import nn
 
 from .. import comm
 from ..comm.sharding import ShardLayout, all_gather
+from .checkpoint import OptimizerCheckpoint
 from .muon import TensorParallel
 from .updater import MegatronUpdater, OptimizerConfig, ParamInfo, StepGroups
 
@@ -211,6 +214,21 @@ class DistributedUpdater:
                  "fp32_param": list(range(len(self.infos)))}
         return {kind: list(zip(order[kind], tensors)) for kind, tensors in lists.items()
                 if tensors}
+
+    def checkpoint_state(self) -> OptimizerCheckpoint:
+        """The inner updater's scalars, with this stage's whole parameter list; the
+        tensors gather (`collective`)."""
+        return replace(self.inner.checkpoint_state(), collective=self.collective_state,
+                       param_names=tuple(info.name for info in self.infos))
+
+    def restore_checkpoint(self, state: Optional[dict], newest: list[torch.Tensor],
+                           scheduler_from: str = "checkpoint",
+                           masters: Optional[list[torch.Tensor]] = None) -> None:
+        """As `MegatronUpdater.restore_checkpoint`, from whole tensors: this rank's
+        pieces of them."""
+        if state is not None:
+            self.load_state_dict(state, scheduler_from)
+        self.restore_masters(masters, newest)
 
     def load_state_dict(self, state: dict, scheduler_from: str = "checkpoint") -> None:
         """A whole (non-distributed) state: this rank's pieces of it."""

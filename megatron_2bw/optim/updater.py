@@ -16,6 +16,10 @@ authors' 2BW fork skipped several of these):
 
 The learning rate is per parameter group, as megatron-core's scheduler sets it: with
 --decoupled-lr the word embedding and output layer get their own max / min rate.
+
+A checkpoint saves and restores the updater through the contract of optim/checkpoint.py
+(`checkpoint_state`, `state_dict`, `per_parameter_state`, `trained_weights`,
+`restore_checkpoint`), never through its attributes.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from torch import nn
 
 from .. import comm
 from .adam import AdamDirection
+from .checkpoint import OptimizerCheckpoint
 from .compensation import COMPENSATIONS, DelayCompensation
 from .loss_scale import LossScaleConfig, LossScaler
 from .muon import MuonConfig, MuonDirection, MuonParamSpec, TensorParallel
@@ -305,6 +310,24 @@ class MegatronUpdater:
                  "delay_compensation": list(enumerate(self.compensation.buffers)),
                  "fp32_param": [] if self.alias else list(enumerate(self.masters))}
         return {kind: pairs for kind, pairs in state.items() if pairs}
+
+    def checkpoint_state(self) -> OptimizerCheckpoint:
+        """Identity and scalars for checkpointing (optim/checkpoint.py); no collective."""
+        return OptimizerCheckpoint(
+            optimizer=self.config.optimizer, compensation=self.compensation.kind,
+            predicts=self.compensation.predicts, collective=False,
+            param_names=tuple(info.name for info in self.infos), step=self.adam.step,
+            scaler=self.scaler.state_dict(), scheduler=self.scheduler.state_dict(),
+            lr_groups=self.param_groups.limits())
+
+    def restore_checkpoint(self, state: Optional[dict], newest: list[torch.Tensor],
+                           scheduler_from: str = "checkpoint",
+                           masters: Optional[list[torch.Tensor]] = None) -> None:
+        """A resume's optimizer state (`state` None: it starts fresh), then the true
+        weights: `masters` saved, or (None) the restored `newest` weights."""
+        if state is not None:
+            self.load_state_dict(state, scheduler_from)
+        self.restore_masters(masters, newest)
 
     def load_state_dict(self, state: dict, scheduler_from: str = "checkpoint") -> None:
         """Everything `state_dict` saved but the masters: those depend on which buffer

@@ -15,6 +15,9 @@ stage's module holds them as `module.chunks`, each called as above; F and B run 
 only the last (the last stage's chunk v - 1) returns the loss. Each microbatch's batch is
 read once, at its chunk-0 forward, and kept for the stage's other chunks. Weight
 versions, the gradient buffer, the reductions and the optimizer step span all chunks.
+
+A checkpoint reads and restores the weight versions through `checkpoint_state` and
+`restore_checkpoint` only (runtime/checkpoint.py).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from ..schedules.channels import receives_ahead, send_releases
 from ..schedules.stop import last_step, stop_cut
 from ..schedules.validate import require_valid
 from .activations import ActivationMeter
+from .checkpoint import WeightsCheckpoint, restore_loss_scales, weights_checkpoint
 from .grad_sync import GradReduceConfig, GradReducer, TiedGradSync
 from .p2p import P2P, StageLinks, Transport
 from .versions import WeightStore, WeightVersionError
@@ -251,6 +255,15 @@ class PipelineExecutor:
         tokens = self.evaluation_tokens  # once, not per metric
         return {name: self._average([m[name] for m in metrics], tokens)
                 for name in (metrics[0] if metrics else {})}
+
+    # --- checkpoints: the contract of runtime/checkpoint.py ----------------------------
+    def checkpoint_state(self) -> WeightsCheckpoint:
+        """The held weight versions, as a checkpoint saves and restores them."""
+        return weights_checkpoint(self.weights)
+
+    def restore_checkpoint(self, loss_scales: Mapping[int, float]) -> None:
+        """After a restore loaded its versions' weights: their loss scales."""
+        restore_loss_scales(self.weights, loss_scales)
 
     def _reset(self, schedule: Schedule, data: Iterator[dict]) -> None:
         """Fresh per-run state (weights and optimizer state persist across runs)."""

@@ -1,0 +1,132 @@
+"""Restoring a read checkpoint into the built model and optimizer (both formats alike).
+
+The weight versions go back into the modules the runtime hands over
+(`executor.checkpoint_state()`), their loss scales through `executor.restore_checkpoint`;
+the optimizer state and the true weights through `updater.restore_checkpoint`
+(runtime/checkpoint.py, optim/checkpoint.py). --finetune, --no-load-optim and
+--no-load-rng leave out what Megatron-LM's flags of those names leave out.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..optim.checkpoint import CheckpointedOptimizer
+from ..runtime.checkpoint import CheckpointedRuntime, WeightsCheckpoint
+from .contents import MODULE_PREFIX, from_megatron_names, restore_rng
+from .files import CheckpointError
+from .ranks import warn_once
+from .reading import LoadedCheckpoint
+from .resume import continuation_line, scheduler_source
+
+logger = logging.getLogger(__name__)
+
+
+def restore(loaded: LoadedCheckpoint, executor: CheckpointedRuntime,
+            updater: CheckpointedOptimizer, run) -> None:
+    """Put the saved weight versions, optimizer state and RNG state back, as far as
+    --finetune, --no-load-optim and --no-load-rng allow (Megatron-LM's meanings).
+
+    Masters come from the checkpoint, or from the restored newest weights when it has none
+    (a checkpoint of an fp32 run resumed with --bf16, or optimizer state not loaded); the
+    LR schedule as --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler say.
+    """
+    state, weights, t = loaded.state, executor.checkpoint_state(), run.train
+    if t.finetune:
+        _restore_finetune(loaded, weights, updater)
+        return
+    newest = state["newest_version"]
+    optim = _loads_optimizer(loaded, t.no_load_optim)
+    source = scheduler_source(loaded, updater, run) if optim else "checkpoint"
+    line = continuation_line(state.get("pipeline_schedule"), run.parallel.schedule, newest,
+                             len(state["weight_versions"]), weights.num_buffers)
+    if line:
+        logger.info(line)
+    # without the optimizer state the run starts from the trained weights (`model`); with
+    # it, from the buffers as saved (weight prediction's newest holds a prediction)
+    versions = state["weight_versions"] if optim else {**state["weight_versions"],
+                                                       newest: state["model"]}
+    executor.restore_checkpoint(_restore_weights(loaded, weights, versions))
+    masters = _saved_masters(state, weights.module(weights.newest)) if optim else None
+    updater.restore_checkpoint(state["optimizer"] if optim else None,
+                               weights.params(weights.newest), source, masters)
+    if not t.no_load_rng and state.get("rng_state") is not None:  # None: another layout
+        restore_rng(state["rng_state"])
+
+
+def _restore_finetune(loaded: LoadedCheckpoint, weights: WeightsCheckpoint,
+                      updater: CheckpointedOptimizer) -> None:
+    """--finetune: the trained weights in every buffer (a task head the checkpoint lacks
+    keeps its initialization); the optimizer starts fresh from them."""
+    newest = loaded.state["newest_version"]
+    _restore_weights(loaded, weights, {newest: loaded.state["model"]}, fresh=True)
+    updater.restore_checkpoint(None, weights.params(weights.newest))
+    logger.info(f"--finetune: the weights of {loaded.path} (iteration {loaded.iteration}, "
+                f"weight version {newest}); the iteration count, optimizer, learning-rate "
+                "schedule and random state start fresh")
+
+
+def _loads_optimizer(loaded: LoadedCheckpoint, no_load_optim: bool) -> bool:
+    """Whether the optimizer state is restored; a checkpoint without it needs the flag."""
+    if no_load_optim:
+        logger.info("--no-load-optim: the optimizer state and the learning-rate schedule "
+                    "start fresh (Megatron-LM's meaning: the warm-up runs again)")
+        return False
+    if loaded.state.get("optimizer") is None:
+        raise CheckpointError(f"the checkpoint holds no optimizer state (saved with "
+                              f"--no-save-optim?) ({loaded.path}); pass --no-load-optim to "
+                              "start the optimizer fresh, or --finetune")
+    return True
+
+
+def _restore_weights(loaded: LoadedCheckpoint, weights: WeightsCheckpoint, versions: dict,
+                     fresh: bool = False) -> dict[int, float]:
+    """Each weight buffer from its saved version (a flush checkpoint has no shadow: the
+    newest stands in); returns the loss scales those versions were made with. `fresh`
+    (--finetune): a task head the checkpoint lacks keeps its initialization."""
+    newest = loaded.state["newest_version"]
+    saved = loaded.state.get("loss_scale_of", {})
+    scales = {}
+    for v in weights.versions:
+        _load_module(weights.module(v), versions.get(v, versions[newest]), loaded.path,
+                     fresh)
+        if not fresh:
+            scales[v] = saved.get(v, saved[newest])
+    return scales
+
+
+def _load_module(module: nn.Module, weights: dict, path: str, fresh: bool = False) -> None:
+    """One buffer's weights (megatron-core's names), a size mismatch as one line."""
+    if fresh:
+        weights = _with_fresh(module, weights)
+    try:
+        module.load_state_dict(from_megatron_names(weights))
+    except RuntimeError as err:
+        raise CheckpointError(f"the checkpoint does not fit this model: "
+                              f"{str(err).strip().splitlines()[-1].strip()} ({path}); resume "
+                              "with the model flags it was saved with") from err
+
+
+def _with_fresh(module: nn.Module, weights: dict) -> dict:
+    """--finetune with a task head: the checkpoint's weights plus the module's own
+    initialization of what a pretrained checkpoint cannot hold (`fresh_keys`)."""
+    named = from_megatron_names(weights)
+    fresh = module.fresh_keys({k[len(MODULE_PREFIX):] for k in named})
+    if not fresh:
+        return named
+    own = module.model.state_dict()
+    warn_once(f"--finetune: {', '.join(fresh)} not in the checkpoint: they start from "
+              "their initialization")
+    return {**named, **{MODULE_PREFIX + k: own[k] for k in fresh}}
+
+
+def _saved_masters(state: dict, module: nn.Module) -> list[torch.Tensor]:
+    """The checkpoint's fp32 masters; a checkpoint without them (an fp32 run's) has its
+    trained weights at full precision, which are the masters of a --bf16 resume."""
+    masters = state["optimizer"].get("masters")
+    if masters is not None:
+        return masters
+    weights = from_megatron_names(state["model"])
+    return [weights[name] for name, p in module.named_parameters() if p.requires_grad]
