@@ -1,5 +1,6 @@
-"""Puts tools/ on sys.path, as running a tools/ script does, so the tests import the tool
-packages `planner_validation` and `benchmarks`; and the session's small real corpus.
+"""Puts tools/ and tools/studies/ on sys.path, as running a script there does, so the
+tests import the tool packages `benchmarks` and `planner_validation` and the studies'
+modules; and the session's small real corpus.
 tests/devices.py, imported first, keeps every test process on the CPU unless the test
 asks for CUDA (so the suite runs alike on a GPU machine)."""
 import os
@@ -10,8 +11,9 @@ import pytest
 import tests.devices  # noqa: F401  (before any test starts a process)
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-if TOOLS not in sys.path:
-    sys.path.insert(0, TOOLS)
+for folder in (TOOLS, os.path.join(TOOLS, "studies")):
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 @pytest.fixture(scope="session")

@@ -373,7 +373,7 @@ def test_gpu_convergence_dry_run(tmp_path) -> None:
     """The GPU convergence script on CPU at tiny sizes: data built with the offline recipe,
     calibration, plan, the three arms on the same tokens, and the summary files alone in
     the results folder (the GPU machine sends back a few files only)."""
-    proc = _run(["bash", "tools/gpu_convergence.sh", "--dry-run"],
+    proc = _run(["bash", "tools/studies/gpu_convergence.sh", "--dry-run"],
                 env={"OUT": str(tmp_path), "PYTHON": sys.executable}, timeout=300)
     assert "Validation loss at iteration 10" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -420,7 +420,7 @@ def test_gpu_convergence_dry_run(tmp_path) -> None:
 def test_gpu_convergence_compares_where_every_arm_got() -> None:
     """An arm cut short by its time limit: all arms are compared at its last validation,
     with the tokens up to there and the best loss up to there."""
-    from benchmarks.gpu_convergence import compare
+    from gpu_convergence import compare
 
     def run(curve: list[tuple[int, float]], iterations: int) -> dict:
         return {"val_curve": [list(p) for p in curve], "iterations": iterations,
@@ -470,13 +470,14 @@ def test_fp16_overflow_is_skipped_and_scale_backs_off(tmp_path, schedule, device
     assert sum(skipped[first:]) <= len(skipped[first:]) // 4, skipped  # mostly training
 
 
-# --- torch's peer schedules on paper (tools/benchmarks/peer_sim.py): no processes --------
+# --- torch's peer schedules on paper (tools/benchmarks/peer_orders.py, timed by the
+# library's simulate_order): no processes ----------------------------------------------
 
-def _peer_sim():
+def _peer_orders():
     """tools/ is not a package on sys.path for pytest; import the benchmark modules."""
     _tools_on_path()
-    from benchmarks import peer_sim
-    return peer_sim
+    from benchmarks import peer_orders
+    return peer_orders
 
 
 def _tools_on_path() -> None:
@@ -488,31 +489,30 @@ def _tools_on_path() -> None:
 @pytest.mark.parametrize("p2p", [0.0, 0.25])
 def test_torch_1f1b_order_and_timeline_are_our_flush(d: int, m: int, p2p: float) -> None:
     """Schedule1F1B's order (derived from its _step_microbatches) is our flush's, and
-    both simulators time it alike, transfers included."""
+    the simulator times the order as it times our schedule, transfers included."""
     from megatron_2bw.schedules import build_schedule
-    from megatron_2bw.schedules.simulate import Costs, simulate
+    from megatron_2bw.schedules.simulate import Costs, simulate, simulate_order
 
-    ps = _peer_sim()
-    order = ps.torch_order("1f1b", d, m)
+    order = _peer_orders().torch_order("1f1b", d, m)
     flush = build_schedule("flush", d, m, 1, defer_step=False)
     for s in range(d):
         ours = [(str(a.kind), a.microbatch) for a in flush[s] if a.is_compute]
         assert [(a.kind, a.microbatch) for a in order.actions[s]] == ours
-    theirs = ps.simulate_order(order, ps.PeerCosts(forward=1, backward=2, p2p=p2p))
+    theirs = simulate_order(order, Costs(forward=1, backward=2, p2p=p2p))
     mine = simulate(flush, Costs(forward=1, backward=2, p2p=p2p))
     assert theirs.makespan == pytest.approx(mine.makespan)
     assert theirs.bubble_ratio == pytest.approx(mine.bubble_ratio)
-    assert [theirs.peak_stash_units[s] for s in range(d)] == [mine.peak_stashes[s]
-                                                               for s in range(d)]
+    assert theirs.peak_stashes == mine.peak_stashes
 
 
 @pytest.mark.parametrize("d,m", [(2, 4), (4, 4), (4, 8), (4, 16)])
 @pytest.mark.parametrize("backward", [1.0, 2.0])
 def test_torch_interleaved_1f1b_bubble_is_megatrons(d: int, m: int, backward: float) -> None:
     """ScheduleInterleaved1F1B's own order, v = 2, free transfers: bubble (d-1)/(v m)."""
-    ps = _peer_sim()
-    order = ps.torch_order("interleaved-1f1b", d, m, chunks=2)
-    t = ps.simulate_order(order, ps.PeerCosts(forward=1, backward=backward))
+    from megatron_2bw.schedules.simulate import Costs, simulate_order
+
+    order = _peer_orders().torch_order("interleaved-1f1b", d, m, chunks=2)
+    t = simulate_order(order, Costs(forward=1, backward=backward))
     assert order.stage_to_rank == {s: s % d for s in range(2 * d)}
     assert t.bubble_ratio == pytest.approx((d - 1) / (2 * m))
 
@@ -521,50 +521,58 @@ def test_torch_interleaved_1f1b_bubble_is_megatrons(d: int, m: int, backward: fl
 def test_zero_bubble_orders_beat_1f1b(d: int, m: int) -> None:
     """With I = W = B/2, ZBV (V placement) and interleaved zero-bubble idle less than
     1F1B and interleaved 1F1B."""
-    ps = _peer_sim()
-    costs = ps.PeerCosts(forward=1, backward=2, input_fraction=0.5)
-    bubble = {s: ps.simulate_order(ps.torch_order(s, d, m), costs).bubble_ratio
+    from megatron_2bw.schedules.simulate import Costs, simulate_order
+
+    po = _peer_orders()
+    costs = Costs(forward=1, backward=2, input_fraction=0.5)
+    bubble = {s: simulate_order(po.torch_order(s, d, m), costs).bubble_ratio
               for s in ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")}
     assert bubble["zbv"] < bubble["1f1b"] and bubble["interleaved-zb"] < bubble["1f1b"]
     assert bubble["interleaved-zb"] < bubble["interleaved-1f1b"]
-    assert ps.torch_order("zbv", d, m).stage_to_rank == {
+    assert po.torch_order("zbv", d, m).stage_to_rank == {
         s: s if s < d else 2 * d - 1 - s for s in range(2 * d)}
 
 
 def test_every_torch_order_is_complete() -> None:
     """Each rank's order from torch holds each (microbatch, stage) F once and B once (or
     I and W once), on the rank holding the stage; DualPipeV refuses m < 2d; the check
-    itself catches an action taken out."""
-    ps = _peer_sim()
+    itself catches an action taken out, and the simulator refuses such an order."""
+    from megatron_2bw.schedules.simulate import simulate_order
+
+    po = _peer_orders()
     for d in (2, 4):
         for m in (d, 2 * d, 4 * d):
-            for schedule in ps.PEERS:
-                if schedule == "dualpipev" and m < 2 * d:
-                    with pytest.raises(ValueError, match="DualPipeV"):
-                        ps.torch_order(schedule, d, m)
+            for schedule, peer in po.PEERS.items():
+                if m < peer.min_microbatches_per_rank * d:
+                    with pytest.raises(ValueError, match="DualPipeV|needs m >= "):
+                        po.torch_order(schedule, d, m)
                     continue
-                order = ps.torch_order(schedule, d, m)
-                assert ps.order_problems(order) == []
+                order = po.torch_order(schedule, d, m)
+                assert order.problems() == []
                 kinds = {a.kind for acts in order.actions.values() for a in acts}
-                assert ("I" in kinds) == (schedule in ps.ZERO_BUBBLE)
-    order = ps.torch_order("zbv", 2, 4)
-    broken = {**order.actions, 0: order.actions[0][1:]}
-    problems = ps.order_problems(dataclasses.replace(order, actions=broken))
+                assert ("I" in kinds) == peer.split_backward
+    order = po.torch_order("zbv", 2, 4)
+    broken = dataclasses.replace(order, actions={**order.actions, 0: order.actions[0][1:]})
+    problems = broken.problems()
     assert problems and "F x0" in problems[0]
+    with pytest.raises(ValueError, match="incomplete"):
+        simulate_order(broken)
 
 
 def test_peer_transfers_cost_only_between_ranks() -> None:
     """GPipe's critical path crosses 2(d-1) rank boundaries; stages on one rank pass
     locally (the tip of the V), so ZBV on a single rank pays for no transfer."""
-    ps = _peer_sim()
+    from megatron_2bw.schedules.simulate import Costs, simulate_order
+
+    po = _peer_orders()
     for d in (2, 4):
-        order = ps.torch_order("gpipe", d, 8)
-        free = ps.simulate_order(order, ps.PeerCosts(p2p=0.0)).makespan
-        paid = ps.simulate_order(order, ps.PeerCosts(p2p=0.5)).makespan
+        order = po.torch_order("gpipe", d, 8)
+        free = simulate_order(order, Costs(p2p=0.0)).makespan
+        paid = simulate_order(order, Costs(p2p=0.5)).makespan
         assert paid - free == pytest.approx(2 * (d - 1) * 0.5)
-    one_rank = ps.torch_order("zbv", 1, 4)
-    assert (ps.simulate_order(one_rank, ps.PeerCosts(p2p=9.0)).makespan
-            == ps.simulate_order(one_rank, ps.PeerCosts(p2p=0.0)).makespan)
+    one_rank = po.torch_order("zbv", 1, 4)
+    assert (simulate_order(one_rank, Costs(p2p=9.0)).makespan
+            == simulate_order(one_rank, Costs(p2p=0.0)).makespan)
 
 
 def _measured_flush(m: int, d: int = 2) -> dict:
@@ -648,3 +656,85 @@ def test_results_survive_a_teardown_abort(tmp_path) -> None:
     (tmp_path / "1.pkl").unlink()
     with pytest.raises(RuntimeError, match="SIGABRT"):
         _results(str(tmp_path), 2, died)
+
+
+# --- tools/ ask the schedule registry, not a schedule's name ----------------------------
+
+def _schedule_names() -> set[str]:
+    """Every name a schedule goes by in tools/: ours (canonical and aliases), the
+    benchmark's names for ours and torch's (a peer name is data, never a condition)."""
+    _tools_on_path()
+    from benchmarks.config import OURS, PEERS
+
+    from megatron_2bw.schedules import SCHEDULE_NAMES
+    return set(SCHEDULE_NAMES) | set(OURS) | set(PEERS)
+
+
+def _name_conditions(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every comparison of something with a schedule name: `x == "2bw"`,
+    `x != "flush"`, `x in ("flush", ...)`, `"flush" in label`, `.startswith("gpipe")`."""
+    import ast
+
+    def named(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Constant) and node.value in names:
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+        return []
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            found += [(node.lineno, n) for part in (node.left, *node.comparators)
+                      for n in named(part)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith")):
+            found += [(node.lineno, n) for arg in node.args for n in named(arg)]
+    return sorted(found)
+
+
+_SHELL_CONDITION = r"(==|!=|=~)\s*[\"']?({})[\"']?(\s|\]|$)"
+
+
+def _tool_name_conditions(root: str, names: set[str]) -> list[str]:
+    import pathlib
+    import re
+
+    shell = re.compile(_SHELL_CONDITION.format("|".join(map(re.escape, sorted(names)))))
+    found = []
+    for path in sorted(pathlib.Path(root).rglob("*")):
+        if path.suffix == ".py":
+            found += [f"{path}:{line}: {name!r}"
+                      for line, name in _name_conditions(path.read_text(), names)]
+        elif path.suffix == ".sh":
+            found += [f"{path}:{i}: {line.strip()}"
+                      for i, line in enumerate(path.read_text().splitlines(), 1)
+                      if shell.search(line)]
+    return found
+
+
+def test_tools_do_not_branch_on_schedule_names() -> None:
+    """No condition in tools/ compares with a schedule's name: what a schedule does comes
+    from the registry (`schedule_spec(name).delayed`, `.flushes`, `.weight_versions`,
+    `.min_microbatches(d)` ...), the built schedule's declarations (`stash_limit`) or the
+    benchmark's tables (config.OURS, config.PEERS); names are data keys only."""
+    found = _tool_name_conditions(os.path.join(ROOT, "tools"), _schedule_names())
+    assert not found, "conditions on schedule names in tools/:\n" + "\n".join(found)
+
+
+def test_the_name_check_catches_planted_conditions(tmp_path) -> None:
+    names = _schedule_names()
+    planted = {
+        "a.py": 'if schedule == "2bw":\n    pass\nx = 1 if s != "flush" else 2\n',
+        "b.py": 'ok = [r for r in rows if r["schedule"] in ("flush", "gpipe")]\n'
+                'style = "-" if "flush" in label else "--"\n'
+                'y = name.startswith("interleaved-flush")\n',
+        "c.sh": 'if [[ "$SCHEDULE" == 2bw ]]; then echo; fi\n',
+        "fine.py": 'ARMS = {"flush": 1, "2bw": 2}\nfor name in ("flush", "2bw"):\n'
+                   '    build(name)\nif spec.delayed:\n    pass\n',
+    }
+    for name, text in planted.items():
+        (tmp_path / name).write_text(text)
+    found = _tool_name_conditions(str(tmp_path), names)
+    assert [os.path.relpath(f.split(": ")[0], tmp_path) for f in found] == [
+        "a.py:1", "a.py:3", "b.py:1", "b.py:1", "b.py:2", "b.py:3", "c.sh:1"], found

@@ -1,4 +1,4 @@
-"""tools/compare_convergence.py without training: the cells, the cache, spikes, gaps, report.
+"""tools/studies/compare_convergence.py without training: the cells, the cache, spikes, gaps, report.
 
 The study itself takes hours (it is a tool, not a test); these check the parts that decide
 what runs and what the table says, with a fake runner and fake cached results.

@@ -281,9 +281,9 @@ def _cycles(roots: dict[pathlib.Path, list[pathlib.Path]]) -> list[list[str]]:
 def test_no_import_circles() -> None:
     """Modules import one way, also within a layer and in tools/ (a circle hides which
     module is the lower one; they were planner/netprofile <-> planner/profile and
-    tools/planner_validation/calibrate <-> workers)."""
+    tools/studies/planner_validation/calibrate <-> workers)."""
     tools = PACKAGE.parent / "tools"
     roots = {PACKAGE.parent: sorted(PACKAGE.rglob("*.py")),
-             tools: sorted(p for d in ("planner_validation", "benchmarks")
-                           for p in (tools / d).rglob("*.py"))}
+             tools: sorted((tools / "benchmarks").rglob("*.py")),
+             tools / "studies": sorted((tools / "studies").rglob("*.py"))}
     assert not _cycles(roots), "\n".join(" -> ".join(c + c[:1]) for c in _cycles(roots))

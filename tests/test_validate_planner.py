@@ -1,4 +1,4 @@
-"""tools/validate_planner.py: the comparison logic (pure, fast) and one tiny dry run.
+"""tools/studies/validate_planner.py: the comparison logic (pure, fast) and one tiny dry run.
 
 No timing assertions: the dry run only checks that calibration, prediction, one real
 training run and the report fit together.
@@ -296,7 +296,7 @@ def test_scatter_plot_writes_png(tmp_path):
 def test_dry_run_end_to_end(tmp_path):
     """Profile, calibrate in two processes, predict all plans, run the pick once."""
     report = tmp_path / "report.json"
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "validate_planner.py"),
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "studies", "validate_planner.py"),
            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
            "--seq-length", "16", "--vocab-size", "128", "--global-batch-size", "4",
            "--iterations", "3", "--warmup", "1", "--repeats", "1", "--retries", "0",
@@ -381,6 +381,6 @@ def test_show_profiles_prints_each_profiles_layer_times(tmp_path):
     data["tensor_parallel"] = {"2": [dict(data["entries"][0], allreduce_s=0.001)]}
     path.write_text(json.dumps(data))
     assert v.profile_lines([str(path)]).endswith("b16 30.0 | tp2: b1 30")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "validate_planner.py"),
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "studies", "validate_planner.py"),
                            "--show-profiles", str(path)], capture_output=True, text=True)
     assert proc.returncode == 0 and "| tp2: b1 30" in proc.stdout

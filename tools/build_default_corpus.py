@@ -6,7 +6,7 @@
 prints the manifest's paths and counts and the Megatron-LM flags that use the data.
 `--preset offline` builds the largest text the machine has offline for GPT only
 (data/cache/offline-corpus; see megatron_2bw.data.default_data.PRESETS): the folder that
-tools/gpu_convergence.sh carries to a GPU machine.
+tools/studies/gpu_convergence.sh carries to a GPU machine.
 """
 from __future__ import annotations
 

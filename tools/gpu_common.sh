@@ -1,6 +1,6 @@
 # Shared by the GPU scripts (tools/gpu_check.sh, tools/gpu_multi_check.sh,
-# tools/gpu_convergence.sh): choosing the interpreter, installing only what it lacks
-# (the GPU machine has torch with CUDA but no megatron-core and no network: wheels
+# tools/studies/gpu_convergence.sh): choosing the interpreter, installing only what it
+# lacks (the GPU machine has torch with CUDA but no megatron-core and no network: wheels
 # carried in .whl/), and running a step with a time limit into $OUT_DIR.
 # The caller sets ROOT and sources this file first (`dry_run_args` reads its flags), then
 # OUT_DIR and LOG before the steps; `record` calls the caller's `summarise` when it

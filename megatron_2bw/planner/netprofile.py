@@ -14,7 +14,7 @@ the latency and bandwidth of one level replaced (`hardware.calibrated`):
         --hardware p4d.json --inter-node --output p4d.json
 
 The timing functions are shared with the planner validation's calibration
-(tools/planner_validation/calibrate.py). torch is imported lazily: planning never
+(tools/studies/planner_validation/calibrate.py). torch is imported lazily: planning never
 imports this module.
 """
 from __future__ import annotations

@@ -280,7 +280,7 @@ def _profile_concurrently(n: int, shape: dict) -> tuple[tuple, dict]:
     own copy (a barrier before each size), as n devices of one node compute at once in
     training: on a CPU their cores share memory bandwidth and caches (and a virtual
     machine's cores may share physical ones), so a lone process measures faster than
-    any of n busy ones (tools/validate_planner.py's `layer_diagnostics` show by how much).
+    any of n busy ones (tools/studies/validate_planner.py's `layer_diagnostics` show by how much).
     Rank 0's entries and the parameter counts."""
     profile = profile_from_dict(_in_processes(n, 1, shape))
     return profile.entries, profile.params

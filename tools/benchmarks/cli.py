@@ -6,7 +6,7 @@ overhead in this process; prints a table and the targets; `--json FILE` writes t
 records (see report.py), `--plot FILE.png` draws throughput and memory,
 `--markdown FILE` writes the table and targets. `--simulate 2,4` predicts ours and
 torch's schedules at those depths from our flush's measured action times (simulated.py,
-peer_sim.py) and adds the 2bw/peer ratios at m = d to the tables, JSON and picture.
+peer_orders.py) and adds the 2bw/peer ratios at m = d to the tables, JSON and picture.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ process disturbed (probe.py) are set aside when enough undisturbed ones remain.
 
 What runs, in one process (a gloo world of 1 for megatron-core's parallel_state):
 
-- the GPT model of the convergence study (tools/compare_convergence.py: 4 layers, hidden
-  128, 4 heads, seq 128, micro batch 8, global batch 32, so m = 4, on the embedded
+- the GPT model of the convergence study (tools/studies/compare_convergence.py: 4 layers,
+  hidden 128, 4 heads, seq 128, micro batch 8, global batch 32, so m = 4, on the embedded
   corpus's 4096-token vocabulary; other megatron flags after the tool's own override
   these, e.g. `--mock-data --vocab-size 127` or `--bf16`), built as one stage (d = 1);
 - six `MegatronUpdater`s over copies of its parameters, one per optimizer in {adam, muon}
@@ -62,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OPTIMIZERS = ("adam", "muon")
 COMPENSATIONS = ("none", "error-feedback", "weight-prediction")
 LIMIT = 0.05  # the target: extra step time <= 5% of the 2BW iteration
-# The convergence study's model and batch (tools/compare_convergence.py MODEL, d = 1).
+# The convergence study's model and batch (tools/studies/compare_convergence.py MODEL,
+# d = 1).
 STUDY_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
                "--seq-length", "128", "--max-position-embeddings", "128",
                "--micro-batch-size", "8", "--global-batch-size", "32",

@@ -5,14 +5,73 @@ from dataclasses import dataclass
 
 ENGINE = "megatron_2bw"
 TORCH = "torch.distributed.pipelining"
-# "interleaved-flush": our flush with `chunks` model chunks per rank (interleaved 1F1B)
-ENGINE_SCHEDULES = ("gpipe", "flush", "2bw", "interleaved-flush")
-# ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-# ScheduleZBVZeroBubble, ScheduleDualPipeV
-TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
-INTERLEAVED = ("interleaved-flush", "interleaved-1f1b", "interleaved-zb")  # loop placement
-V_SHAPED = ("zbv", "dualpipev")  # rank r holds virtual stages r and 2d - 1 - r
 TORCH_UPDATER, MEGATRON = "torch", "megatron"
+
+
+@dataclass(frozen=True)
+class Ours:
+    """One of our schedules as the benchmark names it: a registered schedule
+    (`megatron_2bw.schedules.schedule_spec`), with `chunks` model chunks per rank when
+    `interleaved` (Megatron's interleaved 1F1B for flush)."""
+
+    schedule: str
+    interleaved: bool = False
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One of torch.distributed.pipelining's schedules, described by what the benchmark
+    needs of it: its class, where its virtual stages sit, whether it splits a backward."""
+
+    torch_class: str
+    placement: str = "single"   # one stage per rank; "loop": r, r + d, ... (`chunks` of
+    #                             them); "v": r and 2d - 1 - r
+    split_backward: bool = False  # input- and weight-gradient actions (zero-bubble)
+    min_microbatches_per_rank: int = 0  # torch refuses m below this x d
+
+
+OURS = {"gpipe": Ours("gpipe"), "flush": Ours("flush"), "2bw": Ours("2bw"),
+        "interleaved-flush": Ours("flush", interleaved=True)}
+PEERS = {"gpipe": Peer("ScheduleGPipe"), "1f1b": Peer("Schedule1F1B", min_microbatches_per_rank=1),
+         "interleaved-1f1b": Peer("ScheduleInterleaved1F1B", "loop"),
+         "interleaved-zb": Peer("ScheduleInterleavedZeroBubble", "loop", split_backward=True),
+         "zbv": Peer("ScheduleZBVZeroBubble", "v", split_backward=True),
+         "dualpipev": Peer("ScheduleDualPipeV", "v", split_backward=True,
+                           min_microbatches_per_rank=2)}
+ENGINE_SCHEDULES = tuple(OURS)
+# what the benchmark asks: our SUBJECT against our BASELINE and against every peer; the
+# BASELINE's measured action times feed the simulated predictions (simulated.py)
+SUBJECT, BASELINE = "2bw", "flush"
+TORCH_SCHEDULES = tuple(PEERS)
+
+
+def peer_chunks(peer: Peer, chunks: int) -> int:
+    """Virtual stages per rank a peer runs: 1, `chunks` (loop) or 2 (V)."""
+    return {"single": 1, "loop": chunks, "v": 2}[peer.placement]
+
+
+def ours_not_run(schedule: str, d: int, m: int) -> str | None:
+    """Why our `schedule` cannot run at depth d with m microbatches (None: it can): the
+    registry's fewest microbatches, and m a multiple of d when interleaved."""
+    from megatron_2bw.schedules import schedule_spec
+
+    ours = OURS[schedule]
+    if m < schedule_spec(ours.schedule).min_microbatches(d):
+        return f"{schedule} needs m >= d ({m} < {d})"
+    if ours.interleaved and m % d:
+        return f"our interleaved {ours.schedule} needs m a multiple of d (m={m}, d={d})"
+    return None
+
+
+def peer_not_run(schedule: str, d: int, m: int) -> str | None:
+    """Why torch's `schedule` cannot run at depth d with m microbatches (None: it can)."""
+    peer, need = PEERS[schedule], PEERS[schedule].min_microbatches_per_rank
+    if m < need * d:  # torch counts m against its stages, the virtual ones beyond one a rank
+        return (f"{schedule} needs m >= d ({m} < {d})" if need == 1 else
+                f"{peer.torch_class} needs m >= {need}d virtual stages ({m} < {need * d})")
+    if peer.placement == "loop" and m % max(1, m // d):
+        return f"torch needs m a multiple of its rounds max(1, m // d) (m={m}, d={d})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -83,9 +142,9 @@ class BenchConfig:
                 out += [RunSpec(TORCH, name, m) for name in TORCH_SCHEDULES
                         if name in self.torch_schedules]
             if self.megatron_updater:
-                out += [RunSpec(ENGINE, "flush", m, MEGATRON),
-                        RunSpec(ENGINE, "2bw", m, MEGATRON),
-                        RunSpec(ENGINE, "2bw", m, MEGATRON, defer_step=True)]
+                out += [RunSpec(ENGINE, BASELINE, m, MEGATRON),
+                        RunSpec(ENGINE, SUBJECT, m, MEGATRON),
+                        RunSpec(ENGINE, SUBJECT, m, MEGATRON, defer_step=True)]
         return out
 
     def specs(self) -> list["RunSpec"]:
@@ -94,24 +153,17 @@ class BenchConfig:
 
     def chunks_of(self, spec: "RunSpec") -> int:
         """Model chunks per rank the spec's schedule runs."""
-        if spec.schedule in V_SHAPED:
-            return 2
-        return self.chunks if spec.schedule in INTERLEAVED else 1
+        if spec.system == ENGINE:
+            return self.chunks if OURS[spec.schedule].interleaved else 1
+        return peer_chunks(PEERS[spec.schedule], self.chunks)
 
     def not_run(self, spec: "RunSpec") -> str | None:
         """Why a configuration cannot run at these sizes (None: it can)."""
-        d, m, v = self.stages, spec.microbatches, self.chunks_of(spec)
-        if spec.schedule in ("2bw", "1f1b") and m < d:
-            return f"{spec.schedule} needs m >= d ({m} < {d})"
+        v = self.chunks_of(spec)
         if v > 1 and self.blocks_per_stage % v:
             return f"blocks_per_stage={self.blocks_per_stage} does not split into {v} chunks"
-        if spec.schedule == "interleaved-flush" and m % d:
-            return f"our interleaved flush needs m a multiple of d (m={m}, d={d})"
-        if spec.schedule in ("interleaved-1f1b", "interleaved-zb") and m % max(1, m // d):
-            return f"torch needs m a multiple of its rounds max(1, m // d) (m={m}, d={d})"
-        if spec.schedule == "dualpipev" and m < 2 * d:
-            return f"ScheduleDualPipeV needs m >= 2d virtual stages ({m} < {2 * d})"
-        return None
+        why = ours_not_run if spec.system == ENGINE else peer_not_run
+        return why(spec.schedule, self.stages, spec.microbatches)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,14 @@ microbatches of its training data, already on the device, with torch.optim.Adam:
 - engine: `PipelineExecutor.run` of a one-stage flush schedule (the trainer's program at
   d = 1), with its flat fp32 gradient buffer and `TorchOptimizerUpdater` over Adam.
 
-The sides alternate in short sessions (overhead.alternate), so a drift of the machine
-hits both alike; the overhead is the ratio of their median seconds per minibatch. The
-weights are fp32 (Adam on the parameters themselves, the same update on both sides);
-on CUDA TF32 matmuls are on for both. The first minibatch's loss of each side is in the
-record: equal losses show both sides train the same model on the same data.
+The measurement is overhead.py's (`EngineSide`, `PlainSide`, `alternate`), which the
+CPU benchmark runs on its own blocks; here the model is the trainer's and the device the
+one pretrain_gpt.py picks (the GPU in tools/gpu_check.sh, the CPU in its dry run). The
+sides alternate in short sessions, so a drift of the machine hits both alike; the
+overhead is the ratio of their median seconds per minibatch. The weights are fp32 (Adam
+on the parameters themselves, the same update on both sides); on CUDA TF32 matmuls are on
+for both. The first minibatch's loss of each side is in the record: equal losses show
+both sides train the same model on the same data.
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ import json
 import logging
 import statistics
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from .overhead import alternate
+from .config import BenchConfig
+from .overhead import EngineSide, PlainSide, alternate
 
 if TYPE_CHECKING:
     from megatron_2bw.training.config import RunConfig
@@ -42,14 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LR = 1e-4
-MAX_FOREIGN_CORES = 0.15  # as BenchConfig: sessions with more foreign CPU are set aside
-
-
-def _now(device: torch.device) -> float:
-    """Wall time once the device's queued work is done, so a gap is that work's time."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+MAX_FOREIGN_CORES = BenchConfig.max_foreign_cores  # sessions with more are set aside
 
 
 @dataclass
@@ -89,60 +85,6 @@ def _setup(flags: list[str]) -> _Setup:
     return _Setup(run, env.device, lambda: build_stage(run.model, 0, 1).to(env.device), pool)
 
 
-class _Plain:
-    """megatron-core's model in a plain loop."""
-
-    def __init__(self, module: torch.nn.Module, pool: list[dict], device: torch.device):
-        self.module, self.pool, self.device = module, pool, device
-        self.optimizer = torch.optim.Adam(
-            [p for p in module.parameters() if p.requires_grad], lr=LR)
-        self.losses: list[float] = []
-
-    def session(self, n: int) -> list[float]:
-        m, times = len(self.pool), [_now(self.device)]
-        for _ in range(n):
-            total = torch.zeros((), device=self.device)
-            for batch in self.pool:
-                loss = self.module(None, batch)
-                (loss / m).backward()
-                total += loss.detach()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            times.append(_now(self.device))
-            self.losses.append(total.item() / m)
-        return [b - a for a, b in zip(times, times[1:])]
-
-
-class _Engine:
-    """The same model run by a one-stage executor; weights persist over sessions."""
-
-    def __init__(self, module: torch.nn.Module, pool: list[dict], device: torch.device,
-                 micro_batch_size: int):
-        from megatron_2bw.optim.torch_updater import TorchOptimizerUpdater
-        from megatron_2bw.runtime import PipelineExecutor, StageLinks
-
-        updater = TorchOptimizerUpdater([p for p in module.parameters() if p.requires_grad],
-                                        lambda ps: torch.optim.Adam(ps, lr=LR))
-        links = StageLinks(0, 1, None, None, module.boundary_shape(micro_batch_size),
-                           module.boundary_dtype, device)
-        self.executor = PipelineExecutor(module, links, updater, weight_versions=1,
-                                         grad_buffers=1)
-        self.pool, self.device, self.next_minibatch = pool, device, 0
-        self.losses: list[float] = []
-
-    def session(self, n: int) -> list[float]:
-        from megatron_2bw.schedules import build_schedule
-
-        schedule = build_schedule("flush", 1, len(self.pool), n,
-                                  first_minibatch=self.next_minibatch)
-        self.next_minibatch += n
-        times = [_now(self.device)]
-        result = self.executor.run(schedule, itertools.cycle(self.pool),
-                                   on_step=lambda k, _: times.append(_now(self.device)))
-        self.losses += [result.losses[k] for k in sorted(result.losses)]
-        return [b - a for a, b in zip(times, times[1:])]
-
-
 def measure(flags: list[str], rounds: int, session: int, warmup: int) -> dict:
     """Build both sides, alternate them, return the JSON record."""
     setup = _setup(flags)
@@ -150,8 +92,12 @@ def measure(flags: list[str], rounds: int, session: int, warmup: int) -> dict:
     if m < setup.run.num_microbatches:
         raise ValueError(f"the training data gave {m} microbatches, fewer than the "
                          f"{setup.run.num_microbatches} of one minibatch")
-    engine = _Engine(setup.build(), setup.pool, setup.device, setup.run.train.micro_batch_size)
-    plain = _Plain(setup.build(), setup.pool, setup.device)
+    module = setup.build()
+    engine = EngineSide(module, setup.pool, setup.device,
+                        (module.boundary_shape(setup.run.train.micro_batch_size),
+                         module.boundary_dtype), LR)
+    plain = PlainSide(setup.build(), setup.pool, setup.device, LR,
+                      lambda model, batch: model(None, batch))
     engine_times, plain_times = alternate(engine, plain, warmup, rounds, session,
                                           MAX_FOREIGN_CORES)
     engine_s, plain_s = statistics.median(engine_times), statistics.median(plain_times)

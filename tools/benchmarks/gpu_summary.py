@@ -143,29 +143,39 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return None if a is None or not b else a / b
 
 
+def _one_and_two_versions() -> tuple[str, str]:
+    """The registered 1F1B schedules holding one and two weight versions (flush, 2bw): at
+    depth 1 they differ only in that (same gradient buffers, one stashed microbatch)."""
+    from megatron_2bw.schedules import SCHEDULES
+
+    by_versions = {s.weight_versions: s.name for s in SCHEDULES if s.one_f_one_b}
+    return by_versions[1], by_versions[2]
+
+
 def weight_version_memory(stages: dict[str, dict]) -> Optional[dict]:
-    """What 2BW's second weight version costs: 2bw minus flush at depth 1, where the two
-    differ only in it (same gradient buffers, one stashed microbatch each), against the
-    bytes of one version of the parameters. None unless both ran."""
-    flush, tbw = (stages.get(k, {}).get("measured") for k in ("flush", "2bw"))
+    """What a second weight version costs (2BW's): the two-version schedule minus the
+    one-version one at depth 1 (`_one_and_two_versions`), against the bytes of one
+    version of the parameters. None unless both ran."""
+    one, two = _one_and_two_versions()
+    flush, tbw = (stages.get(k, {}).get("measured") for k in (one, two))
     if not flush or not tbw or flush.get("weight_bytes") is None:
         return None
     param_bytes = flush["weight_bytes"] / flush["weight_versions"]
     store = _difference(tbw.get("weight_bytes"), flush["weight_bytes"])
     cuda = _difference(tbw["cuda_allocated_bytes"], flush["cuda_allocated_bytes"])
     return {"param_bytes": param_bytes,
-            "weight_versions": {"flush": flush["weight_versions"],
-                                "2bw": tbw.get("weight_versions")},
+            "weight_versions": {one: flush["weight_versions"],
+                                two: tbw.get("weight_versions")},
             "extra_version_weight_store_bytes": store,
             "extra_version_weight_store_over_param_bytes": _ratio(store, param_bytes),
             "extra_version_cuda_bytes": cuda,
             "extra_version_cuda_over_param_bytes": _ratio(cuda, param_bytes),
             "extra_version_cuda_over_flush_allocated": _ratio(cuda,
                                                               flush["cuda_allocated_bytes"]),
-            "cuda_allocated_bytes": {"flush": flush["cuda_allocated_bytes"],
-                                     "2bw": tbw["cuda_allocated_bytes"]},
-            "cuda_max_allocated_bytes": {"flush": flush["cuda_max_allocated_bytes"],
-                                         "2bw": tbw["cuda_max_allocated_bytes"]}}
+            "cuda_allocated_bytes": {one: flush["cuda_allocated_bytes"],
+                                     two: tbw["cuda_allocated_bytes"]},
+            "cuda_max_allocated_bytes": {one: flush["cuda_max_allocated_bytes"],
+                                         two: tbw["cuda_max_allocated_bytes"]}}
 
 
 # ---- against plain PyTorch: our trainer, the reference loop, the anchor

@@ -1,11 +1,16 @@
-"""Engine overhead: the executor (d = 1, flush) against a plain loop, in one process.
+"""Engine overhead: the executor (d = 1, the default schedule) against a plain loop.
 
-Both sides train the same model (every stage's blocks) on the same microbatches with
-Adam: the plain side is forward, backward (loss / m) per microbatch, `optimizer.step()`
-and `zero_grad()`; the engine side is `PipelineExecutor.run` of a flush schedule with
-one stage. The two alternate in short rounds so drift of the machine hits both alike, and
-the overhead is the ratio of their median times per minibatch, over the sessions no other
-process disturbed (probe.py).
+Both sides train the same model on the same microbatches with Adam: the plain side is
+forward, backward (loss / m) per microbatch, `optimizer.step()` and `zero_grad()`; the
+engine side is `PipelineExecutor.run` of the default schedule (flush) with one stage. The
+two alternate in short rounds so drift of the machine hits both alike, and the overhead
+is the ratio of their median times per minibatch, over the sessions no other process
+disturbed (probe.py).
+
+`EngineSide`, `PlainSide` and `alternate` are the measurement on any model and device:
+`measure_overhead` runs it on the benchmark's blocks (`--device`), gpu_overhead.py on
+the GPT model pretrain_gpt.py builds (tools/gpu_check.sh, on the GPU). Each side keeps
+its mean loss per minibatch: equal first losses show both train the same model.
 """
 from __future__ import annotations
 
@@ -15,13 +20,13 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from .config import BenchConfig
 from .memory import SavedTensorMeter
-from .model import EngineStage, build_blocks, microbatch_pool
+from .model import EngineStage, build_blocks, microbatch_pool, mse
 from .probe import LoadProbe
 
 logger = logging.getLogger(__name__)
@@ -50,56 +55,69 @@ class Side(Protocol):
     def session(self, n: int) -> list[float]: ...
 
 
-def _now(device: torch.device) -> float:
+def now(device: torch.device) -> float:
+    """Wall time once the device's queued work is done, so a gap is that work's time."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
-class _EngineSide:
-    """A one-stage executor whose weights persist over rounds."""
+def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
 
-    def __init__(self, cfg: BenchConfig, m: int, device: torch.device, pool: list[dict]):
+
+class EngineSide:
+    """`module` (the executor's stage protocol: `module(None, batch)` is the loss) run by a
+    one-stage executor over the microbatches of `pool`; weights persist over sessions."""
+
+    def __init__(self, module: torch.nn.Module, pool: list[dict], device: torch.device,
+                 boundary: tuple[tuple[int, ...], torch.dtype], lr: float):
         from megatron_2bw.optim.torch_updater import TorchOptimizerUpdater
         from megatron_2bw.runtime import PipelineExecutor, StageLinks
+        from megatron_2bw.schedules import DEFAULT_SCHEDULE, schedule_spec
 
-        module = EngineStage(build_blocks(cfg, 0, 1), True, True, SavedTensorMeter()).to(device)
-        updater = TorchOptimizerUpdater(list(module.parameters()),
-                                        lambda ps: torch.optim.Adam(ps, lr=cfg.lr))
-        links = StageLinks(0, 1, None, None, (cfg.microbatch_size, cfg.hidden),
-                           torch.float32, device)
-        self.executor = PipelineExecutor(module, links, updater, weight_versions=1,
-                                         grad_buffers=1)
-        self.m, self.device, self.pool, self.next_minibatch = m, device, pool, 0
+        updater = TorchOptimizerUpdater(_trained(module), lambda ps: torch.optim.Adam(ps, lr=lr))
+        links = StageLinks(0, 1, None, None, *boundary, device)
+        self.executor = PipelineExecutor(
+            module, links, updater, grad_buffers=1,
+            weight_versions=schedule_spec(DEFAULT_SCHEDULE).weight_versions)
+        self.pool, self.device, self.next_minibatch = pool, device, 0
+        self.losses: list[float] = []
 
     def session(self, n: int) -> list[float]:
-        from megatron_2bw.schedules import build_schedule
+        from megatron_2bw.schedules import DEFAULT_SCHEDULE, build_schedule
 
-        schedule = build_schedule("flush", 1, self.m, n, first_minibatch=self.next_minibatch)
+        schedule = build_schedule(DEFAULT_SCHEDULE, 1, len(self.pool), n,
+                                  first_minibatch=self.next_minibatch)
         self.next_minibatch += n
-        times = [_now(self.device)]
-        self.executor.run(schedule, itertools.cycle(self.pool),
-                          on_step=lambda k, _: times.append(_now(self.device)))
+        times = [now(self.device)]
+        result = self.executor.run(schedule, itertools.cycle(self.pool),
+                                   on_step=lambda k, _: times.append(now(self.device)))
+        self.losses += [result.losses[k] for k in sorted(result.losses)]
         return [b - a for a, b in zip(times, times[1:])]
 
 
-class _PlainSide:
-    """What a user writes without the engine."""
+class PlainSide:
+    """What a user writes without the engine: `loss(module, batch)` per microbatch."""
 
-    def __init__(self, cfg: BenchConfig, m: int, device: torch.device, pool: list[dict]):
-        self.model = build_blocks(cfg, 0, 1).to(device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
-        self.m, self.device, self.pool = m, device, pool
+    def __init__(self, module: torch.nn.Module, pool: list[dict], device: torch.device,
+                 lr: float, loss: Callable[[torch.nn.Module, dict], torch.Tensor]):
+        self.module, self.pool, self.device, self.loss = module, pool, device, loss
+        self.optimizer = torch.optim.Adam(_trained(module), lr=lr)
+        self.losses: list[float] = []
 
     def session(self, n: int) -> list[float]:
-        times = [_now(self.device)]
+        m, times = len(self.pool), [now(self.device)]
         for _ in range(n):
+            total = torch.zeros((), device=self.device)
             for batch in self.pool:
-                out = self.model(batch["x"])
-                (torch.nn.functional.mse_loss(out, batch["y"]) / self.m).backward()
+                loss = self.loss(self.module, batch)
+                (loss / m).backward()
+                total += loss.detach()
             self.optimizer.step()
-            self.optimizer.zero_grad()
-            times.append(_now(self.device))
+            self.optimizer.zero_grad(set_to_none=True)
+            times.append(now(self.device))
+            self.losses.append(total.item() / m)
         return [b - a for a, b in zip(times, times[1:])]
 
 
@@ -134,7 +152,11 @@ def measure_overhead(cfg: BenchConfig, m: int, device: torch.device, rounds: int
     """
     torch.set_num_threads(cfg.threads)
     pool = microbatch_pool(cfg, m, device)
-    engine, plain = _EngineSide(cfg, m, device, pool), _PlainSide(cfg, m, device, pool)
+    stage = EngineStage(build_blocks(cfg, 0, 1), True, True, SavedTensorMeter()).to(device)
+    engine = EngineSide(stage, pool, device, ((cfg.microbatch_size, cfg.hidden),
+                                              torch.float32), cfg.lr)
+    plain = PlainSide(build_blocks(cfg, 0, 1).to(device), pool, device, cfg.lr,
+                      lambda model, batch: mse(model(batch["x"]), batch["y"]))
     engine_times, plain_times = alternate(engine, plain, cfg.warmup, rounds, session,
                                           cfg.max_foreign_cores)
     result = OverheadResult(m, str(device), statistics.median(engine_times),

@@ -1,4 +1,6 @@
-"""How much CPU other processes used while a timed session ran (Linux /proc).
+"""What /proc says about the machine: how much CPU other processes used while a timed
+session ran (it may be shared), and a process's resident set. The one /proc/stat reader
+of tools/: the benchmarks and the planner validation both import it.
 
 On a shared machine a burst of someone else's work slows whichever configuration runs
 at that moment. The probe compares the whole machine's busy CPU time with the
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,12 @@ def _busy_ticks() -> int:
     return sum(fields[:8]) - idle
 
 
+def cpu_busy_s() -> float:
+    """Seconds all CPUs of the machine spent busy since boot (everything but idle and
+    iowait), to see how much of a run's window other processes took."""
+    return _busy_ticks() / HZ
+
+
 def _process_ticks(pid: int) -> int:
     """user + system ticks of a process, all its threads included."""
     try:
@@ -33,6 +42,17 @@ def _process_ticks(pid: int) -> int:
     except OSError:
         return 0
     return int(fields[11]) + int(fields[12])
+
+
+def proc_status_kb() -> dict:
+    """This process's resident set (VmRSS) and its peak (VmHWM), in KiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0])
+    return out
 
 
 class LoadProbe:
@@ -59,3 +79,33 @@ class LoadProbe:
             return 0.0
         foreign = (busy1 - busy0) - (own1 - own0)
         return max(foreign, 0) / HZ / (t1 - t0)
+
+
+def machine_busy_share(seconds: float = 2.0) -> float:
+    """Share of all CPUs busy over the next `seconds` (everything running, us included)."""
+    busy0, start = cpu_busy_s(), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_busy_s() - busy0) / ((time.monotonic() - start) * (os.cpu_count() or 1))
+
+
+def wait_for_quiet(limit: float, timeout_s: float, log=print) -> float:
+    """Wait (up to timeout_s) until the CPUs are at most `limit` busy; returns the last
+    share seen. The machine may be shared: other processes' load slows every run."""
+    deadline = time.monotonic() + timeout_s
+    share = machine_busy_share()
+    while share > limit and time.monotonic() < deadline:
+        log(f"  CPUs {share:.0%} busy with other work; waiting ...")
+        time.sleep(10)
+        share = machine_busy_share()
+    return share
+
+
+def other_load(results: Sequence[dict]) -> Optional[float]:
+    """Share of the machine's CPU time that processes other than a job's children used
+    during the job: (busy - children's CPU) / (wall x CPUs), from rank 0's window."""
+    if not results or any("cpu_s" not in r for r in results):
+        return None
+    window = results[0]
+    ncpu = os.cpu_count() or 1
+    other = window["machine_busy_s"] - sum(r["cpu_s"] for r in results)
+    return max(0.0, other) / (window["job_wall_s"] * ncpu)

@@ -13,7 +13,8 @@ import logging
 import statistics
 from typing import Optional
 
-from .config import ENGINE, MEGATRON, TORCH, TORCH_UPDATER, BenchConfig, RunSpec
+from .config import (BASELINE, ENGINE, MEGATRON, OURS, SUBJECT, TORCH, TORCH_SCHEDULES,
+                     TORCH_UPDATER, BenchConfig, RunSpec)
 from .overhead import OverheadResult
 from .systems import StageResult
 
@@ -149,25 +150,26 @@ def _ratio_target(name: str, a: dict, b: dict, threshold: float) -> dict:
 
 
 INTERLEAVED_FRACTION = 0.97
-PEERS_AT_M_EQ_D = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+# ours against torch's schedule that runs the same order, and the share of its speed ours
+# must reach
+SAME_ORDER = (("flush", "1f1b", 1.0), ("gpipe", "gpipe", 1.0),
+              ("interleaved-flush", "interleaved-1f1b", INTERLEAVED_FRACTION))
 
 
 def _throughput_targets(records: list[dict], d: int, m: int) -> list[dict]:
     out = []
-    flush, twobw = _find(records, ENGINE, "flush", m), _find(records, ENGINE, "2bw", m)
+    flush, twobw = _find(records, ENGINE, BASELINE, m), _find(records, ENGINE, SUBJECT, m)
     if flush and twobw:
         ratio = twobw["samples_per_s"] / flush["samples_per_s"]
         need = SPEEDUP_FRACTION * (m + d - 1) / m
         out.append(_target(f"2bw/flush m={m}", ratio, need, ratio >= need,
                            f"2bw {ratio:.3f}x flush; ideal (m+d-1)/m = {(m + d - 1) / m:.3f}"))
-    for ours, theirs, need in (("flush", "1f1b", 1.0), ("gpipe", "gpipe", 1.0),
-                               ("interleaved-flush", "interleaved-1f1b",
-                                INTERLEAVED_FRACTION)):
+    for ours, theirs, need in SAME_ORDER:
         a, b = _find(records, ENGINE, ours, m), _find(records, TORCH, theirs, m)
         if a and b:
             out.append(_ratio_target(f"our {ours} / torch {theirs} m={m}", a, b, need))
     if m == d and twobw:
-        for theirs in PEERS_AT_M_EQ_D:
+        for theirs in TORCH_SCHEDULES:
             b = _find(records, TORCH, theirs, m)
             if b:
                 out.append(_ratio_target(f"2bw / torch {theirs} m=d={m}", twobw, b, 1.0))
@@ -176,27 +178,34 @@ def _throughput_targets(records: list[dict], d: int, m: int) -> list[dict]:
 
 def _memory_targets(records: list[dict], d: int, m: int) -> list[dict]:
     out = []
-    flush, twobw = _find(records, ENGINE, "flush", m), _find(records, ENGINE, "2bw", m)
+    flush, twobw = _find(records, ENGINE, BASELINE, m), _find(records, ENGINE, SUBJECT, m)
     if flush and twobw:
         extra = [b - f for b, f in zip(twobw["weight_bytes"], flush["weight_bytes"])]
         out.append(_target(f"2bw weights = flush + one copy m={m}", float(extra == flush[
             "weight_bytes"]), 1.0, extra == flush["weight_bytes"],
             f"2bw {twobw['weight_bytes']} B, flush {flush['weight_bytes']} B per stage"))
-    for schedule in ("gpipe", "flush", "2bw", "interleaved-flush"):
+    for schedule in OURS:
         rec = _find(records, ENGINE, schedule, m)
         if rec is None:
             continue
-        limit = [m] * d if schedule == "gpipe" else [d - s for s in range(d)]
-        if schedule == "interleaved-flush":  # (microbatch, chunk) pairs, Megatron's warm-up
-            from megatron_2bw.schedules import build_schedule
-            limit = list(build_schedule("flush", d, m, num_chunks=rec["chunks"]).stash_limit)
+        limit, whole = _stash_limit(schedule, d, m, rec["chunks"])
         got = rec["peak_stashes"]
-        ok = got == limit if schedule == "gpipe" else all(g <= lim for g, lim in zip(got, limit))
+        ok = got == limit if whole else all(g <= lim for g, lim in zip(got, limit))
         ok = ok and rec["engine_peak_stashes"] == got
         out.append(_target(f"{schedule} peak stashes m={m}", float(ok), 1.0, ok,
                            f"per stage {got} (executor {rec['engine_peak_stashes']}), "
-                           f"{'expected' if schedule == 'gpipe' else 'at most'} {limit}"))
+                           f"{'expected' if whole else 'at most'} {limit}"))
     return out
+
+
+def _stash_limit(schedule: str, d: int, m: int, chunks: int) -> tuple[list[int], bool]:
+    """The schedule's declared stash limit per stage ((microbatch, chunk) pairs with
+    chunks) and whether that is every microbatch of the minibatch on every stage: then
+    each stage holds exactly that many (all forwards run before any backward)."""
+    from megatron_2bw.schedules import build_schedule
+
+    limit = list(build_schedule(OURS[schedule].schedule, d, m, num_chunks=chunks).stash_limit)
+    return limit, limit == [m * chunks] * d
 
 
 def targets(records: list[dict], d: int) -> list[dict]:
@@ -206,7 +215,7 @@ def targets(records: list[dict], d: int) -> list[dict]:
         out += _throughput_targets(records, d, m) + _memory_targets(records, d, m)
     for r in records:  # a peer of the m = d comparison that could not run says why
         if (r["system"] == TORCH and r.get("not_run") and r["microbatches"] == d
-                and r["schedule"] in PEERS_AT_M_EQ_D):
+                and r["schedule"] in TORCH_SCHEDULES):
             out.append(_target(f"2bw / torch {r['schedule']} m=d={d}", None, 1.0,
                                False, f"not run: {r['not_run']}", not_run=r["not_run"]))
     for r in records:
@@ -222,9 +231,9 @@ def comparisons(records: list[dict], d: int) -> list[dict]:
     """2bw against flush when both use the training updater (informative, no threshold)."""
     out = []
     for m in sorted({r["microbatches"] for r in records if r["system"] == ENGINE}):
-        flush = _find(records, ENGINE, "flush", m, MEGATRON)
+        flush = _find(records, ENGINE, BASELINE, m, MEGATRON)
         for defer in (False, True):
-            twobw = _find(records, ENGINE, "2bw", m, MEGATRON, defer)
+            twobw = _find(records, ENGINE, SUBJECT, m, MEGATRON, defer)
             if flush and twobw:
                 ratio = twobw["samples_per_s"] / flush["samples_per_s"]
                 out.append({"system": "comparison", "name": f"{twobw['label']} / "

@@ -2,7 +2,8 @@
 
 With 4 processes on 2 cores an idle stage frees a core and hides the bubble, so d = 4 is
 predicted, not measured: `megatron_2bw.schedules.simulate` runs each of our schedules on
-paper, and `peer_sim` runs torch.distributed.pipelining's own per-rank orders, both with
+paper, and `simulate_order` torch.distributed.pipelining's own per-rank orders
+(peer_orders.py), both with
 the per-microbatch forward and backward times (and the optimizer step) measured in the
 d = 2 runs of our flush (`--breakdown` action times, F and B per stage, averaged over
 stages). Every stage of the deeper pipeline is taken to cost what a measured stage costs
@@ -20,11 +21,12 @@ import logging
 import statistics
 from typing import Optional
 
-from .config import ENGINE, TORCH, TORCH_UPDATER
+from .config import (BASELINE, ENGINE, OURS, PEERS, SUBJECT, TORCH, TORCH_UPDATER,
+                     ours_not_run)
 
 logger = logging.getLogger(__name__)
 
-SIMULATED = ("gpipe", "flush", "2bw", "interleaved-flush")
+SIMULATED = tuple(OURS)
 MINIBATCHES = 4  # simulated back to back; 2BW's time is the steady-state increment
 SENSITIVITY = (0.4, 0.6)  # input-gradient shares of a backward tried beside the assumption
 
@@ -59,14 +61,19 @@ def measured_p2p_s(record: dict) -> Optional[float]:
     return total / transfers / 1e3 if total > 0 else None
 
 
+def _ours(schedule: str, chunks: int) -> tuple[str, int]:
+    """(registered schedule, model chunks per rank) of one of our benchmark schedules."""
+    ours = OURS[schedule]
+    return ours.schedule, chunks if ours.interleaved else 1
+
+
 def seconds_per_minibatch(schedule: str, d: int, m: int, costs: dict, chunks: int = 2
                           ) -> float:
     """Simulated seconds per minibatch of one of our schedules (steady state)."""
-    from megatron_2bw.schedules import build_schedule
+    from megatron_2bw.schedules import build_schedule, schedule_spec
     from megatron_2bw.schedules.simulate import Costs, simulate
 
-    name = "flush" if schedule == "interleaved-flush" else schedule
-    v = chunks if schedule == "interleaved-flush" else 1
+    name, v = _ours(schedule, chunks)
     # the measured runs step a plain torch Adam per stage (no model-wide sums to wait for)
     c = Costs(forward=costs["forward"], backward=costs["backward"], step=costs["step"],
               p2p=costs.get("p2p", 0.0), local_step=True)
@@ -75,7 +82,7 @@ def seconds_per_minibatch(schedule: str, d: int, m: int, costs: dict, chunks: in
         return simulate(build_schedule(name, d, m, n, num_chunks=v, defer_step=False),
                         c).makespan
 
-    if schedule == "2bw":  # one pipeline fill per run: the increment of a minibatch
+    if not schedule_spec(name).flushes:  # one pipeline fill per run: a minibatch's increment
         return makespan(MINIBATCHES) - makespan(MINIBATCHES - 1)
     return makespan(MINIBATCHES) / MINIBATCHES
 
@@ -86,8 +93,7 @@ def our_memory(schedule: str, d: int, m: int, chunks: int = 2) -> dict:
     from megatron_2bw.schedules import build_schedule
     from megatron_2bw.schedules.simulate import peak_stashes
 
-    name = "flush" if schedule == "interleaved-flush" else schedule
-    v = chunks if schedule == "interleaved-flush" else 1
+    name, v = _ours(schedule, chunks)
     sched = build_schedule(name, d, m, 2, num_chunks=v, defer_step=False)
     return {"peak_stash_units": [peak_stashes(sched[s]) / v for s in range(d)],
             "weight_versions": sched.weight_versions}
@@ -101,7 +107,7 @@ def _weight_bytes(base: dict, versions: int) -> Optional[float]:
 
 def _flush_bases(records: list[dict]) -> list[dict]:
     """Our measured flush records under the plain updater: the source of the costs."""
-    return [r for r in records if r["system"] == ENGINE and r["schedule"] == "flush"
+    return [r for r in records if r["system"] == ENGINE and r["schedule"] == BASELINE
             and r.get("updater") == TORCH_UPDATER and not r.get("not_run")]
 
 
@@ -140,8 +146,9 @@ def simulated_records(records: list[dict], measured_depth: int, depths: tuple[in
     """System "simulated": one record per (schedule, d, m) of ours, with the measurement
     beside the prediction where d is the measured depth."""
     out: list[dict] = []
-    if not any(r["system"] == ENGINE and r["schedule"] == "flush" for r in records):
-        logger.warning("--simulate needs our flush measured (its action times): skipped")
+    if not any(r["system"] == ENGINE and r["schedule"] == BASELINE for r in records):
+        logger.warning("--simulate needs our %s measured (its action times): skipped",
+                       BASELINE)
     for base in _flush_bases(records):
         costs = _with_p2p(base, p2p_ms)
         if costs is None:
@@ -150,7 +157,7 @@ def simulated_records(records: list[dict], measured_depth: int, depths: tuple[in
             return []
         for d, m in _depth_pairs(base, measured_depth, depths):
             for schedule in SIMULATED:
-                if (schedule == "2bw" and m < d) or (schedule == "interleaved-flush" and m % d):
+                if ours_not_run(schedule, d, m):
                     continue
                 seconds = seconds_per_minibatch(schedule, d, m, costs, chunks)
                 memory = our_memory(schedule, d, m, chunks)
@@ -168,34 +175,44 @@ def simulated_records(records: list[dict], measured_depth: int, depths: tuple[in
     return out
 
 
-def _peer_seconds(order, costs: dict, input_fraction: float) -> float:
-    from .peer_sim import PeerCosts, simulate_order
+def _peer_costs(costs: dict, input_fraction: float, step: bool = True):
+    from megatron_2bw.schedules.simulate import Costs
 
-    c = PeerCosts(costs["forward"], costs["backward"], input_fraction, costs["p2p"],
-                  costs["step"])
-    return simulate_order(order, c, MINIBATCHES).makespan / MINIBATCHES
+    return Costs(forward=costs["forward"], backward=costs["backward"], p2p=costs["p2p"],
+                 step=costs["step"] if step else 0.0, input_fraction=input_fraction)
+
+
+def _peer_seconds(order, costs: dict, input_fraction: float) -> float:
+    from megatron_2bw.schedules.simulate import simulate_order
+
+    return (simulate_order(order, _peer_costs(costs, input_fraction), MINIBATCHES).makespan
+            / MINIBATCHES)
 
 
 def _peer_record(schedule: str, d: int, m: int, base: dict, costs: dict, chunks: int,
                  input_fraction: float, microbatch_size: int) -> dict:
     """One simulated peer (d, m): throughput, bubble, memory; or why it cannot run."""
-    from .peer_sim import ZERO_BUBBLE, PeerCosts, chunks_of, simulate_order, torch_order
+    from megatron_2bw.schedules.simulate import simulate_order
 
+    from .config import peer_chunks
+    from .peer_orders import torch_order
+
+    v = peer_chunks(PEERS[schedule], chunks)
     rec = {"system": "simulated-peer", "schedule": schedule, "stages": d, "microbatches": m,
-           "chunks": chunks_of(schedule, chunks), "from_measured_m": base["microbatches"],
+           "chunks": v, "from_measured_m": base["microbatches"],
            "costs_s": costs, "input_fraction": input_fraction}
     try:
         order = torch_order(schedule, d, m, chunks)
     except ValueError as err:
         return {**rec, "not_run": str(err)}
     seconds = _peer_seconds(order, costs, input_fraction)
-    once = simulate_order(order, PeerCosts(costs["forward"], costs["backward"],
-                                           input_fraction, costs["p2p"]))
+    once = simulate_order(order, _peer_costs(costs, input_fraction, step=False))
     rec.update(order_source=order.source, samples_per_s=m * microbatch_size / seconds,
                bubble_ratio=once.bubble_ratio,
-               peak_stash_units=[once.peak_stash_units[r] for r in range(d)],
-               weight_versions=1, weight_bytes_per_rank=_weight_bytes(base, 1))
-    if schedule in ZERO_BUBBLE:
+               peak_stash_units=[once.peak_stashes[r] / v for r in range(d)],
+               weight_versions=once.peak_versions[0],
+               weight_bytes_per_rank=_weight_bytes(base, once.peak_versions[0]))
+    if PEERS[schedule].split_backward:
         rec["samples_per_s_by_input_fraction"] = {
             str(f): m * microbatch_size / _peer_seconds(order, costs, f) for f in SENSITIVITY}
     return rec
@@ -215,7 +232,7 @@ def simulated_peer_records(records: list[dict], measured_depth: int,
         if costs is None:
             return []
         for d, m in _depth_pairs(base, measured_depth, depths):
-            twobw = next((r for r in ours or [] if r["schedule"] == "2bw"
+            twobw = next((r for r in ours or [] if r["schedule"] == SUBJECT
                           and r["stages"] == d and r["microbatches"] == m), None)
             for schedule in peers:
                 rec = _peer_record(schedule, d, m, base, costs, chunks, input_fraction,
@@ -244,7 +261,7 @@ def _measured_ratio(records: list[dict], peer: str, d: int) -> Optional[dict]:
                      and r.get("updater", TORCH_UPDATER) == TORCH_UPDATER
                      and not r.get("defer_step") and not r.get("not_run")), None)
 
-    twobw, theirs = find(ENGINE, "2bw"), find(TORCH, peer)
+    twobw, theirs = find(ENGINE, SUBJECT), find(TORCH, peer)
     if not (twobw and theirs):
         why = next((r["not_run"] for r in records if r["system"] == TORCH
                     and r["schedule"] == peer and r["microbatches"] == d
@@ -275,7 +292,7 @@ def peer_ratio_records(records: list[dict], ours: list[dict], peers_sim: list[di
                      "measured": _measured_ratio(records, peer, measured_depth),
                      "simulated": {}, "memory": {}}
         for d in depths:
-            twobw = next((r for r in ours if r["schedule"] == "2bw" and r["stages"] == d
+            twobw = next((r for r in ours if r["schedule"] == SUBJECT and r["stages"] == d
                           and r["microbatches"] == d), None)
             theirs = next((r for r in peers_sim if r["schedule"] == peer and r["stages"] == d
                            and r["microbatches"] == d), None)
@@ -299,7 +316,8 @@ def format_simulated(rows: list[dict]) -> str:
             "|---|---|---|---|---|---|---|---|---|")
     lines = []
     for r in rows:
-        twobw = next((x for x in rows if x["schedule"] == "2bw" and x["stages"] == r["stages"]
+        twobw = next((x for x in rows if x["schedule"] == SUBJECT
+                      and x["stages"] == r["stages"]
                       and x["microbatches"] == r["microbatches"]), None)
         lines.append(f"| ours {r['schedule']} | {r['stages']} | {r['microbatches']} | "
                      f"{r['samples_per_s']:.1f} | "

@@ -22,10 +22,11 @@ from typing import Optional
 
 import torch
 
-from .config import ENGINE, MEGATRON, V_SHAPED, BenchConfig, RunSpec
+from .config import ENGINE, MEGATRON, OURS, PEERS, BenchConfig, RunSpec
 from .memory import SavedTensorMeter, optimizer_bytes
 from .model import (EngineChunks, EngineStage, TorchStage, build_blocks, build_chunk_blocks,
                     microbatch_pool, mse)
+from .overhead import now
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,6 @@ class StageResult:
     action_ms_per_minibatch: Optional[dict[str, float]] = None  # --breakdown (ours only)
     chunks: int = 1                # model chunks (virtual stages) this rank holds
     not_run: Optional[str] = None  # why the configuration could not be built here
-
-
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 _LINK_GROUPS: dict[tuple[int, bool], dict] = {}
@@ -82,6 +77,7 @@ class EngineRunner:
                  device: torch.device):
         from megatron_2bw.optim.torch_updater import TorchOptimizerUpdater
         from megatron_2bw.runtime import PipelineExecutor, StageLinks
+        from megatron_2bw.schedules import schedule_spec
 
         self.cfg, self.spec, self.rank, self.world, self.device = cfg, spec, rank, world, device
         self.meter = SavedTensorMeter()
@@ -105,7 +101,7 @@ class EngineRunner:
                            (rank + 1) % world if ring or not last else None,
                            (cfg.microbatch_size, cfg.hidden), torch.float32, device, wrap=ring,
                            groups=_link_groups(world, ring))
-        versions = 2 if spec.schedule == "2bw" else 1
+        versions = schedule_spec(OURS[spec.schedule].schedule).weight_versions
         self.executor = PipelineExecutor(module, links, self.updater, weight_versions=versions,
                                          grad_buffers=2 if spec.defer_step else 1,
                                          make_copy=make_stage, num_chunks=v)
@@ -141,14 +137,14 @@ class EngineRunner:
         """Run `minibatches` back to back; the first `measure` ones under the meter."""
         from megatron_2bw.schedules import build_schedule
 
-        name = "flush" if self.spec.schedule == "interleaved-flush" else self.spec.schedule
-        schedule = build_schedule(name, self.world, self.spec.microbatches,
-                                  minibatches, first_minibatch=self.next_minibatch,
+        schedule = build_schedule(OURS[self.spec.schedule].schedule, self.world,
+                                  self.spec.microbatches, minibatches,
+                                  first_minibatch=self.next_minibatch,
                                   defer_step=self.spec.defer_step, num_chunks=self.chunks)
         first, times = self.next_minibatch, []
 
         def on_step(k: int, _) -> None:
-            times.append(_clock(self.device))
+            times.append(now(self.device))
             self.meter.arm(k + 1 - first < measure)
 
         self.meter.arm(measure > 0)
@@ -189,20 +185,11 @@ def _megatron_updater(cfg: BenchConfig, spec: RunSpec, module: torch.nn.Module):
     return MegatronUpdater([p for _, p in named], infos, config, StepGroups(model_parallel=group))
 
 
-TORCH_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                 "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                 "interleaved-zb": "ScheduleInterleavedZeroBubble",
-                 "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-
-
 def torch_virtual_stages(schedule: str, rank: int, world: int, chunks: int) -> list[int]:
     """The virtual stages rank `rank` holds under a torch schedule, in local order:
     one stage, the loop placement r, r + d, ... (interleaved), or the V r, 2d - 1 - r."""
-    if chunks == 1:
-        return [rank]
-    if schedule in V_SHAPED:
-        return [rank, 2 * world - 1 - rank]
-    return [rank + c * world for c in range(chunks)]
+    return {"single": [rank], "v": [rank, 2 * world - 1 - rank],
+            "loop": [rank + c * world for c in range(chunks)]}[PEERS[schedule].placement]
 
 
 class TorchRunner:
@@ -221,7 +208,7 @@ class TorchRunner:
 
         self.device, self.meter = device, SavedTensorMeter()
         self.chunks = v = cfg.chunks_of(spec)
-        cls = getattr(pipelining, TORCH_CLASSES[spec.schedule])
+        cls = getattr(pipelining, PEERS[spec.schedule].torch_class)
         if v == 1:
             self.modules = [TorchStage(build_blocks(cfg, rank, world), self.meter).to(device)]
             stages = [PipelineStage(self.modules[0], rank, world, device)]
@@ -250,7 +237,7 @@ class TorchRunner:
             self.schedule.step(*self.inputs, target=self.target, return_outputs=False)
             self.optimizer.step()
             self.optimizer.zero_grad()
-            times.append(_clock(self.device))
+            times.append(now(self.device))
         self.meter.arm(False)
         return times
 

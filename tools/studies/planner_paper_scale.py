@@ -7,7 +7,7 @@ GPipe and no-pipeline plans, and over Megatron tensor parallelism spread across 
 the memory of the schedules for GPT-2.2B on 8 GPUs at batch 256 (the paper's memory
 figure). The figures of docs/planner.md, "At paper scale, on paper", come from this script:
 
-    .venv/bin/python tools/planner_paper_scale.py [--json FILE]
+    .venv/bin/python tools/studies/planner_paper_scale.py [--json FILE]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_2bw.planner import (PRESETS, CostModel, FlopsCompute, ModelShape,  # noqa: E402
                                   ParallelConfig, SearchSpace, search)
@@ -95,12 +95,16 @@ def ratio(a: Estimate | None, b: Estimate | None) -> str:
     return f"{a.samples_per_s / b.samples_per_s:.2f}x"
 
 
+# the schedules of the paper's memory figure, in its order
+MEMORY_SCHEDULES = ("flush", "2bw", "gpipe")
+
+
 def memory_table() -> list[dict]:
     """GPT-2.2B, 8 GPUs (d = 8, w = 1), batch 256: memory per device of each schedule."""
     cm = cost_model(MODELS["GPT-2.2B"])
     rows = []
     for b in (1, 2, 4):
-        for name in ("flush", "2bw", "gpipe"):
+        for name in MEMORY_SCHEDULES:
             for rc in (False, True):
                 est = cm.evaluate(ParallelConfig(name, 1, 8, 1, b, 256 // b, rc),
                                   simulate_time=False)

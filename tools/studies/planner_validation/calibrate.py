@@ -36,8 +36,9 @@ from megatron_2bw.planner.compute import load_profile
 from megatron_2bw.planner.hardware import GB, Hardware, LinkFit, calibrated, fit_link
 from megatron_2bw.planner.spec import ParallelConfig
 
+from benchmarks.probe import cpu_busy_s, other_load, proc_status_kb, wait_for_quiet
+
 from .plans import FP32, Setup, null_setup, plan_flags, plan_key, profile_sizes
-from .proc import cpu_busy_s, other_load, proc_status_kb, wait_for_quiet
 from .workers import ROOT, run_jobs, worker_env
 
 

@@ -1,5 +1,6 @@
-"""`python -m planner_validation` (tools/ on sys.path): the command line, or with
-`_worker RANK WORLD WORKDIR` one of the warm workers `workers.run_jobs` starts."""
+"""`python -m planner_validation` (tools/studies/ and tools/ on sys.path): the command
+line, or with `_worker RANK WORLD WORKDIR` one of the warm workers `workers.run_jobs`
+starts."""
 import sys
 
 from .cli import main

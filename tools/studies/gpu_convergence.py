@@ -1,12 +1,14 @@
-"""The Python half of tools/gpu_convergence.sh: its data, its plan, its runs and its summary.
+"""The Python half of gpu_convergence.sh (beside it): its data, plan, runs and summary.
 
-    PYTHONPATH=tools python -m benchmarks.gpu_convergence data --work W [--fallback] [--dry-run]
-    PYTHONPATH=tools python -m benchmarks.gpu_convergence train --work W --arm NAME|--calibrate
-    PYTHONPATH=tools python -m benchmarks.gpu_convergence plan --work W --seconds-left S
-    PYTHONPATH=tools python -m benchmarks.gpu_convergence summary --work W --results R
+    PYTHONPATH=tools:tools/studies python -m gpu_convergence data --work W [--fallback]
+        [--dry-run]
+    PYTHONPATH=tools:tools/studies python -m gpu_convergence train --work W
+        --arm NAME|--calibrate
+    PYTHONPATH=tools:tools/studies python -m gpu_convergence plan --work W --seconds-left S
+    PYTHONPATH=tools:tools/studies python -m gpu_convergence summary --work W --results R
 
-Three arms of the CPU convergence study (tools/compare_convergence.py: same flags, peak
-lr 1e-3 with cosine decay to 1e-4 after a 10% warm-up, dropout 0, seed 1234) train
+Three arms of the CPU convergence study (compare_convergence.py: same flags, peak lr
+1e-3 with cosine decay to 1e-4 after a 10% warm-up, dropout 0, seed 1234) train
 GPT-125M's shape (12 layers, hidden 768, 12 heads, sequence 1024, bf16) at pipeline depth
 1 on real text: flush-adam (Megatron-LM's default), 2bw-adam (the paper's) and
 2bw-muon-ef (the recommended setting). 2BW's one-step weight delay holds at any depth
@@ -40,7 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
-from . import gpu_summary
+from benchmarks import gpu_summary
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +177,7 @@ def ensure_data(work: Path, dry_run: bool, fallback: bool, workers: int) -> dict
 
 def arm_flags(name: str) -> list[str]:
     """The CPU study's flags of an arm (schedule, optimizer, compensation)."""
-    from compare_convergence import ARM_BY_NAME  # tools/ is on the path
+    from compare_convergence import ARM_BY_NAME  # tools/studies/ is on the path
     return ARM_BY_NAME[name].flags()
 
 

@@ -4,7 +4,7 @@ The paper compared 2BW with vanilla training by what the pretrained models do af
 GPT by held-out perplexity, BERT by finetuning accuracy. This tool does that for the
 models of docs/convergence.md's study (same model, data and recipe, one seed):
 
-1. pretrain each arm (tools/compare_convergence.py's cell command plus `--save`);
+1. pretrain each arm (tools/studies/compare_convergence.py's cell command plus `--save`);
 2. GPT: held-out perplexity with tools/evaluate.py on text the corpus never saw (the
    docstrings and comments of the pinned `nltk` package, written as loose JSON);
 3. BERT: held-out masked-LM accuracy (tools/evaluate.py), then finetuning with one fixed
@@ -14,7 +14,7 @@ models of docs/convergence.md's study (same model, data and recipe, one seed):
 
 Every step's output is kept under --out and skipped when present, so a rerun resumes.
 
-    python tools/compare_downstream.py --out runs/downstream    # about 40 min here
+    python tools/studies/compare_downstream.py --out runs/downstream    # about 40 min here
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))  # this script's folder (studies) is there
 
 from compare_convergence import ARM_BY_NAME, Cell, command, lr_str  # noqa: E402
 

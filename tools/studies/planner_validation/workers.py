@@ -7,8 +7,8 @@ calibration or the layer diagnostic (calibrate.py). Memory: the child's peak res
 set (`VmHWM`, reset at fork through /proc/self/clear_refs) minus its resident set at
 fork, i.e. what the job added to an idle process that had already imported everything.
 
-The workers run as `python -m planner_validation _worker RANK WORLD WORKDIR` with tools/
-and the repository root on PYTHONPATH (`worker_env`).
+The workers run as `python -m planner_validation _worker RANK WORLD WORKDIR` with
+tools/studies/, tools/ and the repository root on PYTHONPATH (`worker_env`).
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ import time
 import traceback
 from pathlib import Path
 
-from .proc import cpu_busy_s, proc_status_kb
+from benchmarks.probe import cpu_busy_s, proc_status_kb
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOOLS = ROOT / "tools"
 
 # glibc's malloc raises its mmap threshold to the size of each large block freed, after
@@ -42,8 +42,9 @@ def worker_env() -> dict:
     """One thread, the fixed mmap threshold, this package and megatron_2bw importable, no
     torchrun variables."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore", PYTHONPATH=str(TOOLS) + os.pathsep + str(ROOT)
-               + os.pathsep + os.environ.get("PYTHONPATH", ""), **ALLOCATOR_ENV)
+               PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(
+                   [str(TOOLS / "studies"), str(TOOLS), str(ROOT),
+                    os.environ.get("PYTHONPATH", "")]), **ALLOCATOR_ENV)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_USE_AGENT_STORE"):
         env.pop(key, None)

@@ -37,8 +37,8 @@ lasts 3 iterations counts 3). A falling loss is always below its EMA, so the ear
 descent never counts. One picture per (model, lr) with each arm's mean
 training and validation curves.
 
-    python tools/compare_convergence.py --seeds 1234,1235    # selection: 60 cells
-    python tools/compare_convergence.py --seeds 1,2,3        # fresh seeds: 90 cells
+    python tools/studies/compare_convergence.py --seeds 1234,1235    # selection: 60 cells
+    python tools/studies/compare_convergence.py --seeds 1,2,3        # fresh seeds: 90 cells
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "runs", "convergence")
 # Bump when a change outside the cell's parameters (the library's semantics, the recipe)
 # makes cached results stale: it is part of every cache key.
@@ -371,8 +371,17 @@ def summarize(results: Iterable[dict]) -> list[Row]:
     return out
 
 
+def _delayed(schedule: str) -> bool:
+    """Whether `schedule` runs on one-step-old weights (the registry's `delayed`: 2BW)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from megatron_2bw.schedules import schedule_spec
+    return schedule_spec(schedule).delayed
+
+
 def _add_gaps(row: Row, rows: dict[tuple, Row]) -> None:
-    if row.schedule != "2bw":
+    """A delayed arm's gaps to the flush arm of its optimizer and to flush-adam."""
+    if not _delayed(row.schedule):
         return
     same = rows.get((row.model, row.lr, f"flush-{row.optimizer}", row.dropout))
     adam = rows.get((row.model, row.lr, "flush-adam", row.dropout))
@@ -436,7 +445,8 @@ def plot(results: Sequence[dict], plot_dir: str, note: str = "mean over seeds") 
     for model, lr in dict.fromkeys((r["params"]["model"], r["params"]["lr"]) for r in results):
         fig, (tr, va) = plt.subplots(1, 2, figsize=(13, 4.5))
         for n, (label, group) in enumerate(_arm_groups(results, model, lr).items()):
-            colour, style = f"C{n % 10}", "-" if "flush" in label else "--"
+            delayed = _delayed(group[0]["params"]["schedule"])
+            colour, style = f"C{n % 10}", "--" if delayed else "-"
             it, loss = mean_curve([list(enumerate(r["train_loss"], 1)) for r in group])
             tr.plot(it, loss, style, color=colour, lw=0.8, label=label)
             it, loss = mean_curve([[tuple(p) for p in r["val_curve"]] for r in group])

@@ -20,12 +20,12 @@
 # step's output); the work files stay in a temporary folder (GPU_CONVERGENCE_WORK keeps
 # them in a folder of your choice).
 #
-#   bash tools/gpu_convergence.sh            # on the GPU machine (carry .whl and
+#   bash tools/studies/gpu_convergence.sh            # on the GPU machine (carry .whl and
 #                                            # data/cache/offline-corpus)
-#   bash tools/gpu_convergence.sh --dry-run  # CPU, tiny sizes, 40-75 s: what the tests run
+#   bash tools/studies/gpu_convergence.sh --dry-run  # CPU, tiny sizes, 40-75 s: what the tests run
 set -uo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 source "$ROOT/tools/gpu_common.sh"
 dry_run_args 25 "$@"
@@ -43,7 +43,7 @@ fi
 LOG="$RESULTS/gpu_convergence.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-export PYTHONPATH="$ROOT:$ROOT/tools${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT:$ROOT/tools:$ROOT/tools/studies${PYTHONPATH:+:$PYTHONPATH}"
 
 
 ARMS=(flush-adam 2bw-adam 2bw-muon-ef)
@@ -58,7 +58,7 @@ else
 fi
 
 summarise() {  # gpu_convergence.{md,json,png} from what is there so far
-  "${PY:-python3}" -m benchmarks.gpu_convergence summary --work "$OUT_DIR" \
+  "${PY:-python3}" -m gpu_convergence summary --work "$OUT_DIR" \
     --results "$RESULTS" "${MODE[@]}" "$@"
 }
 
@@ -69,7 +69,7 @@ for arm in "${ARMS[@]}"; do printf '%s\t%s\n' "$arm" 90; done >> "$OUT_DIR/plan.
 log "gpu_convergence ($( ((DRY_RUN)) && echo dry run || echo full )), results in $RESULTS"
 start=$SECONDS
 install "${LIMITS[0]}"; record install $? "$start" "${LIMITS[0]}"
-HELPER=("$PY" -m benchmarks.gpu_convergence)
+HELPER=("$PY" -m gpu_convergence)
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOG" 2>&1
 fi

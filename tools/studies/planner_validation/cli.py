@@ -1,4 +1,4 @@
-"""`tools/validate_planner.py`'s command line: flags -> `Setup` -> `validate` -> report."""
+"""`tools/studies/validate_planner.py`'s command line: flags -> `Setup` -> `validate` -> report."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,8 @@ from .plans import Setup
 from .report import profile_lines, render
 from .run import validate
 
+PROG = "tools/studies/validate_planner.py"
+
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
@@ -25,7 +27,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     d = Setup()
     p = argparse.ArgumentParser(
-        prog="tools/validate_planner.py",
+        prog=PROG,
         description="Profile a small GPT here, write this machine's hardware JSON, run every "
                     "plan the planner enumerates for 2 processes (CPU, fp32, mock data) and "
                     "compare predicted with measured iteration time and memory.")
@@ -91,16 +93,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                       virtual_stages=args.virtual_stages,
                       max_other_load=args.max_other_load, wait_quiet_s=args.wait_quiet)
         if setup.repeats < 1 or not setup.virtual_stages or min(setup.virtual_stages) < 1:
-            sys.stderr.write("tools/validate_planner.py: error: --repeats and --virtual-stages "
-                             "must be positive integers\n")
+            sys.stderr.write(f"{PROG}: error: --repeats and --virtual-stages must be "
+                             "positive integers\n")
             return 2
         if setup.head_to_head < 0:
-            sys.stderr.write("tools/validate_planner.py: error: --head-to-head must be 0 or "
-                             "more\n")
+            sys.stderr.write(f"{PROG}: error: --head-to-head must be 0 or more\n")
             return 2
         if setup.iterations < setup.warmup + 2:
-            sys.stderr.write("tools/validate_planner.py: error: --iterations must be at least "
-                             "--warmup + 2 (the last iteration is not counted)\n")
+            sys.stderr.write(f"{PROG}: error: --iterations must be at least --warmup + 2 "
+                             "(the last iteration is not counted)\n")
             return 2
         workdir = args.workdir or tempfile.mkdtemp(prefix="m2bw-validate-")
         report = validate(setup, workdir, dry_run=args.dry_run, only=args.only,

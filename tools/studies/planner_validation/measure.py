@@ -28,8 +28,9 @@ from typing import Callable, Optional, Sequence
 
 from megatron_2bw.planner.spec import ParallelConfig
 
+from benchmarks.probe import other_load, wait_for_quiet
+
 from .plans import Setup, plan_flags, plan_key
-from .proc import other_load, wait_for_quiet
 from .report import Row
 from .workers import run_jobs
 

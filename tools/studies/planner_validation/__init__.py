@@ -1,6 +1,6 @@
 """Check the planner's predictions against real training runs on this machine.
 
-`tools/validate_planner.py` (a thin wrapper around `cli.main`) does, on the CPU:
+`tools/studies/validate_planner.py` (a thin wrapper around `cli.main`) does, on the CPU:
 
 1. **Calibrate** (`calibrate.py`). Profile the model with the planner's own profiler;
    measure, in two worker processes (the two "devices"), gloo all-reduce and transfer
@@ -14,15 +14,15 @@
    body with the plan's flags and `--mock-data`) in a child forked from one of two warm
    workers (`workers.py`), `repeats` times (one pass over the plans each): the median of
    the runs' median iteration times and the peak memory the run added, with runs during
-   which other processes loaded the machine (`proc.py`) replaced by more passes; then the
-   fastest measured plans and the planner's pick run again head to head.
+   which other processes loaded the machine (`benchmarks/probe.py`) replaced by more
+   passes; then the fastest measured plans and the planner's pick run again head to head.
 4. **Compare** (`report.py`). Relative errors, the planner's pick against the fastest
    measured plan, a markdown table, a scatter plot, JSON.
 
 `plans.py` holds what is validated (`Setup`, each plan's flags), `run.py` the four
 steps strung together. Only the worker and calibration functions import torch, lazily;
 the comparison and formatting code is pure and unit-tested. The workers run as
-`python -m planner_validation _worker ...` with tools/ on PYTHONPATH.
+`python -m planner_validation _worker ...` with tools/studies/ and tools/ on PYTHONPATH.
 """
 from .calibrate import (calibrate_bandwidth, calibration_jobs, run_calibration,  # noqa: F401
                         hardware_from_calibration, link_fits, profile_layer, run_profile)
@@ -32,7 +32,6 @@ from .measure import (confirm_plans, finalists, measure_plans,  # noqa: F401
 from .plans import (FP32, Setup, model_flags, null_setup, plan_flags, plan_key,  # noqa: F401
                     profile_sizes)
 from .predictions import cost_model, predict  # noqa: F401
-from .proc import machine_busy_share, other_load, wait_for_quiet  # noqa: F401
 from .report import (MB, TARGETS, Row, errors_by_layout, markdown_table,  # noqa: F401
                      pass_time_ratios, rel_error, render, rows_from_estimates,
                      profile_lines, rows_from_report, scatter_plot, summarize, summary_text,
