@@ -101,6 +101,18 @@ def _violations() -> list[str]:
     return bad
 
 
+def _found_in(tmp_path, layer: str, source: str, check) -> list[str]:
+    """What `check` finds in a package holding only `<layer>/bad.py` with `source`."""
+    fake = tmp_path / "megatron_2bw"
+    (fake / layer).mkdir(parents=True)
+    (fake / layer / "bad.py").write_text(source)
+    globals()["PACKAGE"], saved = fake, PACKAGE
+    try:
+        return check()
+    finally:
+        globals()["PACKAGE"] = saved
+
+
 def test_every_layer_is_known() -> None:
     layers = {_layer(p) for p in PACKAGE.rglob("*.py")} - {""}
     assert layers <= set(ALLOWED), f"new layer(s) {layers - set(ALLOWED)}: give them rules"
@@ -111,29 +123,15 @@ def test_imports_run_one_way() -> None:
 
 
 def test_the_check_catches_an_upward_import(tmp_path) -> None:
-    fake = tmp_path / "megatron_2bw"
-    (fake / "planner").mkdir(parents=True)
-    (fake / "planner" / "bad.py").write_text("from ..training import loop\n"
-                                             "from megatron_2bw.runtime import executor\n")
-    globals()["PACKAGE"], saved = fake, PACKAGE
-    try:
-        found = _violations()
-    finally:
-        globals()["PACKAGE"] = saved
+    found = _found_in(tmp_path, "planner", "from ..training import loop\n"
+                      "from megatron_2bw.runtime import executor\n", _violations)
     assert len(found) == 2 and "planner imports training" in found[0]
 
 
 def test_the_check_catches_an_import_past_a_contract(tmp_path) -> None:
-    fake = tmp_path / "megatron_2bw"
-    (fake / "checkpointing").mkdir(parents=True)
-    (fake / "checkpointing" / "bad.py").write_text(
-        "from ..runtime.checkpoint import WeightsCheckpoint\n"
-        "from ..optim.updater import MegatronUpdater\n")
-    globals()["PACKAGE"], saved = fake, PACKAGE
-    try:
-        found = _violations()
-    finally:
-        globals()["PACKAGE"] = saved
+    found = _found_in(tmp_path, "checkpointing",
+                      "from ..runtime.checkpoint import WeightsCheckpoint\n"
+                      "from ..optim.updater import MegatronUpdater\n", _violations)
     assert len(found) == 1 and "imports megatron_2bw.optim.updater" in found[0], found
 
 
@@ -211,23 +209,16 @@ def test_checkpointing_uses_only_the_declared_contracts() -> None:
 
 
 def test_the_check_catches_a_reach_in(tmp_path) -> None:
-    fake = tmp_path / "megatron_2bw"
-    (fake / "checkpointing").mkdir(parents=True)
-    (fake / "checkpointing" / "bad.py").write_text(
-        "def save(executor, updater):\n"
-        "    weights = executor.checkpoint_state()\n"  # the contract: fine
-        "    step = updater.adam.step\n"
-        "    store = executor.weights\n"
-        "    module = store.modules[0]\n"  # one field deep: fine (the reach-in is above)
-        "    scale = weights.loss_scales.get(0)\n"
-        "    collective = getattr(updater, 'collective_state', False)\n"
-        "    alias = executor\n"
-        "    return updater.state_dict(), updater.scheduler.state_dict()\n")
-    globals()["PACKAGE"], saved = fake, PACKAGE
-    try:
-        found = _contract_violations()
-    finally:
-        globals()["PACKAGE"] = saved
+    bad = ("def save(executor, updater):\n"
+           "    weights = executor.checkpoint_state()\n"  # the contract: fine
+           "    step = updater.adam.step\n"
+           "    store = executor.weights\n"
+           "    module = store.modules[0]\n"  # one field deep: fine (the reach-in is above)
+           "    scale = weights.loss_scales.get(0)\n"
+           "    collective = getattr(updater, 'collective_state', False)\n"
+           "    alias = executor\n"
+           "    return updater.state_dict(), updater.scheduler.state_dict()\n")
+    found = _found_in(tmp_path, "checkpointing", bad, _contract_violations)
     assert [line.split(":")[1] for line in found] == ["3", "4", "6", "7", "8", "9"], found
     assert "adam is not in the updater's checkpoint contract" in found[0]
 

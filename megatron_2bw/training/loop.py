@@ -108,8 +108,8 @@ def _sequence_parallel_sum(params: list, run: RunConfig) -> Optional[SequencePar
                                _grad_reduce(run).dtype)
 
 
-def _sharding(params: list, infos: list[ParamInfo], run: RunConfig,
-              schedule: Schedule) -> tuple[ShardLayout, ShardedGradReducer]:
+def _sharding(params: list, infos: list[ParamInfo], run: RunConfig, schedule: Schedule,
+              sp_sum: Optional[SequenceParallelSum]) -> tuple[ShardLayout, ShardedGradReducer]:
     """--use-distributed-optimizer: the stage's shard layout over data parallelism (Muon's
     matrices whole) and the reducer that reduce-scatters into it; on the stages that
     sum the tied embedding gradient, that gradient is all-reduced whole besides."""
@@ -119,8 +119,7 @@ def _sharding(params: list, infos: list[ParamInfo], run: RunConfig,
     offsets = _offsets(params)
     full = tuple((offsets[i], params[i].numel()) for i, info in enumerate(infos)
                  if info.tied and ps.get_pipeline_model_parallel_rank() in schedule.tied_stages)
-    return layout, ShardedGradReducer(group, layout, _grad_reduce(run), full,
-                                      _sequence_parallel_sum(params, run))
+    return layout, ShardedGradReducer(group, layout, _grad_reduce(run), full, sp_sum)
 
 
 def _tied_sync(schedule: Schedule, stage: int, infos: list[ParamInfo],
@@ -203,12 +202,12 @@ class Trainer:
         tp = TensorParallel(ps.get_tensor_model_parallel_rank(),
                             ps.get_tensor_model_parallel_world_size(), gather)
         groups = StepGroups(model_parallel=ps.get_model_parallel_group())
-        reducer, layout = GradReducer(data_parallel_group(), _grad_reduce(run),
-                                      _sequence_parallel_sum(params, run)), None
+        sp_sum = _sequence_parallel_sum(params, run)
+        reducer, layout = GradReducer(data_parallel_group(), _grad_reduce(run), sp_sum), None
         # one data-parallel rank has nothing to shard (data_parallel_group() is None
         # where the comm layer says the group does not run)
         if run.parallel.distributed_optimizer and data_parallel_group() is not None:
-            layout, reducer = _sharding(params, infos, run, schedule)
+            layout, reducer = _sharding(params, infos, run, schedule, sp_sum)
             updater = DistributedUpdater(params, infos, run.optimizer, layout,
                                          data_parallel_group(), groups, tp)
         else:
