@@ -166,6 +166,30 @@ CROSS = [  # (extra flags, world size, where, part of the message, base or None)
     (["--context-parallel-size", "2", "--attention-dropout", "0", "--attention-backend",
       "unfused"], 2, "--attention-backend", "no context-parallel form", None),
     (["--cp-comm-type", "a2a"], 2, "--cp-comm-type", "not implemented", None),
+    # mixture of experts (validation.MOE_RULES; the MoE-only flags refused with why are
+    # tests/test_moe_flags.py's)
+    (["--moe-router-topk", "4"], 2, "--moe-router-topk", "without --num-experts", None),
+    (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size",
+     "without --num-experts", None),
+    (["--num-experts", "4", "--moe-layer-freq", "[1]*3"], 2, "--moe-layer-freq",
+     "3 entries for --num-layers 4", None),
+    (["--num-experts", "4", "--moe-router-topk", "5"], 2, "--moe-router-topk",
+     "must be in [1, num_experts=4]", None),
+    (["--num-experts", "4", "--moe-grouped-gemm"], 2, "--disable-bias-linear",
+     "no expert biases", None),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 2,
+     "--moe-expert-capacity-factor", "needs moe_expert_capacity_factor", None),
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2,
+     "--expert-model-parallel-size", "3 experts do not split", None),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4"], 2,
+     "--expert-model-parallel-size", "ETP x EP x PP = 1 x 4 x 1 = 4", None),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--disable-bias-linear"], 2,
+     "--sequence-parallel", "without sequence parallelism", None),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+     "--expert-tensor-parallel-size", "need expert-tensor-parallel size 1", None),
+    (["--num-experts", "4", "--disable-bias-linear", "--expert-tensor-parallel-size", "2",
+      "--moe-ffn-hidden-size", "33"], 2, "--moe-ffn-hidden-size", "width 33 does not split",
+     None),
 ]
 
 
@@ -188,6 +212,7 @@ BERT_CROSS = [
      "with BERT"),
     (["--context-parallel-size", "2", "--attention-dropout", "0"], "--context-parallel-size",
      "with BERT"),
+    (["--num-experts", "4"], "--num-experts", "GPT only"),
 ]
 
 

@@ -6,10 +6,14 @@
   parameter names (init.py).
 - `apply_cpu_shims`, `model_parallel_manual_seed`: the megatron-core CPU compatibility
   layer (compat.py); `apply_group_shims`: megatron-core's TP all-reduce asks `comm.runs`.
+- Mixture of experts (`ModelConfig.num_experts`, moe.py): megatron-core's MoE layer with
+  expert parallelism; `is_expert_parameter` tells the routed experts' parameters (their
+  gradients are summed over the expert-data-parallel group) from the rest.
 """
 from megatron_2bw.models.compat import (PATCHES, apply_cpu_shims, apply_group_shims,
                                         model_parallel_manual_seed)
 from megatron_2bw.models.config import ModelConfig, pad_vocab_size
+from megatron_2bw.models.moe import is_expert_parameter
 from megatron_2bw.models.stages import PipelineStage, build_stage, global_parameter_names
 
 __all__ = [
@@ -20,6 +24,7 @@ __all__ = [
     "apply_group_shims",
     "build_stage",
     "global_parameter_names",
+    "is_expert_parameter",
     "model_parallel_manual_seed",
     "pad_vocab_size",
 ]

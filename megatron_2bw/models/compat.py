@@ -14,6 +14,13 @@ What is deliberately *not* shimmed: megatron-core's pipeline schedules and
 `p2p_communication` (this project has its own executor), gradient-accumulation
 fusion, Transformer Engine and apex paths. Sequence parallelism runs megatron-core's own
 mappings; on CPU their first-dimension gather / reduce-scatter get CPU buffers below.
+
+Mixture of experts (models/moe.py) runs megatron-core's MoE layer: on CPU its router,
+alltoall dispatcher and uneven all-to-all get the shims below. One fix applies on every
+device, at import of this module: megatron-core's router refers to `te_general_gemm`,
+which its moe_utils defines only when Transformer Engine is installed
+(`_define_missing_te_general_gemm`). models/moe.py lets GroupedMLP be built without the
+grouped_gemm package (listed here too).
 """
 from __future__ import annotations
 
@@ -35,6 +42,9 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as transformer_utils
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe import router as moe_router
+from megatron.core.transformer.moe import token_dispatcher
 
 from .. import comm
 from .context_parallel import cp_slice
@@ -92,6 +102,25 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication"
           ".backward", "apply_cpu_shims", _CPU,
           "under sequence parallelism allocates its reduce-scatter output on CUDA"),
+    Patch("megatron.core.transformer.moe.router.Router.gating", "apply_cpu_shims", _CPU,
+          "moves the router's weight to CUDA on every call"),
+    Patch("megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher."
+          "cuda_dtoh_stream", "apply_cpu_shims", _CPU,
+          "the alltoall dispatcher creates a CUDA stream for its device-to-host copies"),
+    Patch("megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher."
+          "_maybe_dtoh_and_synchronize", "apply_cpu_shims", _CPU,
+          "copies the split sizes to the host on that stream and waits on a CUDA event"),
+    Patch("megatron.core.tensor_parallel.mappings._AllToAll.forward", "apply_cpu_shims", _CPU,
+          "allocates the uneven all-to-all's output (MoE token dispatch) on CUDA"),
+    Patch("megatron.core.transformer.moe.moe_utils.te_general_gemm",
+          "import of megatron_2bw.models.compat", "Transformer Engine is not installed",
+          "the router's gating GEMM tests `te_general_gemm is not None`, a name moe_utils "
+          "defines only when Transformer Engine imports: a NameError on CPU and CUDA alike"),
+    Patch("megatron.core.transformer.moe.grouped_gemm_util.grouped_gemm",
+          "models.moe.TorchGroupedMLP.__init__",
+          "while one is built without the grouped_gemm package",
+          "GroupedMLP.__init__ asserts the package, which TorchGroupedMLP's forward never "
+          "calls; restored right after"),
     Patch("megatron.core.tensor_parallel.mappings._reduce", "apply_group_shims", "always",
           "short-cuts groups of one itself; the comm layer decides (`comm.runs`)"),
     Patch("megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue",
@@ -133,6 +162,7 @@ def apply_cpu_shims(device: Optional[str] = None) -> bool:
     mappings._gather_along_first_dim = _cpu_gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = _cpu_reduce_scatter_along_first_dim
     _wrap_linear_backward()
+    _apply_moe_cpu_shims()
     _APPLIED = True
     logger.info("megatron-core CPU shims applied")
     return True
@@ -160,6 +190,22 @@ def _reduce_if_group_runs(input_: torch.Tensor, group) -> torch.Tensor:
 
 
 _reduce_if_group_runs._group_shim = True
+
+
+def _define_missing_te_general_gemm() -> None:
+    """Give megatron-core's moe_utils the `te_general_gemm = None` it lacks without
+    Transformer Engine.
+
+    Why: `RouterGatingLinearFunction` (every MoE router's gating GEMM) branches on
+    `te_general_gemm is not None`, but moe_utils binds that name only inside its
+    `import transformer_engine` block; without Transformer Engine the router raises a
+    NameError, on CPU and CUDA alike. None selects upstream's own torch.mm path.
+    """
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+_define_missing_te_general_gemm()
 
 
 def model_parallel_manual_seed(seed: int) -> None:
@@ -356,14 +402,15 @@ def _cpu_gather_along_first_dim(input_: torch.Tensor, group, output_split_sizes=
 
     Why: under --sequence-parallel the column-parallel layers (and the output layer)
     all-gather their [s/t, b, h] input along the sequence, and upstream allocates the
-    gathered buffer on `torch.cuda.current_device()` (or its CUDA global buffer).
+    gathered buffer on `torch.cuda.current_device()` (or its CUDA global buffer). The
+    alltoall MoE dispatcher gathers uneven parts over the expert-TP group
+    (`output_split_sizes`).
     """
     del use_global_buffer  # a CUDA memory-pool detail
     if group.size() == 1:
         return input_
     if output_split_sizes is not None and len(set(output_split_sizes)) > 1:
-        raise NotImplementedError("an uneven first-dimension gather (MoE token dispatch) "
-                                  "has no CPU path")
+        return _gather_uneven_first_dim(input_, group, [int(n) for n in output_split_sizes])
     shape = list(input_.shape)
     shape[0] *= group.size()
     output = torch.empty(shape, dtype=input_.dtype, device=input_.device)
@@ -384,8 +431,11 @@ def _cpu_reduce_scatter_along_first_dim(input_: torch.Tensor, group, input_split
     if world == 1:
         return input_
     if input_split_sizes is not None and len(set(input_split_sizes)) > 1:
-        raise NotImplementedError("an uneven first-dimension reduce-scatter (MoE token "
-                                  "dispatch) has no CPU path")
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        comm.all_reduce(total, group)  # gloo has no uneven reduce-scatter: sum, then slice
+        start = sum(sizes[:comm.rank(group)])
+        return total[start:start + sizes[comm.rank(group)]].contiguous()
     if input_.shape[0] % world:
         raise ValueError(f"the first dimension {input_.shape[0]} does not split over "
                          f"{world} tensor-parallel ranks")
@@ -394,6 +444,18 @@ def _cpu_reduce_scatter_along_first_dim(input_: torch.Tensor, group, input_split
     output = torch.empty(shape, dtype=input_.dtype, device=input_.device)
     comm.reduce_scatter_tensor(output, input_.contiguous(), group)
     return output
+
+
+def _gather_uneven_first_dim(input_: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """Every rank's [sizes[r], ...] end to end: each part padded to the longest, gathered,
+    and cut back (gloo's all-gather takes equal parts only)."""
+    longest = max(sizes)
+    padded = torch.zeros((longest, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+    padded[:input_.shape[0]] = input_
+    gathered = torch.empty((longest * len(sizes), *input_.shape[1:]), dtype=input_.dtype,
+                           device=input_.device)
+    comm.all_gather_into_tensor(gathered, padded, group)
+    return torch.cat([gathered[r * longest:r * longest + n] for r, n in enumerate(sizes)])
 
 
 def _wrap_linear_backward() -> None:
@@ -428,6 +490,74 @@ def _current_device_is_cpu() -> Iterator[None]:
         yield
     finally:
         torch.cuda.current_device = saved
+
+
+# --- mixture of experts -------------------------------------------------------------
+
+
+def _apply_moe_cpu_shims() -> None:
+    """The CPU shims of megatron-core's MoE layer (see each function's why)."""
+    moe_router.Router.gating = _cpu_router_gating
+    if token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
+    token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = (
+        _cpu_dtoh_and_synchronize)
+    _wrap_all_to_all()
+
+
+# Stands for the alltoall dispatcher's device-to-host CUDA stream, which CPU runs never use:
+# upstream creates the stream in __init__ unless this class attribute is already set.
+_NO_STREAM = object()
+
+
+def _cpu_router_gating(self: moe_router.Router, input: torch.Tensor) -> torch.Tensor:
+    """`Router.gating` without moving the router's weight to CUDA.
+
+    Why: upstream moves a router weight that sits on CPU (where `use_cpu_initialization`
+    builds it) to `torch.cuda.current_device()` on every call. The logits are the same:
+    the gating GEMM in the router dtype (fp32 / fp64 when asked, else the input's).
+    """
+    dtypes = {"fp32": torch.float32, "fp64": torch.float64}
+    router_dtype = dtypes.get(self.config.moe_router_dtype, input.dtype)
+    return moe_router.router_gating_linear(input, self.weight, self.bias, router_dtype)
+
+
+def _cpu_dtoh_and_synchronize(self: token_dispatcher.MoEAlltoAllTokenDispatcher, point: str,
+                              tokens_per_expert: Optional[torch.Tensor] = None
+                              ) -> Optional[torch.Tensor]:
+    """`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` on CPU.
+
+    Why: upstream copies the all-to-all split sizes and token counts to the host on a
+    side CUDA stream at its `cuda_dtoh_point` and waits on a CUDA event at its sync point.
+    On CPU they are host tensors already: at the same point the split sizes become the
+    numpy arrays upstream's copy makes of them, and nothing needs waiting for.
+    """
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _wrap_all_to_all() -> None:
+    """Let megatron-core's `_AllToAll` allocate its uneven output on CPU.
+
+    Why: the alltoall token dispatcher exchanges a different number of tokens with each
+    expert-parallel rank; for that case `_AllToAll.forward` allocates the output on
+    `torch.cuda.current_device()`. For that call only (a CPU process) the current
+    device reads "cpu"; its backward is the same forward with the splits swapped.
+    """
+    original = mappings._AllToAll.forward
+    if getattr(original, "_cpu_shim", False):
+        return
+
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+        with _current_device_is_cpu():
+            return original(ctx, group, input_, output_split_sizes, input_split_sizes)
+
+    forward._cpu_shim = True
+    mappings._AllToAll.forward = staticmethod(forward)
 
 
 # --- tied embeddings ----------------------------------------------------------------

@@ -32,11 +32,16 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
 # megatron-core's selective-recompute modules of a dense local-spec model. Not "layernorm":
 # megatron-core 0.16.1's norm recomputation (CheckpointWithoutOutput) needs Transformer
-# Engine (it reads FP8GlobalStateManager, undefined without it); the MoE / MLA ones have
-# nothing to act on.
+# Engine (it reads FP8GlobalStateManager, undefined without it); the MLA ones have nothing
+# to act on, the MoE ones ("moe", "moe_act", "shared_experts") are not offered (a MoE layer
+# is recomputed by "full" recomputation; "mlp" leaves MoE layers alone, as upstream does).
 RECOMPUTE_MODULES = ("core_attn", "mlp")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # see models/attention.py
 CP_COMM_TYPES = ("p2p", "all_gather")  # see models/context_parallel.py
+# mixture of experts (models/moe.py): megatron-core 0.16.1's choices that run here
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+MOE_DISPATCHERS = ("allgather", "alltoall")
+MOE_ROUTER_DTYPES = (None, "fp32", "fp64")
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -194,6 +199,38 @@ class ModelConfig(ModelShape):
     values (models/context_parallel.py): "p2p" a ring that overlaps each block's transfer
     with the previous block's compute, "all_gather" one all-gather. The context-parallel
     size itself comes from parallel_state, as the other parallel sizes do."""
+    num_experts: Optional[int] = None
+    """Mixture of experts (GPT only; Megatron-LM's --num-experts): experts per MoE layer;
+    None: every MLP is dense. The expert-parallel and expert-tensor-parallel sizes come from
+    parallel_state, as the other parallel sizes do."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Inner width of each expert's MLP; None: ffn_size (`moe_ffn_size`)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """"aux_loss" (GShard / Switch, per microbatch), "seq_aux_loss" (per sequence, as
+    DeepSeek-V2/V3), "sinkhorn" (S-BASE, no auxiliary loss) or "none"."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0: none is added)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Weight of the router z-loss (ST-MoE); None: no z-loss."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How tokens reach their experts across expert-parallel ranks: "allgather" (every rank
+    sees every token, reduce-scatter back) or "alltoall" (each token goes where its experts
+    are)."""
+    moe_grouped_gemm: bool = False
+    """Run a rank's experts as one grouped GEMM (megatron-core's GroupedMLP layout and
+    checkpoint keys, `weight1` / `weight2`; computed by models/moe.py without the
+    grouped_gemm package). Needs add_bias_linear off, as megatron-core's GroupedMLP does."""
+    moe_layer_freq: int = 1
+    """Every moe_layer_freq-th layer is a MoE layer, counting from layer 0 (1: all)."""
+    moe_router_dtype: Optional[str] = None
+    """Routing and the weighted sum of expert outputs in "fp32" / "fp64"; None: params_dtype."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Tokens an expert takes, as a multiple of an even share; more are dropped. None:
+    dropless."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (needs moe_expert_capacity_factor)."""
 
     def _problems(self) -> list[str]:
         """The shape's problems (`ModelShape`), then the rest of the architecture's; the
@@ -201,7 +238,7 @@ class ModelConfig(ModelShape):
         shape = self._shape_problems()
         sized = [] if shape else self._size_problems() + self._rope_problems()
         return (shape + sized + self._choice_problems() + self._recompute_problems()
-                + self._bert_problems() + self._task_problems())
+                + self._bert_problems() + self._task_problems() + self._moe_problems())
 
     def _size_problems(self) -> list[str]:
         problems = []
@@ -297,6 +334,79 @@ class ModelConfig(ModelShape):
         if self.task == "multiple_choice" and self.num_choices < 2:
             problems.append(f"num_choices={self.num_choices} must be at least 2")
         return problems
+
+    def _moe_problems(self) -> list[str]:
+        """What megatron-core 0.16.1's MoE layer refuses, or cannot run here, up front."""
+        if self.num_experts is None:
+            return (["moe_ffn_hidden_size needs num_experts"]
+                    if self.moe_ffn_hidden_size is not None else [])
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            return [f"num_experts={self.num_experts!r} must be a positive integer"]
+        problems = [] if self.model == "gpt" else ["mixture of experts is GPT only (num_experts)"]
+        return (problems + self._moe_choice_problems() + self._moe_router_problems()
+                + self._moe_capacity_problems())
+
+    def _moe_choice_problems(self) -> list[str]:
+        problems = []
+        for name, allowed in (("moe_router_load_balancing_type", MOE_LOAD_BALANCING_TYPES),
+                              ("moe_token_dispatcher_type", MOE_DISPATCHERS),
+                              ("moe_router_dtype", MOE_ROUTER_DTYPES)):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        for name in ("moe_ffn_hidden_size", "moe_layer_freq"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if self.moe_grouped_gemm and self.add_bias_linear:
+            problems.append("moe_grouped_gemm has no expert biases (megatron-core's GroupedMLP): "
+                            "turn add_bias_linear off (--disable-bias-linear)")
+        return problems
+
+    def _moe_router_problems(self) -> list[str]:
+        problems = []
+        topk, balancing = self.moe_router_topk, self.moe_router_load_balancing_type
+        if not isinstance(topk, int) or not 1 <= topk <= self.num_experts:
+            problems.append(f"moe_router_topk={topk!r} must be in [1, num_experts="
+                            f"{self.num_experts}]")
+        elif topk == 1 and balancing != "sinkhorn":
+            # softmax over one selected logit has a zero gradient: megatron-core then needs
+            # --moe-router-pre-softmax, which this project does not offer
+            problems.append("moe_router_topk=1 needs the router's pre-softmax, which is not "
+                            "offered here; route to 2 or more experts (or use sinkhorn)")
+        if self.moe_aux_loss_coeff < 0:
+            problems.append(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
+        if balancing == "sinkhorn" and self.moe_aux_loss_coeff:
+            problems.append("sinkhorn routing has no auxiliary loss (moe_aux_loss_coeff must "
+                            "be 0)")
+        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
+            problems.append(f"moe_z_loss_coeff={self.moe_z_loss_coeff} must be >= 0")
+        return problems
+
+    def _moe_capacity_problems(self) -> list[str]:
+        factor = self.moe_expert_capacity_factor
+        if factor is None:
+            return (["moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor"]
+                    if self.moe_pad_expert_input_to_capacity else [])
+        if factor <= 0:
+            return [f"moe_expert_capacity_factor={factor} must be positive"]
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            return ["moe_expert_capacity_factor does not work with sinkhorn routing"]
+        return []
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers are mixture-of-experts layers."""
+        return self.num_experts is not None
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Inner width of each expert's MLP actually used."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) is a MoE layer: every moe_layer_freq-th,
+        from layer 0, as Megatron-LM's get_gpt_decoder_layer_specs reads an int frequency."""
+        return self.is_moe and layer % self.moe_layer_freq == 0
 
     @property
     def tanh_gelu(self) -> bool:

@@ -18,6 +18,15 @@ initialisation (`_initialize_affine_weight_cpu`): along `partition_dim`, in
 `partition_stride * tp` equal pieces, rank r keeping pieces r, r + tp, ... in order.
 Stride 1 is a contiguous chunk. SwiGLU's fc1 has stride 2: its TP=1 weight is
 [gate; up] and rank r holds [gate_r; up_r], not a contiguous chunk of [gate; up].
+
+Mixture of experts (models/moe.py): an expert's name carries its *global* index
+(`...mlp.experts.local_experts.5.linear_fc1.weight` is local expert 1 of expert-parallel
+rank 1 at EP = 2 with 8 experts, and expert 5 at EP = 1), so every expert is drawn from its
+own seed and EP = 1 and EP = n build the same experts. Expert weights are cut over the
+*expert* tensor-parallel group. A grouped-GEMM layer (GroupedMLP) draws each of its experts
+from the very names and rules of the SequentialMLP expert it stands for and stores it
+transposed, so --moe-grouped-gemm starts from the same model too. The router follows
+megatron-core: its weight (and bias) is drawn with the plain normal init.
 """
 from __future__ import annotations
 
@@ -31,7 +40,10 @@ from torch import nn
 
 from megatron.core import parallel_state
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.moe.experts import GroupedMLP
+from megatron.core.transformer.moe.router import Router
 
+from megatron_2bw.models.moe import global_expert_rest, is_expert_parameter
 from megatron_2bw.models.norms import TorchNorm
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -53,6 +65,7 @@ def global_name(model: LanguageModule, local_name: str) -> str:
     if match:
         block_name, index, rest = match.groups()
         layer = transformer_block(model).layers[int(index)]
+        rest = global_expert_rest(layer, rest)
         return f"{block_name}.layers.{layer.layer_number - 1}.{rest}"
     if local_name == TIED_OUTPUT and model.share_embeddings_and_output_weights:
         return WORD_EMBEDDING
@@ -79,6 +92,8 @@ def _init_rule(module_name: str, module: nn.Module, param_name: str, std: float,
     """
     if isinstance(module, TorchNorm) and module.zero_centered:
         return ("zeros", None)
+    if isinstance(module, Router):  # megatron-core draws its bias with init_method too
+        return ("normal", std)
     if isinstance(module, NORM_TYPES + (TorchNorm,)):
         return ("ones", None) if param_name == "weight" else ("zeros", None)
     if param_name == "bias":
@@ -132,17 +147,49 @@ def deterministic_init_(model: LanguageModule, seed: int, std: float, num_layers
     so contiguous TP shards of the full TP=1 tensor are exactly the TP>1 parameters
     (with fewer groups than TP ranks each rank holds a contiguous part of a group and
     megatron-core gathers the rest). SwiGLU's fc1 is the strided case: the full
-    [gate; up] is drawn and each half sharded.
+    [gate; up] is drawn and each half sharded. Experts are sharded over the expert
+    tensor-parallel group instead (`_init_grouped_experts` for a GroupedMLP).
     """
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    dense = (parallel_state.get_tensor_model_parallel_rank(),
+             parallel_state.get_tensor_model_parallel_world_size())
+    expert = (parallel_state.get_expert_tensor_parallel_rank(),
+              parallel_state.get_expert_tensor_parallel_world_size())
     for module_name, module in model.named_modules():
+        if isinstance(module, GroupedMLP):
+            _init_grouped_experts(model, module_name, module, seed, std, num_layers, *expert)
+            continue
         for param_name, param in module.named_parameters(recurse=False):
             local = f"{module_name}.{param_name}" if module_name else param_name
             name = global_name(model, local)
+            tp_rank, tp_size = expert if is_expert_parameter(name) else dense
             rule = _init_rule(module_name, module, param_name, std, num_layers)
             dim, shape = _full_shape(param, tp_size)
             full = _draw(rule, shape, _param_seed(seed, name))
             stride = getattr(param, "partition_stride", 1)
             shard = full if dim < 0 else tp_shard(full, dim, stride, tp_rank, tp_size)
             param.data.copy_(shard.to(dtype=param.dtype, device=param.device))
+
+
+def _init_grouped_experts(model: LanguageModule, module_name: str, module: GroupedMLP,
+                          seed: int, std: float, num_layers: int, tp_rank: int,
+                          tp_size: int) -> None:
+    """A GroupedMLP's experts, each drawn as the SequentialMLP expert of the same global
+    index (its fc1 weight [ffn (x2 GLU), h] and fc2 weight [h, ffn], by their names and
+    rules), cut for this expert-TP rank as ColumnParallelLinear / RowParallelLinear cut
+    them, and stored transposed where GroupedMLP keeps expert j:
+    `weight1.view(E_local, h, -1)[j]` and `weight2.view(E_local, -1, h)[j]`."""
+    prefix = global_name(model, f"{module_name}.weight1").removesuffix("weight1")
+    hidden, ffn = module.config.hidden_size, module.config.moe_ffn_hidden_size
+    glu = 2 if module.config.gated_linear_unit else 1
+    first = module.ep_group.rank() * module.num_local_experts
+    fc1s = module.weight1.view(module.num_local_experts, hidden, -1)
+    fc2s = module.weight2.view(module.num_local_experts, -1, hidden)
+    for j in range(module.num_local_experts):
+        expert = f"{prefix}local_experts.{first + j}."
+        for linear, shape, dim, stride, target in (
+                ("linear_fc1", (ffn * glu, hidden), 0, glu, fc1s[j]),
+                ("linear_fc2", (hidden, ffn), 1, 1, fc2s[j])):
+            rule = _init_rule(linear, None, "weight", std, num_layers)
+            full = _draw(rule, shape, _param_seed(seed, f"{expert}{linear}.weight"))
+            shard = tp_shard(full, dim, stride, tp_rank, tp_size).t()
+            target.copy_(shard.to(dtype=target.dtype, device=target.device))

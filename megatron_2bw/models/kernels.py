@@ -47,11 +47,17 @@ def gelu_tanh(x: Tensor) -> Tensor:
 def kernel_fields(config: ModelConfig, fused: bool) -> dict[str, Any]:
     """megatron-core TransformerConfig fields for the activation, the fusions and the
     loss; `fused`: whether megatron-core's fused (CUDA) implementations are used."""
+    # MoE experts scale their activation by the router's probabilities, which megatron-core
+    # fuses for SwiGLU without biases only (MLP.forward raises otherwise): the same
+    # mathematics unfused for the rest
+    moe_unfusable = config.is_moe and (not config.swiglu or config.add_bias_linear)
     if config.swiglu:
-        activation, act_fusion = F.silu, fused and config.bias_swiglu_fusion
+        activation = F.silu
+        act_fusion = fused and config.bias_swiglu_fusion and not moe_unfusable
     elif config.tanh_gelu:
         # megatron-core's fused kernel is the tanh GELU itself and wants F.gelu named
-        activation, act_fusion = (F.gelu, True) if fused else (gelu_tanh, False)
+        activation, act_fusion = ((F.gelu, True) if fused and not moe_unfusable
+                                  else (gelu_tanh, False))
     else:
         activation, act_fusion = F.gelu, False
     return dict(activation_func=activation, bias_activation_fusion=act_fusion,

@@ -53,8 +53,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+from megatron.core.transformer.transformer_block import (LayerNormImpl,
+                                                         TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_2bw import comm
@@ -66,6 +68,7 @@ from megatron_2bw.models.heads import (FRESH_PREFIXES, attach_task_head, encoder
 from megatron_2bw.models.init import deterministic_init_, named_global_parameters
 from megatron_2bw.models.kernels import (compile_layers, kernel_fields, on_cuda,
                                          with_core_attention)
+from megatron_2bw.models.moe import moe_fields, with_expert_modules
 from megatron_2bw.models.norms import TorchNorm
 
 logger = logging.getLogger(__name__)
@@ -347,7 +350,9 @@ def build_stage(
 
     Needs torch.distributed and `parallel_state.initialize_model_parallel(tp, pp)` with
     pp == num_stages and this process on pipeline rank `stage` (megatron-core reads the
-    pipeline rank from parallel_state for layer numbering and BERT's first-stage logic).
+    pipeline rank from parallel_state for layer numbering and BERT's first-stage logic);
+    a mixture of experts takes its expert_model_parallel_size /
+    expert_tensor_parallel_size from there too.
     On CPU the entry point must have called `apply_cpu_shims()` first (once per process).
     """
     _check_split(config, stage, num_stages, num_chunks)
@@ -358,7 +363,10 @@ def build_stage(
                            "megatron_2bw.models.apply_cpu_shims() at the entry point first")
     _ensure_rng_tracker(config.seed)
     cp = parallel_state.get_context_parallel_world_size()
-    mcore_config = transformer_config(config, tp, num_stages, num_chunks, on_cuda(target), cp)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    mcore_config = transformer_config(config, tp, num_stages, num_chunks, on_cuda(target), cp,
+                                      ep, etp)
     chunks = [_build_chunk(config, mcore_config, stage, num_stages, c, num_chunks, target)
               for c in range(num_chunks)]
     logger.debug("built %s stage %d/%d (tp=%d, %d chunks) on %s", config.model, stage,
@@ -458,7 +466,32 @@ def _check_parallel_state(config: ModelConfig, stage: int, num_stages: int) -> i
     if groups % tp and tp % groups:
         raise ValueError(f"num_query_groups={groups} is neither a multiple nor a divisor of "
                          f"tensor parallel size {tp}")
+    _check_expert_parallel(config, tp)
     return tp
+
+
+def _check_expert_parallel(config: ModelConfig, tp: int) -> None:
+    """Check the expert-parallel sizes parallel_state holds fit the mixture of experts."""
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if not config.is_moe:
+        if ep > 1:
+            raise ValueError(f"expert parallel size {ep} needs a mixture of experts "
+                             "(num_experts)")
+        return
+    if config.num_experts % ep:
+        raise ValueError(f"num_experts={config.num_experts} is not divisible by expert "
+                         f"parallel size {ep}")
+    if config.moe_ffn_size % etp:
+        raise ValueError(f"the experts' ffn size {config.moe_ffn_size} is not divisible by "
+                         f"expert tensor parallel size {etp}")
+    if config.add_bias_linear and etp > 1:
+        raise ValueError("expert biases need expert tensor parallel size 1 (megatron-core); "
+                         "turn add_bias_linear off or set expert_tensor_parallel_size=1")
+    if tp > 1 and not config.sequence_parallel:
+        raise ValueError("a mixture of experts at tensor parallel size > 1 needs "
+                         "sequence_parallel (megatron-core's MoE layer refuses to train "
+                         "without it)")
 
 
 def _ensure_rng_tracker(seed: int) -> None:
@@ -475,7 +508,7 @@ def _ensure_rng_tracker(seed: int) -> None:
 
 def transformer_config(config: ModelConfig, tp: int, num_stages: int,
                        num_chunks: int = 1, fused: bool = False,
-                       cp: int = 1) -> TransformerConfig:
+                       cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> TransformerConfig:
     """The megatron-core TransformerConfig for this model and split.
 
     Megatron-LM's `core_transformer_config_from_args` mapping: --swiglu is a gated linear
@@ -485,7 +518,9 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
     parallelism at TP > 1 only (as Megatron-LM turns it off at TP = 1) and the
     context-parallel size `cp`. The activation and
     the fusions come from `kernels.kernel_fields` (`fused`: megatron-core's fused CUDA
-    implementations may run); the core attention is chosen in the layer spec.
+    implementations may run); the core attention is chosen in the layer spec. A mixture
+    of experts adds the --moe-* fields and the expert-parallel size `ep` and expert-tensor-
+    parallel size `etp` (None: tp) from `moe.moe_fields`.
     """
     return TransformerConfig(
         num_layers=config.num_layers,
@@ -529,6 +564,7 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
         attention_backend=AttnBackend.local,
         gradient_accumulation_fusion=False,
         **kernel_fields(config, fused),
+        **moe_fields(config, ep, etp),
     )
 
 
@@ -545,10 +581,34 @@ def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
     zero-centred `TorchNorm`, which needs the block spec (a layer spec cannot name the
     final norm). Under sequence parallelism every norm is a `TorchNorm` too (megatron-core's
     `WrappedTorchNorm` refuses it), which marks its weight's gradient for the sum over TP.
+
+    A mixture of experts makes every moe_layer_freq-th layer a MoE layer (megatron-core's
+    local MoE spec with TopKRouter and the experts of `moe.with_expert_modules`); when
+    not every layer is one, the block spec lists this stage's layers as Megatron-LM's
+    get_gpt_decoder_block_spec does.
     """
-    spec = with_core_attention(get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
-                                                        normalization=config.normalization),
-                               config, mcore_config)
+    dense = _layer_spec(config, mcore_config, None)
+    moe = _layer_spec(config, mcore_config, config.num_experts) if config.is_moe else dense
+    torch_norms = config.layernorm_zero_centered_gamma or mcore_config.sequence_parallel
+    mixed = config.is_moe and config.moe_layer_freq > 1
+    if not (torch_norms or mixed):
+        return moe
+    offset = get_transformer_layer_offset(mcore_config, vp_stage)
+    layers = range(offset, offset + get_num_layers_to_build(mcore_config, vp_stage))
+    return TransformerBlockSubmodules(
+        layer_specs=[moe if config.is_moe_layer(i) else dense for i in layers],
+        layer_norm=TorchNorm if torch_norms else LayerNormImpl)
+
+
+def _layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
+                num_experts: Optional[int]) -> ModuleSpec:
+    """One layer's spec (a MoE layer with `num_experts`), the norms as `gpt_layer_spec`
+    describes."""
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=config.qk_layernorm,
+                                    normalization=config.normalization)
+    if num_experts is not None:
+        spec = with_expert_modules(spec, config.moe_grouped_gemm)
+    spec = with_core_attention(spec, config, mcore_config)
     layer = spec.submodules
     if config.qk_layernorm:
         shared = ModuleSpec(module=TorchNorm, params={"tp_shared": True})
@@ -556,12 +616,10 @@ def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
                                         q_layernorm=shared, k_layernorm=shared)
         layer = dataclasses.replace(layer, self_attention=dataclasses.replace(
             layer.self_attention, submodules=attention))
-    if not (config.layernorm_zero_centered_gamma or mcore_config.sequence_parallel):
-        return dataclasses.replace(spec, submodules=layer)
-    layer = dataclasses.replace(layer, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
-    spec = dataclasses.replace(spec, submodules=layer)
-    layers = get_num_layers_to_build(mcore_config, vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchNorm)
+    if config.layernorm_zero_centered_gamma or mcore_config.sequence_parallel:
+        layer = dataclasses.replace(layer, input_layernorm=TorchNorm,
+                                    pre_mlp_layernorm=TorchNorm)
+    return dataclasses.replace(spec, submodules=layer)
 
 
 def _build_model(

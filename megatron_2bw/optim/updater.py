@@ -88,6 +88,8 @@ class ParamInfo:
     muon: Optional[MuonParamSpec] = None  # set: Muon steps it (--optimizer muon), else AdamW
     embedding_or_output: bool = False  # megatron-core's is_embedding_or_output_parameter:
     #                                    the word embedding, the output layer (--decoupled-lr)
+    expert: bool = False  # a routed expert's (mixture of experts): its norm is summed over
+    #                       the expert-parallel groups, not the model-parallel group
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,9 @@ class StepGroups:
     # --use-distributed-optimizer: each data-parallel rank holds a shard of the gradient,
     # so the norm and the inf flag are summed over the data-parallel group first
     data_parallel: Optional[dist.ProcessGroup] = None
+    # a mixture of experts: the ranks that together hold each expert once (megatron-core's
+    # expert tensor x expert x pipeline group), over which the experts' norm is summed
+    expert_model_parallel: Optional[dist.ProcessGroup] = None
 
 
 class _ParamGroups:
@@ -189,6 +194,8 @@ class MegatronUpdater:
         self.scaler = LossScaler(config.loss_scale)
         self.batch_size = config.global_batch_size  # samples each step advances the scheduler
         self._norm_mask = [i.counts_in_norm for i in infos]
+        self._expert = [i.expert for i in infos]
+        self._has_experts = any(self._expert)
         self._pending: dict[int, tuple] = {}
 
     def set_batch_size(self, samples: int) -> None:
@@ -205,26 +212,43 @@ class MegatronUpdater:
 
     def start_step(self, minibatch: int, flat_grad: torch.Tensor,
                    grads: list[torch.Tensor]) -> None:
+        """Start the sums of the squared gradient norm and of the inf flag: the dense
+        parameters' over the model-parallel group, the routed experts' (if any) over the
+        groups that hold each expert once, as megatron-core's optimizers for the two."""
         local_inf = not bool(torch.isfinite(flat_grad).all())
-        counted = [g for g, keep in zip(grads, self._norm_mask) if keep]
-        sq = torch.zeros((), dtype=torch.float32, device=flat_grad.device)
+        device = flat_grad.device
+        parts = [(self.groups.model_parallel, self._squares(grads, False, local_inf, device))]
+        if self._has_experts:
+            parts.append((self.groups.expert_model_parallel,
+                          self._squares(grads, True, local_inf, device)))
+        pending = []
+        for group, sq in parts:
+            stats = torch.stack([sq, torch.full_like(sq, float(local_inf))])
+            if comm.runs(self.groups.data_parallel):
+                # the replicas reach this step at the same point of the same action list:
+                # waiting for them cannot wait for another stage
+                comm.all_reduce(stats, self.groups.data_parallel)
+            work = comm.all_reduce(stats, group, async_op=True) if comm.runs(group) else None
+            pending.append((stats, work))
+        self._pending[minibatch] = pending
+
+    def _squares(self, grads: list[torch.Tensor], experts: bool, local_inf: bool,
+                 device: torch.device) -> torch.Tensor:
+        """The sum of squares of the counted gradients of the experts or of the rest."""
+        counted = [g for g, keep, expert in zip(grads, self._norm_mask, self._expert)
+                   if keep and expert == experts]
+        sq = torch.zeros((), dtype=torch.float32, device=device)
         if counted and not local_inf:
             sq = torch.stack([g.pow(2).sum() for g in counted]).sum()
-        stats = torch.stack([sq, torch.full_like(sq, float(local_inf))])
-        if comm.runs(self.groups.data_parallel):
-            # the replicas reach this step at the same point of the same action list:
-            # waiting for them cannot wait for another stage
-            comm.all_reduce(stats, self.groups.data_parallel)
-        group, work = self.groups.model_parallel, None
-        if comm.runs(group):
-            work = comm.all_reduce(stats, group, async_op=True)
-        self._pending[minibatch] = (stats, work)
+        return sq
 
     def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
                     newest: list[torch.Tensor], target: list[torch.Tensor]) -> dict[str, float]:
-        stats, work = self._pending.pop(minibatch)
-        if work is not None:
-            work.wait()
+        pending = self._pending.pop(minibatch)
+        for _, work in pending:
+            if work is not None:
+                work.wait()
+        stats = torch.stack([s for s, _ in pending]).sum(dim=0)
         norm, found_inf = stats[0].sqrt().item(), bool(stats[1].item() > 0)
         self.scaler.update(found_inf)
         lr = self.param_groups.lr

@@ -1,7 +1,7 @@
 """`python -m megatron_2bw.planner`: choose TP (with sequence parallelism), CP (context
-parallelism, for long sequences), PP, DP, microbatch, recomputation, schedule (Flush also
-interleaved, v model chunks per device) and (with a large vocabulary) uneven first/last
-stages.
+parallelism, for long sequences), PP, DP, EP (expert parallelism, for a mixture of experts:
+--num-experts), microbatch, recomputation, schedule (Flush also interleaved, v model chunks
+per device) and (with a large vocabulary) uneven first/last stages.
 
 Takes Megatron-LM's model flags, the batch, the device count and the cluster; prints a
 ranked table and a paragraph on why the best plan won; `--json FILE` writes
@@ -28,6 +28,7 @@ from ..schedules import SCHEDULE_NAMES, canonical_name
 from ..shape import ModelShape
 from .compute import FlopsCompute, LayerModel, ProfiledCompute, load_profile
 from .cost_model import CostModel
+from .experts import DISPATCHERS, Experts
 from .explain import format_table
 from .hardware import PRESETS, Hardware, LaunchEnv, load_hardware, load_launch_env
 from .launch import (FORMS, Job, LaunchError, add_launch_flags, check_launch_args,
@@ -61,6 +62,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """A whole number, 0 or more (--num-experts 0 is a dense model, as in Megatron-LM)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return value
 
 
@@ -107,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seq-length", type=_positive_int, required=True)
     m.add_argument("--vocab-size", type=_positive_int,
                    help="unpadded; default 50257 (GPT-2 BPE) or 30522 (BERT WordPiece)")
+    e = p.add_argument_group("mixture of experts (Megatron-LM flags; GPT)")
+    e.add_argument("--num-experts", type=_count,
+                   help="experts per MoE layer (default: none, dense MLPs; 0 also means none)")
+    e.add_argument("--moe-ffn-hidden-size", type=_positive_int,
+                   help="each expert's MLP width (default --ffn-hidden-size)")
+    e.add_argument("--moe-router-topk", type=_positive_int, default=2,
+                   help="experts each token is routed to (default 2)")
+    e.add_argument("--moe-layer-freq", type=_positive_int, default=1,
+                   help="every N-th layer from the first is an MoE layer (default 1: all)")
+    e.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS,
+                   help="how tokens reach their experts (default: alltoall with expert "
+                        "parallelism, as Megatron-LM's Mixtral example, else allgather)")
     j = p.add_argument_group("job and cluster")
     j.add_argument("--global-batch-size", type=_positive_int, required=True)
     j.add_argument("--num-gpus", type=_positive_int, required=True)
@@ -137,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequence length; default 1 and every power of two that divides the "
                         "devices and splits the sequence into 2 x CP chunks, from "
                         f"--seq-length {CONTEXT_PARALLEL_MIN_SEQ_LENGTH} on (GPT only)")
+    s.add_argument("--expert-parallel-sizes", type=_int_list,
+                   help="expert-parallel sizes to try with --num-experts, e.g. 1 for none or "
+                        "8; default 1 and every power of two that divides the experts and "
+                        "the DP x CP ranks (expert parallelism is carved out of them)")
     s.add_argument("--recompute", type=_recompute_list, default=DEFAULT_RECOMPUTE_OPTIONS,
                    help="comma-separated recomputation options to try: none, selective, "
                         "full (= full-uniform-1), full-uniform-N, full-block-N "
@@ -166,6 +194,34 @@ def model_from_args(args: argparse.Namespace) -> ModelShape:
     return ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
                      args.seq_length, vocab, args.ffn_hidden_size, swiglu=args.swiglu,
                      num_query_groups=groups)
+
+
+MOE_SHAPE_FLAGS = ("--moe-ffn-hidden-size", "--moe-token-dispatcher-type",
+                   "--expert-parallel-sizes")
+
+
+def experts_from_args(args: argparse.Namespace) -> Experts | None:
+    """The MoE layers of --num-experts (None without it, or with 0); ValueError naming the
+    flag when the MoE flags do not make one."""
+    if not args.num_experts:
+        given = [f for f in MOE_SHAPE_FLAGS if getattr(args, f[2:].replace("-", "_"))]
+        given += [f"--{name.replace('_', '-')}" for name, default in
+                  (("moe_router_topk", 2), ("moe_layer_freq", 1))
+                  if getattr(args, name) != default]
+        given += [f for f in ROUTER_LOSS_FLAGS if getattr(args, f[2:].replace("-", "_"))]
+        if given:
+            raise ValueError(f"{given[0]} acts on mixture-of-experts layers: add "
+                             "--num-experts N")
+        return None
+    if args.model != "gpt":
+        raise ValueError("--num-experts: a mixture of experts is GPT only (--model gpt)")
+    return Experts(args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
+                   args.moe_layer_freq, args.moe_token_dispatcher_type)
+
+
+ROUTER_LOSS_FLAGS = ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
+                     "--moe-z-loss-coeff")
+"""Passed on to the emitted launch (launch.TRAINER_FLAGS); they act on MoE layers only."""
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
@@ -216,7 +272,14 @@ def _check_launch(args: argparse.Namespace, hw: Hardware, extra: list[str]) -> L
                                    "before --, and the plan passes it on")
     planned = {"--sequence-parallel": "plans with TP > 1 use it (--no-sequence-parallel: "
                                       "none do)",
-               "--context-parallel-size": "give --context-parallel-sizes N before --"}
+               "--context-parallel-size": "give --context-parallel-sizes N before --",
+               "--expert-model-parallel-size": "give --expert-parallel-sizes N before --",
+               "--expert-tensor-parallel-size": "the plan keeps it at the tensor-parallel "
+                                                "size, megatron-core's default",
+               "--moe-token-dispatcher-type": "give --moe-token-dispatcher-type before --"}
+    planned.update({flag: f"give {flag} before --" for flag in
+                    ("--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk",
+                     "--moe-layer-freq")})
     for word in extra:
         flag = word.split("=")[0]
         if flag in planned:
@@ -240,13 +303,14 @@ def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
     args = build_parser().parse_args(argv)
     try:
         model = model_from_args(args)
+        experts = experts_from_args(args)
     except ValueError as err:
         raise PlannerArgumentError(str(err)) from None
     hw = _hardware(args)
     _check_gpus(args, hw)
     args.trainer_extra, args.launch_env = extra, _check_launch(args, hw, extra)
     cm = CostModel(model, _layers(args, model, hw), hw,
-                   optimizer_precision(args.optimizer, args.delay_compensation))
+                   optimizer_precision(args.optimizer, args.delay_compensation), experts)
     space = SearchSpace(args.num_gpus, args.global_batch_size, schedules=args.schedules,
                         micro_batch_sizes=args.micro_batch_sizes,
                         tensor_parallel_sizes=args.tensor_parallel_sizes,
@@ -254,7 +318,8 @@ def plan(argv: list[str]) -> tuple[CostModel, SearchResult, argparse.Namespace]:
                         virtual_stages=args.virtual_stages,
                         distributed_optimizer=SHARDING[args.distributed_optimizer],
                         sequence_parallel=not args.no_sequence_parallel,
-                        context_parallel_sizes=args.context_parallel_sizes)
+                        context_parallel_sizes=args.context_parallel_sizes,
+                        expert_parallel_sizes=args.expert_parallel_sizes)
     return cm, search(cm, space, keep=max(args.top, 20), exhaustive=args.exhaustive), args
 
 
@@ -274,7 +339,8 @@ def launch_job(cm: CostModel, result: SearchResult, args: argparse.Namespace,
                     "accuracy; --optimizer muon --delay-compensation error-feedback recovers "
                     "it (docs/convergence.md).",)
     return Job(entry_point=ENTRY_POINTS[cm.model.model],
-               groups=trainer_groups(plan_groups(cm.model, cfg, args), args, args.trainer_extra),
+               groups=trainer_groups(plan_groups(cm.model, cfg, args, cm.experts), args,
+                                     args.trainer_extra),
                nodes=nodes, env=args.launch_env, name=args.job_name,
                master_addr=args.master_addr, master_port=args.master_port,
                time=args.time or default_time(best.iteration_time_s, iterations),
@@ -301,7 +367,10 @@ def _print_report(cm: CostModel, result: SearchResult, args: argparse.Namespace,
                   report: dict) -> None:
     """The search in one line, the table, why the best won, and the best plan's flags."""
     out = sys.stdout
-    out.write(f"{cm.model.model.upper()} {cm.model.total_params() / 1e9:.2f}B parameters, "
+    active = ("" if cm.experts is None else
+              f" ({cm.experts.active_params(cm.model) / 1e9:.2f}B active per token, "
+              f"{cm.experts.num_experts} experts, top-{cm.experts.moe_router_topk})")
+    out.write(f"{cm.model.model.upper()} {cm.total_params() / 1e9:.2f}B parameters{active}, "
               f"batch {args.global_batch_size}, {args.num_gpus} x {cm.hardware.name} devices, "
               f"compute from {cm.layers.source}; {result.num_enumerated} configurations, "
               f"{result.num_fitting} fit, {len(result.ranked)} simulated "

@@ -72,7 +72,16 @@ their sources:
   from the last stage to the first); a stage's time is its chunks' sum; memory is the
   peak of (microbatch, chunk) stashes, one unit = one chunk's activations, with the
   embedding's activations only in chunk 0 of stage 0 and the output layer's only in the
-  last chunk of the last stage (`_chunk_peaks`).
+  last chunk of the last stage (`_chunk_peaks`);
+- a mixture of experts (`CostModel.experts`, `planner/experts.py`): an MoE layer's compute
+  is the dense layer's times the ratio of their FLOPs (k experts' MLPs and the router for
+  the dense MLP; the profile, when there is one, measures the dense layer), its
+  activations the dense layer's with the MLP's replaced by the k routed copies of each
+  token; its weights per rank the router and E / EP experts split over ETP = TP; per
+  microbatch in forward the dispatch and the combine (`expert_dispatch_s`), again in
+  backward and again for a fully recomputed layer; expert gradients reduced over the
+  expert-data-parallel group (DP x CP / EP ranks), the rest over DP x CP. A stage's time
+  and memory count its own MoE and dense layers (`--moe-layer-freq`).
 """
 from __future__ import annotations
 
@@ -83,9 +92,10 @@ from megatron_2bw.schedules import Costs, Schedule, build_schedule, schedule_spe
 from megatron_2bw.schedules.actions import BACKWARD, FORWARD
 
 from .compute import LOSS_ALLREDUCES, LayerModel
+from .experts import DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL, Experts
 from .hardware import GB, Hardware
-from .placement import (Layout, collective_bandwidth, p2p_bandwidth, ring_allgather_s,
-                        ring_allreduce_s)
+from .placement import (Layout, alltoall_bandwidth, collective_bandwidth, p2p_bandwidth,
+                        ring_allgather_s, ring_allreduce_s)
 from .shards import Shard, divide, stage_matrices
 from ..shape import ModelShape
 from .spec import ParallelConfig, Precision, Recompute
@@ -142,6 +152,10 @@ class StageCost:
     state: StateBytes
     context_parallel_s: float = 0.0
     """Of forward_s + backward_s: context parallelism's key/value exchange."""
+    expert_parallel_s: float = 0.0
+    """Of forward_s + backward_s: a mixture of experts' token dispatch and combine."""
+    expert_params: int = 0
+    """Of params: the routed experts' (reduced over the expert-data-parallel group)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -200,6 +214,7 @@ class Estimate:
         return {"compute_s": m * st.compute_s, "recompute_s": m * st.recompute_s,
                 "tensor_parallel_s": m * st.tensor_parallel_s,
                 "context_parallel_s": m * st.context_parallel_s,
+                "expert_parallel_s": m * st.expert_parallel_s,
                 "idle_s": max(0.0, self.iteration_time_s - busy),
                 "allreduce_s": max(s.allreduce_s for s in self.stages)}
 
@@ -212,6 +227,18 @@ class CostModel:
     layers: LayerModel
     hardware: Hardware
     precision: Precision = Precision()
+    experts: Experts | None = None
+    """A mixture of experts' MoE layers (`planner/experts.py`); None: a dense model."""
+
+    def __post_init__(self) -> None:
+        if self.experts is not None and self.model.model != "gpt":
+            raise ValueError("a mixture of experts is GPT only (--num-experts)")
+
+    def total_params(self) -> int:
+        """The model's parameters, the experts' included."""
+        if self.experts is None:
+            return self.model.total_params()
+        return self.experts.total_params(self.model)
 
     def evaluate(self, cfg: ParallelConfig, *, simulate_time: bool = True) -> Estimate:
         """Predict `cfg`; with simulate_time=False only memory is computed (time = inf)."""
@@ -261,8 +288,14 @@ class CostModel:
         elementwise for Adam, Muon's matrices whole (`Precision.whole_matrices`)."""
         if not cfg.distributed_optimizer:
             return None
+        if cfg.expert_parallel > 1 and not DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL:
+            raise ValueError(f"{cfg.label()}: the trainer does not take "
+                             "--use-distributed-optimizer with --expert-model-parallel-size "
+                             "> 1")
+        moe = self.stage_moe_layers(cfg, stage) if self.experts is not None else 0
         whole = (stage_matrices(self.model, cfg.tensor_parallel, stage, cfg.pipeline_depth,
-                                layers) if self.precision.whole_matrices else ())
+                                layers, self.experts, moe, cfg.expert_parallel)
+                 if self.precision.whole_matrices else ())
         return divide(params, whole, cfg.gradient_ranks)
 
     # ---- per-stage pieces ----
@@ -270,8 +303,71 @@ class CostModel:
         return _stage_costs(self, cfg)
 
     def network(self, cfg: ParallelConfig) -> "Network":
+        if self.experts is None:
+            return network(self.hardware, cfg.tensor_parallel, cfg.data_parallel_width,
+                           cfg.pipeline_depth, cfg.virtual_stages > 1, cfg.context_parallel)
         return network(self.hardware, cfg.tensor_parallel, cfg.data_parallel_width,
-                       cfg.pipeline_depth, cfg.virtual_stages > 1, cfg.context_parallel)
+                       cfg.pipeline_depth, cfg.virtual_stages > 1, cfg.context_parallel,
+                       cfg.expert_parallel, True)
+
+    # ---- a mixture of experts
+    def stage_chunks(self, cfg: ParallelConfig, stage: int) -> tuple[tuple[int, int], ...]:
+        """(layers, of them MoE layers) of each model chunk of `stage`: its layers in
+        order, or with v chunks chunk j holding the model's (j d + s)-th run of n / v
+        layers (megatron-core's interleaved layer offsets)."""
+        counts = cfg.stage_layers(self.model.num_layers)
+        v, d = cfg.virtual_stages, cfg.pipeline_depth
+        experts = self.experts
+        if v == 1:
+            first = sum(counts[:stage])
+            moe = experts.moe_layers(first, counts[stage]) if experts is not None else 0
+            return ((counts[stage], moe),)
+        size = counts[stage] // v
+        return tuple((size, experts.moe_layers((j * d + stage) * size, size)
+                      if experts is not None else 0) for j in range(v))
+
+    def stage_moe_layers(self, cfg: ParallelConfig, stage: int) -> int:
+        return sum(k for _, k in self.stage_chunks(cfg, stage))
+
+    def expert_dispatch_s(self, cfg: ParallelConfig) -> float:
+        """One MoE layer's token dispatch and combine for one microbatch, one direction
+        (backward runs the same collectives, mirrored), a rank holding
+        `ModelShape.boundary_bytes` of tokens ([s / (c t), b, h] with sequence parallelism):
+
+        - alltoall (megatron-core's `MoEAlltoAllTokenDispatcher`): an all-to-all over the
+          EP ranks of the k routed copies of the rank's tokens to dispatch, one back to
+          combine (`placement.alltoall_bandwidth`); at TP > 1 the routed tokens are then
+          all-gathered over the expert-tensor-parallel (= TP) ranks and the experts'
+          outputs reduce-scattered back: the sequence-parallel pair of the dense MLP on k
+          times its bytes;
+        - allgather (`MoEAllGatherTokenDispatcher`): an all-gather of every rank's tokens
+          over the TP x EP ranks, [s EP / c, b, h] gathered, and a reduce-scatter of the
+          same size back: at EP = 1 the dense MLP's sequence-parallel pair.
+
+        0 without experts, and at TP = EP = 1. The small exchange of per-expert token
+        counts before an all-to-all is not counted."""
+        experts = self.experts
+        t, ep = cfg.tensor_parallel, cfg.expert_parallel
+        if experts is None or t * ep == 1:
+            return 0.0
+        b, c = cfg.micro_batch_size, cfg.context_parallel
+        act = self.precision.activation_bytes
+        whole = self.model.boundary_bytes(b, act, cp=c)  # [s/c, b, h]
+        net = self.network(cfg)
+        if experts.dispatcher(ep) == "alltoall":
+            seconds = 0.0
+            if ep > 1:
+                mine = experts.moe_router_topk * self.model.boundary_bytes(
+                    b, act, tp=t, sp=cfg.sequence_parallel, cp=c)
+                a2a = net.expert_alltoall
+                seconds += 2 * (a2a.latency_s + mine / a2a.bytes_per_s)
+            if t > 1:
+                tp = net.tensor_parallel
+                seconds += 2 * ring_allgather_s(experts.moe_router_topk * whole, t,
+                                                tp.bytes_per_s, tp.latency_s)
+            return seconds
+        link = net.expert_dispatch
+        return 2 * ring_allgather_s(whole * ep, t * ep, link.bytes_per_s, link.latency_s)
 
     def tensor_parallel_allreduce_s(self, cfg: ParallelConfig) -> float:
         """One all-reduce of the [s/c, b, h] activation over the tensor-parallel group:
@@ -328,17 +424,25 @@ class CostModel:
         return link.latency_s + size / link.bytes_per_s
 
     def allreduce_s(self, cfg: ParallelConfig, stage: int, params: int,
-                    shard: Shard | None = None) -> float:
+                    shard: Shard | None = None, expert_params: int = 0) -> float:
         """Data-parallel gradient all-reduce of one stage (over the DP x CP ranks), plus
         the tied-embedding sync between first and last stage (pp > 1), which Megatron runs
         right after it. With the distributed optimizer (`shard`) a reduce-scatter of the
         padded gradient instead, and on the tied stages the embedding gradient all-reduced
-        whole besides."""
+        whole besides. With expert parallelism the `expert_params` of `params` are
+        all-reduced apart, over the expert-data-parallel ranks (DP x CP / EP; at EP = 1
+        they are the DP x CP ranks and one all-reduce takes all)."""
         net, grad_bytes = self.network(cfg), self.precision.grad_bytes
         dp, w = net.data_parallel[stage], cfg.gradient_ranks
         tied = cfg.pipeline_depth > 1 and stage in (0, cfg.pipeline_depth - 1)
         embedding = self.tied_embedding_params(cfg)
-        if shard is None:
+        if shard is None and expert_params and cfg.expert_parallel > 1:
+            edp = net.expert_data_parallel[stage]
+            seconds = (ring_allreduce_s((params - expert_params) * grad_bytes, w,
+                                        dp.bytes_per_s, dp.latency_s)
+                       + ring_allreduce_s(expert_params * grad_bytes, cfg.expert_data_parallel,
+                                          edp.bytes_per_s, edp.latency_s))
+        elif shard is None:
             seconds = ring_allreduce_s(params * grad_bytes, w, dp.bytes_per_s, dp.latency_s)
         else:  # a reduce-scatter moves what an all-gather does
             seconds = ring_allgather_s(shard.padded * grad_bytes, w, dp.bytes_per_s,
@@ -390,15 +494,23 @@ class Network:
     p2p: Link
     context_parallel: Link = Link(0.0, 0.0)
     """The ring of context-parallel attention: its slowest hop, with the transfer latency."""
+    expert_alltoall: Link = Link(0.0, 0.0)
+    """A mixture of experts: the all-to-all over the EP ranks, its bytes_per_s the rate at
+    which one rank's buffer goes (`placement.alltoall_bandwidth`)."""
+    expert_dispatch: Link = Link(0.0, 0.0)
+    """The TP x EP ranks' ring (the allgather dispatcher)."""
+    expert_data_parallel: tuple[Link, ...] = ()
+    """Per stage: the expert gradients' reduction group, DP x CP / EP ranks."""
 
 
 @lru_cache(maxsize=1024)
 def network(hw: Hardware, tp: int, dp: int, pp: int, wrap: bool = False,
-            cp: int = 1) -> Network:
+            cp: int = 1, ep: int = 1, experts: bool = False) -> Network:
     """Where the groups of a (tp, cp, dp, pp) layout sit decides their bandwidth and
     latency (placement.py): a group inside a server gets the intra-node pair, one across
-    servers the network's. `wrap`: the last stage also sends to the first (interleaving)."""
-    lay = Layout(tp, dp, pp, hw.devices_per_node, cp)
+    servers the network's. `wrap`: the last stage also sends to the first (interleaving).
+    `experts`: also the expert grid's groups at expert-parallel size `ep`."""
+    lay = Layout(tp, dp, pp, hw.devices_per_node, cp, ep)
 
     def slowest(groups: list, concurrent: list) -> Link:
         if not groups:
@@ -408,6 +520,17 @@ def network(hw: Hardware, tp: int, dp: int, pp: int, wrap: bool = False,
     every_dp = lay.gradient_groups()
     boundaries = range(pp if wrap and pp > 1 else pp - 1)
     rings = lay.cp_groups() if cp > 1 else []
+    if experts:
+        every_edp = lay.expert_gradient_groups()
+        groups = lay.ep_groups()
+        expert_links = dict(
+            expert_alltoall=Link(alltoall_bandwidth(lay, groups, hw),
+                                 hw.collective_latency_s(any(lay.crosses(g) for g in groups))),
+            expert_dispatch=slowest(lay.tp_ep_groups(), lay.tp_ep_groups()),
+            expert_data_parallel=tuple(slowest(lay.expert_gradient_groups(s), every_edp)
+                                       for s in range(pp)))
+    else:
+        expert_links = {}
     return Network(
         tensor_parallel=slowest(lay.tp_groups(), lay.tp_groups()),
         data_parallel=tuple(slowest(lay.gradient_groups(s), every_dp) for s in range(pp)),
@@ -417,7 +540,8 @@ def network(hw: Hardware, tp: int, dp: int, pp: int, wrap: bool = False,
                  hw.p2p_latency_s(any(lay.boundary_crosses(s) for s in boundaries))),
         context_parallel=Link(min((collective_bandwidth(lay, g, rings, hw) for g in rings),
                                   default=hw.intra_bytes_per_s),
-                              hw.p2p_latency_s(any(lay.crosses(g) for g in rings))))
+                              hw.p2p_latency_s(any(lay.crosses(g) for g in rings))),
+        **expert_links)
 
 
 def _without_allreduce(stage: StageCost) -> StageCost:
@@ -443,6 +567,8 @@ class _MicrobatchTimes:
     """Tensor-parallel collectives (0 at tp = 1)."""
     context_parallel: float = 0.0
     """Context parallelism's key/value exchange."""
+    expert_parallel: float = 0.0
+    """A mixture of experts' token dispatch and combine."""
 
     def __add__(self, other: "_MicrobatchTimes") -> "_MicrobatchTimes":
         return _MicrobatchTimes(*(a + b for a, b in zip(_fields(self), _fields(other))))
@@ -453,7 +579,7 @@ class _MicrobatchTimes:
 
 def _fields(t: _MicrobatchTimes) -> tuple:
     return (t.forward, t.backward, t.compute, t.recompute, t.tensor_parallel, t.collectives,
-            t.context_parallel)
+            t.context_parallel, t.expert_parallel)
 
 
 @dataclass(frozen=True)
@@ -473,6 +599,11 @@ class _LayerTimes:
     (the core attention holds it)."""
     collectives_per_allreduce: int = 0
     """`CostModel.tensor_parallel_collectives_per_allreduce`."""
+    recompute_allreduces: int = 2
+    """Tensor-parallel all-reduces a full recomputation runs again (an MoE layer: the
+    attention's one; its MLP's traffic is the dispatch)."""
+    full_recompute_ep_s: float = 0.0
+    """An MoE layer's forward dispatch and combine, run again by full recomputation."""
 
 
 def _layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
@@ -494,6 +625,54 @@ def _layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
                        recompute_cp_s=ring, collectives_per_allreduce=k)
 
 
+def _moe_layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
+    """One MoE layer at this tp, cp, ep and b: the dense layer's compute times the ratio
+    of their forward FLOPs (`Experts.layer_forward_flops`; the core attention, which
+    selective recomputation repeats, is the dense layer's), the attention's
+    tensor-parallel all-reduce in each direction, and the MLP's replaced by the token
+    dispatch and combine (`CostModel.expert_dispatch_s`) in forward, in backward and in a
+    full recomputation."""
+    b, t, c = cfg.micro_batch_size, cfg.tensor_parallel, cfg.context_parallel
+    ratio = cm.experts.layer_forward_flops(cm.model, b) / cm.model.layer_forward_flops(b)
+    ar = cm.tensor_parallel_allreduce_s(cfg)
+    k = cm.tensor_parallel_collectives_per_allreduce(cfg)
+    ring = cm.context_parallel_s(cfg)
+    dispatch = cm.expert_dispatch_s(cfg)
+    dense_bwd = cm.layers.layer_backward_s(b, t, c)
+    fwd, bwd = cm.layers.layer_forward_s(b, t, c) * ratio, dense_bwd * ratio
+    plain = _MicrobatchTimes(forward=fwd + ar + ring + dispatch,
+                             backward=bwd + ar + 2 * ring + dispatch,
+                             compute=fwd + bwd, recompute=0.0, tensor_parallel=2 * ar,
+                             collectives=2 * k, context_parallel=3 * ring,
+                             expert_parallel=2 * dispatch)
+    return _LayerTimes(plain,
+                       full_recompute_s=(cm.layers.layer_recompute_backward_s(b, t, c)
+                                         - dense_bwd) * ratio,
+                       full_recompute_tp_s=ar,
+                       selective_recompute_s=cm.layers.attention_core_forward_s(b, t, c),
+                       recompute_cp_s=ring, collectives_per_allreduce=k,
+                       recompute_allreduces=1, full_recompute_ep_s=dispatch)
+
+
+def _mixed(dense, moe, k: int, n: int):
+    """Per-layer values of n layers of which k are MoE layers: the average, so that n
+    times it is their sum (`_LayerTimes` or `_LayerBytes`, field by field); a stage of
+    one kind gets that kind's values exactly."""
+    if k == 0:
+        return dense
+    if k == n:
+        return moe
+
+    def avg(a, b):
+        if isinstance(a, _MicrobatchTimes):
+            return _MicrobatchTimes(*(avg(x, y) for x, y in zip(_fields(a), _fields(b))))
+        return (a * (n - k) + b * k) / n
+
+    kind = type(dense)
+    return kind(**{f: avg(getattr(dense, f), getattr(moe, f))
+                   for f in kind.__dataclass_fields__})
+
+
 def _stage_layer_times(layer: _LayerTimes, rc: Recompute, n: int) -> _MicrobatchTimes:
     """n layers of one stage under `rc`: full recomputation adds one forward (and its 2
     all-reduces) per recomputed layer, selective the core attention of every layer; both
@@ -503,14 +682,16 @@ def _stage_layer_times(layer: _LayerTimes, rc: Recompute, n: int) -> _Microbatch
     rc_s = full * layer.full_recompute_s + selective * layer.selective_recompute_s
     rc_tp = full * layer.full_recompute_tp_s
     rc_cp = (full + selective) * layer.recompute_cp_s
+    rc_ep = full * layer.full_recompute_ep_s
     p = layer.plain
     return _MicrobatchTimes(forward=n * p.forward,
-                            backward=n * p.backward + rc_s + rc_tp + rc_cp,
+                            backward=n * p.backward + rc_s + rc_tp + rc_cp + rc_ep,
                             compute=n * p.compute, recompute=rc_s,
                             tensor_parallel=n * p.tensor_parallel + rc_tp,
                             collectives=n * p.collectives
-                            + 2 * full * layer.collectives_per_allreduce,
-                            context_parallel=n * p.context_parallel + rc_cp)
+                            + layer.recompute_allreduces * full * layer.collectives_per_allreduce,
+                            context_parallel=n * p.context_parallel + rc_cp,
+                            expert_parallel=n * p.expert_parallel + rc_ep)
 
 
 def _chunked_layer_times(layer: _LayerTimes, rc: Recompute, n: int, v: int) -> _MicrobatchTimes:
@@ -552,14 +733,36 @@ def _ends_times(cm: CostModel, cfg: ParallelConfig, first: bool, last: bool) -> 
                             collectives=count)
 
 
-def _stage_params(model: ModelShape, cfg: ParallelConfig, stage: int, layers: int) -> int:
+def _stage_params(model: ModelShape, cfg: ParallelConfig, stage: int, layers: int,
+                  experts: Experts | None = None, moe_layers: int = 0) -> int:
     t, d = cfg.tensor_parallel, cfg.pipeline_depth
     params = layers * _layer_params_per_rank(model, t)
     if stage == 0:
         params += model.embedding_params(t)
     if stage == d - 1:
         params += model.output_params(t, d)
+    if moe_layers:
+        params += moe_layers * (_moe_layer_params_per_rank(model, experts, t,
+                                                           cfg.expert_parallel)
+                                - _layer_params_per_rank(model, t))
     return params
+
+
+def _moe_layer_params_per_rank(model: ModelShape, experts: Experts, t: int, ep: int) -> int:
+    """An MoE layer on one rank: the dense layer's attention and norms as
+    `_layer_params_per_rank` splits them, the router whole (megatron-core replicates it
+    over TP), and E / EP experts split over ETP = TP (each one's fc2 bias whole)."""
+    h = model.hidden_size
+    attention = model.layer_params() - experts.mlp_params(model, model.ffn_size)
+    replicated = 4 * h + h  # 2 LayerNorms, the projection's bias
+    return ((attention - replicated) // t + replicated + experts.router_params(model)
+            + _expert_params_per_rank(model, experts, t, ep))
+
+
+def _expert_params_per_rank(model: ModelShape, experts: Experts, t: int, ep: int) -> int:
+    """One MoE layer's routed experts on one rank: E / EP of them, each split over t."""
+    h = model.hidden_size
+    return experts.num_experts // ep * ((experts.expert_params(model) - h) // t + h)
 
 
 def _layer_params_per_rank(model: ModelShape, t: int) -> int:
@@ -589,6 +792,20 @@ def _layer_bytes(cm: CostModel, cfg: ParallelConfig) -> _LayerBytes:
                        selective=cm.layers.layer_selective_activation_bytes(b, t, sp=sp, cp=c),
                        layer_input=cm.model.boundary_bytes(b, cm.precision.activation_bytes,
                                                            tp=t, sp=sp, cp=c))
+
+
+def _moe_layer_bytes(cm: CostModel, cfg: ParallelConfig, dense: _LayerBytes) -> _LayerBytes:
+    """An MoE layer's: the dense layer's bytes (measured or by formula) times the ratio
+    of the formulas (`Experts.layer_activation_bytes` over `ModelShape`'s)."""
+    b, t = cfg.micro_batch_size, cfg.tensor_parallel
+    sp, c = cfg.sequence_parallel, cfg.context_parallel
+    m, e = cm.model, cm.experts
+    full = (e.layer_activation_bytes(m, b, t, sp=sp, cp=c)
+            / m.layer_activation_bytes(b, t, sp=sp, cp=c))
+    selective = (e.layer_selective_activation_bytes(m, b, t, sp=sp, cp=c)
+                 / m.layer_selective_activation_bytes(b, t, sp=sp, cp=c))
+    return _LayerBytes(full=dense.full * full, selective=dense.selective * selective,
+                       layer_input=dense.layer_input)
 
 
 def _kept_bytes(per: _LayerBytes, rc: Recompute, n: int) -> float:
@@ -633,12 +850,20 @@ def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, layers: in
     first = (cm.model.embedding_activation_bytes(b, tp=t, sp=sp, cp=c) if stage == 0
              else 0.0)
     last = cm.model.output_activation_bytes(b, t, sp=sp, cp=c) if stage == d - 1 else 0.0
+    rebuilt = _rebuilt_bytes(per, cfg.recompute, n)
+    if cm.experts is not None:  # each chunk its own mix of MoE and dense layers
+        moe = _moe_layer_bytes(cm, cfg, per)
+        chunks = cm.stage_chunks(cfg, stage)
+        unit = max(_kept_bytes(_mixed(per, moe, k, size), cfg.recompute, size)
+                   for size, k in chunks)
+        if any(k for _, k in chunks):  # the largest layer is rebuilt
+            rebuilt = max(rebuilt, _rebuilt_bytes(moe, cfg.recompute, n))
     if v == 1:
         stashed = declared.stash_limit[stage] * (unit + first + last)
     else:
         stashed = max(total * unit + c_first * first + c_last * last
                       for total, c_first, c_last in declared.chunk_peaks[stage])
-    return stashed + _rebuilt_bytes(per, cfg.recompute, n)
+    return stashed + rebuilt
 
 
 def _state_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, params: int,
@@ -699,12 +924,24 @@ def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, .
     if v > 1:
         cfg.chunk_layers(cm.model.num_layers)  # ValueError unless the stages split evenly
     layer = _layer_times(cm, cfg)
+    moe = _moe_layer_times(cm, cfg) if cm.experts is not None else None
     declared = _declared(cfg.schedule, d, m, v)  # what the runtime allocates, per stage
     out = []
     for s, n in enumerate(cfg.stage_layers(cm.model.num_layers)):
-        body = _chunked_layer_times(layer, cfg.recompute, n, v)
+        moe_layers, expert_params = 0, 0
+        if moe is None:
+            body = _chunked_layer_times(layer, cfg.recompute, n, v)
+        else:
+            chunks = cm.stage_chunks(cfg, s)
+            body = _MicrobatchTimes(0.0, 0.0, 0.0, 0.0, 0.0)
+            for size, k in chunks:
+                body = body + _stage_layer_times(_mixed(layer, moe, k, size), cfg.recompute,
+                                                 size)
+            moe_layers = sum(k for _, k in chunks)
+            expert_params = moe_layers * _expert_params_per_rank(
+                cm.model, cm.experts, cfg.tensor_parallel, cfg.expert_parallel)
         ends = _ends_times(cm, cfg, s == 0, s == d - 1)
-        params = _stage_params(cm.model, cfg, s, n)
+        params = _stage_params(cm.model, cfg, s, n, cm.experts, moe_layers)
         shard = cm.shard(cfg, s, params, n)
         activations = _activation_bytes(cm, cfg, s, n, declared)
         state = _state_bytes(cm, cfg, s, params, declared, shard, activations)
@@ -713,13 +950,14 @@ def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, .
             stage=s, layers=n, params=params,
             forward_s=total.forward, backward_s=total.backward, compute_s=total.compute,
             recompute_s=total.recompute, tensor_parallel_s=total.tensor_parallel,
-            tensor_parallel_collectives=total.collectives,
+            tensor_parallel_collectives=round(total.collectives),
             context_parallel_s=total.context_parallel,
-            allreduce_s=cm.allreduce_s(cfg, s, params, shard),
+            allreduce_s=cm.allreduce_s(cfg, s, params, shard, expert_params),
             step_s=cm.step_s(cfg, s, params, shard),
             weight_bytes=state.total,
             activation_bytes=activations,
-            stash=declared.stash_limit[s], state=state))
+            stash=declared.stash_limit[s], state=state,
+            expert_parallel_s=total.expert_parallel, expert_params=expert_params))
     return tuple(out), cm.p2p_s(cfg)
 
 

@@ -5,8 +5,10 @@ it splits sequences (sequence and context parallelism), and what the alternative
 same plan would cost, compares the best plan with the best plan of every other group (each
 schedule, interleaved Flush, and no pipeline at all) and with the fastest configurations
 that do not fit, and names the cost that separates them: memory, pipeline bubble, exposed
-data-parallel all-reduce, tensor-parallel traffic, context parallelism's key/value exchange
-or recomputation. A group where nothing fits gets the memory its smallest plan needs and
+data-parallel all-reduce, tensor-parallel traffic, context parallelism's key/value exchange,
+a mixture of experts' token dispatch or recomputation. For a mixture of experts a sentence
+says how the experts are split (expert parallelism) and what the best plan with another
+split costs. A group where nothing fits gets the memory its smallest plan needs and
 the term that dominates it (`memory_sentence`). The seconds come from the cost model
 (`Estimate.breakdown`, `CostModel.exposed_allreduce_s`), not from new formulas.
 """
@@ -16,6 +18,7 @@ from dataclasses import replace
 
 from ..schedules import SCHEDULES
 from .cost_model import CostModel, Estimate
+from .experts import DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL
 from .hardware import GB
 from .search import (INTERLEAVED, SearchResult, chunks_fit, plan_group,
                      sequence_parallel_option)
@@ -84,11 +87,17 @@ def costs_by_cause(cm: CostModel, est: Estimate) -> dict[str, float]:
     """Seconds per iteration by cause, on the busiest stage; they add up to the iteration."""
     parts = est.breakdown()
     exposed = max(0.0, cm.exposed_allreduce_s(est))
-    return {"compute": parts["compute_s"], "recomputation": parts["recompute_s"],
-            "tensor-parallel all-reduces": parts["tensor_parallel_s"],
-            "context-parallel key/value exchange": parts["context_parallel_s"],
-            "exposed data-parallel all-reduce": min(exposed, parts["idle_s"]),
+    causes = {"compute": parts["compute_s"], "recomputation": parts["recompute_s"],
+              "tensor-parallel all-reduces": parts["tensor_parallel_s"],
+              "context-parallel key/value exchange": parts["context_parallel_s"]}
+    if cm.experts is not None:
+        causes[EXPERT_CAUSE] = parts["expert_parallel_s"]
+    return {**causes, "exposed data-parallel all-reduce": min(exposed, parts["idle_s"]),
             "pipeline bubble and transfers": max(0.0, parts["idle_s"] - exposed)}
+
+
+EXPERT_CAUSE = "expert token dispatch"
+"""`costs_by_cause`'s name for a mixture of experts' dispatch and combine traffic."""
 
 
 def _cause_clause(cm: CostModel, other: Estimate, cause: str, seconds: float,
@@ -106,6 +115,9 @@ def _cause_clause(cm: CostModel, other: Estimate, cause: str, seconds: float,
     if cause == "context-parallel key/value exchange":
         return (f"context parallelism's key/value exchange takes {seconds:.2f} s per "
                 "iteration")
+    if cause == EXPERT_CAUSE:
+        return (f"its token dispatch ({cm.experts.dispatcher(other.config.expert_parallel)}) "
+                f"takes {seconds:.2f} s per iteration")
     if cause == "recomputation":
         return f"recomputing activations costs {seconds:.2f} s per iteration"
     stage = other.busiest_stage()
@@ -169,6 +181,9 @@ def sharding_sentence(cm: CostModel, est: Estimate) -> str:
     cfg = est.config
     if cfg.gradient_ranks == 1:
         return ""
+    if cfg.expert_parallel > 1 and not DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL:
+        return ("Distributed optimizer: off (the trainer does not take "
+                "--use-distributed-optimizer with expert parallelism).")
     other = cm.evaluate(replace(cfg, distributed_optimizer=not cfg.distributed_optimizer),
                         simulate_time=False)
     mine, theirs = cm.memory_terms(est), cm.memory_terms(other)
@@ -234,6 +249,50 @@ def context_parallel_sentence(cm: CostModel, est: Estimate, result: SearchResult
     return text + "."
 
 
+def expert_parallel_sentence(cm: CostModel, est: Estimate, result: SearchResult) -> str:
+    """For a mixture of experts: how the plan splits the experts, what the token dispatch
+    costs, the experts' share of the memory, and the best plan with another
+    expert-parallel size (or the memory the smallest one needs)."""
+    experts, cfg = cm.experts, est.config
+    if experts is None:
+        return ""
+    e, n = cfg.expert_parallel, experts.num_experts
+    stage = max(est.stages, key=lambda s: s.memory_bytes)
+    per_param = stage.state.total / max(stage.params, 1)
+    share = (f"expert weights, gradients and optimizer state "
+             f"{stage.expert_params * per_param / GB:.1f} of its {est.memory_gb:.1f} GB per "
+             "device")
+    dispatch = est.breakdown()["expert_parallel_s"]
+    if e > 1:
+        x = cfg.expert_data_parallel
+        reduced = (f"expert gradients reduced over {x} ranks" if x > 1 else
+                   "no other rank holds the same experts")
+        text = (f"Expert parallelism: {e} ranks share each MoE layer's {n} experts "
+                f"({n // e} each, --expert-model-parallel-size {e}, "
+                f"{experts.dispatcher(e)} dispatcher; {reduced}), {share}; the token "
+                f"dispatch takes {dispatch:.3f} s per iteration")
+    else:
+        text = (f"Expert parallelism: none, every rank holds all {n} experts of its MoE "
+                f"layers, {share}")
+        if dispatch > 0:
+            text += (f"; the token dispatch ({experts.dispatcher(1)}) takes {dispatch:.3f} s "
+                     "per iteration")
+    other = next((o for o in result.ranked if o.config.expert_parallel != e), None)
+    if other is not None:
+        ratio = other.iteration_time_s / est.iteration_time_s
+        return (f"{text}; the best plan with {_ep_words(other.config.expert_parallel)}, "
+                f"{other.config.label()}, is {ratio:.2f}x the time ({other.memory_gb:.1f} GB).")
+    smallest = next((o for o in result.not_fitting if o.config.expert_parallel != e), None)
+    if smallest is not None:
+        return (f"{text}; no plan with another split fits (the smallest, "
+                f"{smallest.config.label()}, {memory_sentence(cm, smallest)}).")
+    return text + "."
+
+
+def _ep_words(e: int) -> str:
+    return "no expert parallelism" if e == 1 else f"EP {e}"
+
+
 def stages_sentence(cm: CostModel, est: Estimate) -> str:
     """For an uneven split: the layers per stage and what even stages would cost."""
     cfg = est.config
@@ -270,6 +329,8 @@ def explain(cm: CostModel, result: SearchResult) -> str:
         text.append(sequence_parallel_sentence(cm, best))
     if best.config.context_parallel > 1:
         text.append(context_parallel_sentence(cm, best, result))
+    if cm.experts is not None:
+        text.append(expert_parallel_sentence(cm, best, result))
     if best.config.uneven:
         text.append(stages_sentence(cm, best))
     if best.config.interleaved:
@@ -325,9 +386,11 @@ def best_per_group(result: SearchResult) -> dict[tuple[str, bool], Estimate]:
 
 def format_table(result: SearchResult, top: int = 10) -> str:
     """The ranked plans as a fixed-width table (`sp`: yes with --sequence-parallel; `cp`:
-    context-parallel size; `v`: model chunks per device, 1 without interleaving; `dopt`:
-    yes with --use-distributed-optimizer)."""
-    head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'sp':>3} {'cp':>3} {'pp':>3} {'v':>2} "
+    context-parallel size; `ep`: a mixture of experts' expert-parallel size, a column only
+    for one; `v`: model chunks per device, 1 without interleaving; `dopt`: yes with
+    --use-distributed-optimizer)."""
+    ep = f" {'ep':>3}" if result.experts else ""
+    head = (f"{'#':>3} {'schedule':8} {'tp':>3} {'sp':>3} {'cp':>3} {'pp':>3}{ep} {'v':>2} "
             f"{'dp':>3} {'b':>4} {'m':>5} "
             f"{'recompute':>9} {'stages':>8} {'dopt':>4} {'samples/s':>10} {'iter s':>8} "
             f"{'bubble':>7} {'mem GB':>7}")
@@ -336,8 +399,9 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         c = est.config
         rows.append(f"{i:>3} {c.schedule:8} {c.tensor_parallel:>3} "
                     f"{'yes' if c.sequence_parallel else '':>3} {c.context_parallel:>3} "
-                    f"{c.pipeline_depth:>3} "
-                    f"{c.virtual_stages:>2} {c.data_parallel_width:>3} {c.micro_batch_size:>4} "
+                    f"{c.pipeline_depth:>3}"
+                    + (f" {c.expert_parallel:>3}" if result.experts else "")
+                    + f" {c.virtual_stages:>2} {c.data_parallel_width:>3} {c.micro_batch_size:>4} "
                     f"{c.num_microbatches:>5} "
                     f"{c.recompute.name:>9} {_stages_cell(est):>8} "
                     f"{'yes' if c.distributed_optimizer else '':>4} {est.samples_per_s:>10.1f} "

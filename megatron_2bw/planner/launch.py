@@ -140,6 +140,14 @@ TRAINER_FLAGS: tuple[TrainerFlag, ...] = (
     TrainerFlag("--weight-decay", "TRAINING_ARGS", "AdamW weight decay", float_text),
     TrainerFlag("--clip-grad", "TRAINING_ARGS", "global-norm clip", float_text),
     TrainerFlag("--seed", "TRAINING_ARGS", "random seed", count),
+    TrainerFlag("--moe-router-load-balancing-type", "TRAINING_ARGS", "with --num-experts: the "
+                "router's balancing (aux_loss as Megatron-LM's Mixtral example; the trainer's "
+                "default)", str, choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none")),
+    TrainerFlag("--moe-aux-loss-coeff", "TRAINING_ARGS", "with --num-experts: weight of the "
+                "load-balancing loss (the trainer's default 0 adds none; the Mixtral "
+                "example gives 1e-2)", float_text),
+    TrainerFlag("--moe-z-loss-coeff", "TRAINING_ARGS", "with --num-experts: weight of the "
+                "router z-loss", float_text),
     TrainerFlag("--save", "CHECKPOINT_ARGS", "checkpoint directory on a file system every node "
                 "sees (required for sbatch)", path="always"),
     TrainerFlag("--load", "CHECKPOINT_ARGS", "resume from here (default: --save)", path="always"),

@@ -13,6 +13,17 @@ neighbouring stages are TP * CP * DP apart. Gradients are reduced over the DP x 
 of one (tp_rank, stage) (`gradient_groups`; megatron-core's data-parallel group with
 context parallelism). Whether a group crosses servers follows from this, not from a guess.
 
+Expert parallelism (a mixture of experts) numbers the same ranks a second way, megatron-
+core's expert grid in the same order with CP folded away: expert-tensor-parallel rank
+(ETP = TP here) fastest, then the expert-parallel rank, then the expert-data-parallel rank
+(DP x CP / EP of them), then the stage,
+
+    rank = tp_rank + TP * (ep_rank + EP * (edp_rank + EDP * stage)),
+
+so an expert-parallel group strides by TP over the ranks a stage's CP and DP ranks occupy
+(inside a server when TP x EP fits in it and divides it), and the expert-data-parallel
+group, which reduces expert gradients, strides by TP x EP.
+
 Bandwidth of a group that crosses servers: each server's network is shared by the groups
 that cross it at the same time (all-reduces: conservatively every group of that kind;
 point-to-point: the lockstep replicas of one stage boundary).
@@ -36,6 +47,8 @@ class Layout:
     pp: int
     devices_per_node: int
     cp: int = 1
+    ep: int = 1
+    """Expert-parallel size (1: no expert grid); must divide cp x dp."""
 
     def rank(self, tp_rank: int, dp_rank: int, stage: int, cp_rank: int = 0) -> int:
         return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * stage))
@@ -89,6 +102,32 @@ class Layout:
     def crosses(self, group: Group) -> bool:
         return len({self.node(r) for r in group}) > 1
 
+    # ---- the expert grid (megatron-core's expert RankGenerator, ETP = TP)
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the cp x dp ranks of a stage over EP."""
+        return self.cp * self.dp // self.ep
+
+    def expert_rank(self, tp_rank: int, ep_rank: int, edp_rank: int, stage: int) -> int:
+        return tp_rank + self.tp * (ep_rank + self.ep * (edp_rank + self.edp * stage))
+
+    def ep_groups(self) -> list[Group]:
+        """The ranks one MoE layer's experts are spread over (all-to-all dispatch)."""
+        return [tuple(self.expert_rank(t, e, x, s) for e in range(self.ep))
+                for s in range(self.pp) for x in range(self.edp) for t in range(self.tp)]
+
+    def tp_ep_groups(self) -> list[Group]:
+        """Expert-tensor x expert-parallel ranks (the allgather dispatcher's group)."""
+        return [tuple(self.expert_rank(t, e, x, s) for e in range(self.ep)
+                      for t in range(self.tp))
+                for s in range(self.pp) for x in range(self.edp)]
+
+    def expert_gradient_groups(self, stage: int | None = None) -> list[Group]:
+        """The ranks holding the same experts, over which their gradients are reduced."""
+        stages = range(self.pp) if stage is None else (stage,)
+        return [tuple(self.expert_rank(t, e, x, s) for x in range(self.edp))
+                for s in stages for e in range(self.ep) for t in range(self.tp)]
+
 
 def _sharing(layout: Layout, groups: list[Group]) -> Counter:
     """Per node: how many of `groups` cross servers and touch that node."""
@@ -112,6 +151,32 @@ def collective_bandwidth(layout: Layout, group: Group, concurrent: list[Group],
     share = _sharing(layout, concurrent)
     busiest = max(share[layout.node(r)] for r in group)
     return hw.inter_bytes_per_s / max(busiest, 1)
+
+
+def alltoall_bandwidth(layout: Layout, groups: list[Group], hw: Hardware) -> float:
+    """Bytes/s at which an all-to-all over each of `groups`, all at once, moves one rank's
+    buffer: time = alpha + buffer bytes / this.
+
+    Each rank sends 1/n of its buffer to each of the n - 1 others: the share for ranks of
+    its own server over NVLink ((same - 1) / n of the buffer at the intra-node
+    bandwidth), the rest over its server's network, which carries the off-server shares of
+    every rank of every group on that server at once; the slower of the two decides. A
+    ring collective sends a server's data across once; an all-to-all across servers sends
+    most of every rank's buffer, which is why expert parallelism across servers costs
+    more than its bytes suggest.
+    """
+    node_out: Counter = Counter()
+    intra = 0.0
+    for g in groups:
+        n = len(g)
+        here = Counter(layout.node(r) for r in g)
+        for r in g:
+            same = here[layout.node(r)]
+            intra = max(intra, (same - 1) / n)
+            node_out[layout.node(r)] += (n - same) / n
+    seconds_per_byte = max(intra / hw.intra_bytes_per_s,
+                           max(node_out.values(), default=0.0) / hw.inter_bytes_per_s)
+    return 1.0 / seconds_per_byte if seconds_per_byte > 0 else float("inf")
 
 
 def p2p_bandwidth(layout: Layout, stage: int, hw: Hardware) -> float:

@@ -6,6 +6,7 @@ import argparse
 import shlex
 
 from .cost_model import CostModel, Estimate
+from .experts import Experts
 from .explain import costs_by_cause, dominant_term, explain
 from .hardware import GB
 from .launch import DEFAULT_PORT, Shell, nodes_for, rendezvous_words
@@ -36,8 +37,19 @@ CONTEXT_PARALLEL_MODEL_FLAGS = ["--attention-dropout", "0"]
 (the trainer refuses it, as Megatron-LM's Llama recipes run without it)."""
 
 
+def moe_flags(experts: Experts | None, cfg: ParallelConfig) -> list[str]:
+    """A mixture of experts' flags (none for a dense model): the MoE shape
+    (`Experts.model_flags`) and the plan's token dispatcher (`Experts.plan_flags`), the
+    launch's MOE_ARGS as in Megatron-LM's Mixtral example; `--expert-model-parallel-size`
+    is one of the plan's parallel sizes (`plan_flags`)."""
+    if experts is None:
+        return []
+    return experts.model_flags() + experts.plan_flags(cfg.expert_parallel)
+
+
 def plan_flags(cfg: ParallelConfig, num_layers: int | None = None) -> list[str]:
-    """Megatron-LM's flags for the plan itself: parallel sizes, sequence and context
+    """Megatron-LM's flags for the plan itself: parallel sizes (the expert-parallel size,
+    `--expert-model-parallel-size`, with expert parallelism), sequence and context
     parallelism (`--sequence-parallel`, `--context-parallel-size` and, with context
     parallelism, `--attention-dropout 0`: `ParallelConfig.sequence_flags`), schedule,
     batch, recomputation (`Recompute.flags`), uneven stages (`ParallelConfig.stage_flags`),
@@ -48,37 +60,40 @@ def plan_flags(cfg: ParallelConfig, num_layers: int | None = None) -> list[str]:
         raise ValueError(f"{cfg.label()}: the flags of an interleaved plan need num_layers")
     return (["--tensor-model-parallel-size", str(cfg.tensor_parallel)] + cfg.sequence_flags()
             + (CONTEXT_PARALLEL_MODEL_FLAGS if cfg.context_parallel > 1 else [])
-            + ["--pipeline-model-parallel-size", str(cfg.pipeline_depth),
-               "--pipeline-schedule", cfg.schedule]
+            + ["--pipeline-model-parallel-size", str(cfg.pipeline_depth)]
+            + cfg.expert_flags() + ["--pipeline-schedule", cfg.schedule]
             + (cfg.virtual_stage_flags(num_layers) if cfg.interleaved else [])
             + ["--micro-batch-size", str(cfg.micro_batch_size),
                "--global-batch-size", str(cfg.global_batch_size)]
             + cfg.recompute.flags() + cfg.stage_flags() + cfg.optimizer_flags())
 
 
-def launch_command(model: ModelShape, cfg: ParallelConfig, devices_per_node: int) -> str:
+def launch_command(model: ModelShape, cfg: ParallelConfig, devices_per_node: int,
+                   experts: Experts | None = None) -> str:
     """The torchrun line of `cfg`'s flags: the plan's part of a launch. On several servers
     the same line runs on each, `$MASTER_ADDR` standing for the one that hosts the
     rendezvous; `--emit` (launch.py) writes complete launches, data and all."""
     nodes = nodes_for(cfg.num_gpus, devices_per_node)
     endpoint = Shell(f"$MASTER_ADDR:{DEFAULT_PORT}") if nodes.count > 1 else None
     words = (["torchrun"] + rendezvous_words(nodes, endpoint, "megatron-2bw")
-             + [ENTRY_POINTS[model.model]] + model_flags(model)
+             + [ENTRY_POINTS[model.model]] + model_flags(model) + moe_flags(experts, cfg)
              + plan_flags(cfg, model.num_layers) + ["--fp16"])
     return " ".join(w if isinstance(w, Shell) else shlex.quote(w) for w in words)
 
 
-def plan_groups(model: ModelShape, cfg: ParallelConfig,
-                args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """The emitted launch's plan flags: model shape, then parallel sizes, schedule, batch,
-    recomputation, number format and the optimizer the memory model counted (its delay
-    compensation only on a plan whose schedule has the delay: 2BW)."""
+def plan_groups(model: ModelShape, cfg: ParallelConfig, args: argparse.Namespace,
+                experts: Experts | None = None) -> list[tuple[str, list[str]]]:
+    """The emitted launch's plan flags: model shape, a mixture of experts' flags
+    (`moe_flags`), then parallel sizes, schedule, batch, recomputation, number format and
+    the optimizer the memory model counted (its delay compensation only on a plan whose
+    schedule has the delay: 2BW)."""
     optimizer = ["--optimizer", args.optimizer]
     if cfg.spec.delayed and args.delay_compensation != "none":
         optimizer += ["--delay-compensation", args.delay_compensation]
     precision = ["--bf16" if args.bf16 else "--fp16"]
-    return [("MODEL_ARGS", model_flags(model)),
-            ("PARALLEL_ARGS", plan_flags(cfg, model.num_layers) + precision + optimizer)]
+    moe = [("MOE_ARGS", moe_flags(experts, cfg))] if experts is not None else []
+    return ([("MODEL_ARGS", model_flags(model))] + moe
+            + [("PARALLEL_ARGS", plan_flags(cfg, model.num_layers) + precision + optimizer)])
 
 
 def memory_json(cm: CostModel, est: Estimate) -> dict:
@@ -98,7 +113,7 @@ def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
     timed = est.iteration_time_s != float("inf")
     out = {"schedule": c.schedule, "tensor_parallel": c.tensor_parallel,
            "sequence_parallel": c.sequence_parallel, "context_parallel": c.context_parallel,
-           "pipeline_depth": c.pipeline_depth, "virtual_stages": c.virtual_stages,
+           "expert_parallel": c.expert_parallel, "pipeline_depth": c.pipeline_depth, "virtual_stages": c.virtual_stages,
            "data_parallel_width": c.data_parallel_width,
            "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
            "recompute": c.recompute.name,
@@ -116,7 +131,7 @@ def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
            "bubble_fraction": round(est.bubble_fraction, 4) if timed else None,
            "tensor_parallel_collectives_per_microbatch":
                max(st.tensor_parallel_collectives for st in est.stages),
-           "command": (launch_command(cm.model, c, cm.hardware.devices_per_node)
+           "command": (launch_command(cm.model, c, cm.hardware.devices_per_node, cm.experts)
                        if est.fits or timed else None)}
     if detail:
         out["seconds_by_cause"] = {k: round(v, 6) for k, v in costs_by_cause(cm, est).items()}
@@ -124,6 +139,10 @@ def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
         out["p2p_s"] = round(est.p2p_s, 6)
         out["allreduce_s"] = round(max(s.allreduce_s for s in est.stages), 6)
         out["context_parallel_s"] = round(max(s.context_parallel_s for s in est.stages), 6)
+        if cm.experts is not None:
+            out["expert_parallel_s"] = round(max(s.expert_parallel_s for s in est.stages), 6)
+            out["moe_token_dispatcher_type"] = cm.experts.dispatcher(c.expert_parallel)
+            out["expert_params_per_device"] = max(s.expert_params for s in est.stages)
     return out
 
 
@@ -152,6 +171,11 @@ def to_json(cm: CostModel, result: SearchResult) -> dict:
                                               if result.space
                                               and result.space.context_parallel_sizes
                                               else None),  # None: the default rule
+                   **({"expert_parallel_sizes": (list(result.space.expert_parallel_sizes)
+                                                 if result.space
+                                                 and result.space.expert_parallel_sizes
+                                                 else None)}  # None: the default rule
+                      if cm.experts is not None else {}),
                    "not_fitting": len(result.not_fitting),
                    "compute_source": cm.layers.source, "hardware": cm.hardware.to_dict(),
                    "model": {"model": cm.model.model, "num_layers": cm.model.num_layers,
@@ -162,5 +186,7 @@ def to_json(cm: CostModel, result: SearchResult) -> dict:
                              "swiglu": cm.model.swiglu,
                              "seq_length": cm.model.seq_length,
                              "vocab_size": cm.model.vocab_size,
-                             "parameters": cm.model.total_params()}},
+                             "parameters": cm.total_params(),
+                             **({"moe": cm.experts.to_dict(cm.model)}
+                                if cm.experts is not None else {})}},
     }

@@ -20,6 +20,14 @@ divide the devices left by TP and split the sequence into 2 x CP equal load-bala
 chunks (each over TP with sequence parallelism), by default only for sequences of at least
 `CONTEXT_PARALLEL_MIN_SEQ_LENGTH` tokens (`context_parallel_sizes`). The world is
 TP x CP x PP x DP.
+
+A mixture of experts (`CostModel.experts`) adds the expert-parallel size EP, carved out of
+the DP x CP ranks: 1 and the powers of two dividing the experts and DP x CP
+(`experts.expert_parallel_sizes`); TP also divides the experts' MLP width, and a plan with
+TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without it).
+A plan with EP > 1 is never given the distributed optimizer while the trainer refuses the
+pair (`experts.DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL`). A dense model's search has
+EP = 1 only and is what it was.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from typing import Iterator
 from ..schedules import schedule_spec
 from ..shape import ModelShape
 from .cost_model import CostModel, Estimate
+from .experts import DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL, expert_parallel_sizes
 from .spec import (DEFAULT_RECOMPUTE_OPTIONS, SCHEDULES, ParallelConfig, Recompute,
                    as_recompute, split_layers)
 
@@ -77,6 +86,9 @@ class SearchSpace:
     context_parallel_sizes: tuple[int, ...] | None = None
     """Context-parallel sizes to try (None: 1 and every power of two that fits, from
     `CONTEXT_PARALLEL_MIN_SEQ_LENGTH` tokens on; (1,): none)."""
+    expert_parallel_sizes: tuple[int, ...] | None = None
+    """A mixture of experts: expert-parallel sizes to try (None: 1 and every power of two
+    that divides the experts and DP x CP; (1,): none). Ignored for a dense model."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", tuple(as_recompute(r) for r in self.recompute))
@@ -84,10 +96,13 @@ class SearchSpace:
             raise ValueError("distributed_optimizer: give True, False or both")
 
 
-def sharding_options(w: int, allowed: tuple[bool, ...]) -> tuple[bool, ...]:
+def sharding_options(w: int, allowed: tuple[bool, ...], ep: int = 1) -> tuple[bool, ...]:
     """The distributed optimizer settings to try over w ranks holding the same weights
     (DP x CP): at w = 1 only off (with one replica there is nothing to shard; the flag
-    would only add the gather buffer), else `allowed`."""
+    would only add the gather buffer), else `allowed`; with expert parallelism (ep > 1)
+    only off while the trainer refuses the pair (possibly none: `allowed` = (True,))."""
+    if ep > 1 and not DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL:
+        return tuple(a for a in allowed if not a)
     return (False,) if w == 1 else allowed
 
 
@@ -112,13 +127,15 @@ def virtual_stage_options(name: str, num_layers: int, d: int, m: int,
 
 def tensor_parallel_sizes(cm: CostModel, num_gpus: int) -> list[int]:
     """TP divides the server (groups stay inside it), the device count, the heads and the
-    MLP width; the key/value heads are a multiple or a divisor of it (megatron-core
-    replicates them below TP)."""
+    MLP width (and the experts' MLP width: expert tensor parallelism is TP); the
+    key/value heads are a multiple or a divisor of it (megatron-core replicates them
+    below TP)."""
     per_node = min(cm.hardware.devices_per_node, num_gpus)
     groups = cm.model.query_groups
+    expert_ffn = cm.model.ffn_size if cm.experts is None else cm.experts.ffn_size(cm.model)
     return [t for t in divisors(per_node) if num_gpus % t == 0
             and cm.model.num_attention_heads % t == 0 and cm.model.ffn_size % t == 0
-            and (groups % t == 0 or t % groups == 0)]
+            and (groups % t == 0 or t % groups == 0) and expert_ffn % t == 0]
 
 
 def sequence_parallel_option(model: ModelShape, t: int, c: int, allowed: bool) -> bool:
@@ -152,14 +169,16 @@ def context_parallel_sizes(model: ModelShape, devices: int,
                       if devices % c == 0 and model.seq_length % (2 * c) == 0]
 
 
-def large_vocabulary(model: ModelShape) -> bool:
+def large_vocabulary(model: ModelShape, layer_params: float | None = None) -> bool:
     """Whether the embedding and output layer are worth moving layers for: the word
     embedding (first stage; its tied copy on the last) weighs at least half a transformer
     layer, V h >= layer params / 2, i.e. V >= ~6h, which is also where the logits' 2bshV
     FLOPs pass half a layer's 24bsh^2 (GPT-2.2B: V = 50304, 6h = 13824; the logit layer
-    costs ~1.75 layers). Below it a whole layer moved overshoots the imbalance."""
+    costs ~1.75 layers). Below it a whole layer moved overshoots the imbalance. A
+    mixture of experts passes its mean layer (`layer_params`)."""
     vocab = model.padded_vocab(1)
-    return 2 * vocab * model.hidden_size >= model.layer_params()
+    layer = model.layer_params() if layer_params is None else layer_params
+    return 2 * vocab * model.hidden_size >= layer
 
 
 def uneven_splits(num_layers: int, depth: int) -> list[tuple[int, int]]:
@@ -188,7 +207,8 @@ def uneven_splits(num_layers: int, depth: int) -> list[tuple[int, int]]:
 
 def enumerate_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]:
     """Every valid configuration, memory not yet considered."""
-    uneven = space.uneven_stages and large_vocabulary(cm.model)
+    mean = None if cm.experts is None else cm.experts.mean_layer_params(cm.model)
+    uneven = space.uneven_stages and large_vocabulary(cm.model, mean)
     layers = cm.model.num_layers
     for cfg in _even_configs(cm, space):
         splits = uneven_splits(layers, cfg.pipeline_depth) if uneven and not cfg.interleaved else []
@@ -215,6 +235,8 @@ def _even_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]
         for c in context_parallel_sizes(cm.model, space.num_gpus // t,
                                         space.context_parallel_sizes):
             sp = sequence_parallel_option(cm.model, t, c, space.sequence_parallel)
+            if cm.experts is not None and t > 1 and not sp:
+                continue  # megatron-core's MoE layer needs sequence parallelism at TP > 1
             yield from _configs_at(cm, space, t, c, sp)
 
 
@@ -239,10 +261,16 @@ def _configs_at(cm: CostModel, space: SearchSpace, t: int, c: int,
                 for v in virtual_stage_options(name, cm.model.num_layers, d, m,
                                                space.virtual_stages):
                     for rc in space.recompute:
-                        for shard in sharding_options(w * c, space.distributed_optimizer):
-                            yield ParallelConfig(name, t, d, w, b, m, rc, virtual_stages=v,
-                                                 distributed_optimizer=shard,
-                                                 context_parallel=c, sequence_parallel=sp)
+                        for e in expert_parallel_sizes(cm.experts, w * c,
+                                                       space.expert_parallel_sizes):
+                            for shard in sharding_options(w * c, space.distributed_optimizer,
+                                                          e):
+                                yield ParallelConfig(name, t, d, w, b, m, rc,
+                                                     virtual_stages=v,
+                                                     distributed_optimizer=shard,
+                                                     context_parallel=c,
+                                                     sequence_parallel=sp,
+                                                     expert_parallel=e)
 
 
 @dataclass
@@ -261,6 +289,8 @@ class SearchResult:
     """Fitting configurations not simulated: their lower bound could not make the table."""
     seconds: float = 0.0
     space: SearchSpace | None = None
+    experts: bool = False
+    """The model has MoE layers (the table shows the expert-parallel size)."""
 
     @property
     def best(self) -> Estimate | None:
@@ -308,7 +338,7 @@ def search(cm: CostModel, space: SearchSpace, *, keep: int = 20,
     logger.info("planner: %d configurations, %d fit, %d simulated, %.2f s", len(configs),
                 len(fitting), len(ranked), seconds)
     return SearchResult(ranked, too_big, not_fitting, len(configs), len(fitting), pruned,
-                        seconds, space)
+                        seconds, space, cm.experts is not None)
 
 
 def _simulate_promising(cm: CostModel, configs: list[ParallelConfig], keep: int,

@@ -19,8 +19,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 from ..shape import ModelShape
+from .experts import Experts
 
 
 @dataclass(frozen=True)
@@ -60,20 +62,29 @@ def shard_chunk(total: int, whole: tuple[int, ...], ranks: int) -> int:
     return max(-(-total // ranks), max(load for load, _ in heap), 1)
 
 
-def stage_matrices(model: ModelShape, t: int, stage: int, depth: int,
-                   layers: int) -> tuple[int, ...]:
+def stage_matrices(model: ModelShape, t: int, stage: int, depth: int, layers: int,
+                   experts: Optional[Experts] = None, moe_layers: int = 0,
+                   ep: int = 1) -> tuple[int, ...]:
     """Sizes (one tensor-parallel rank's) of the parameters Muon steps on a stage, which
     the distributed optimizer keeps whole: megatron-core's rule, every 2D weight but the
     word embedding and the output layer (`optim.muon.is_megatron_muon_param`): each
     layer's QKV, projection and the MLP's two matrices, the learned position table (and
     BERT's token types) on the first stage, BERT's LM-head dense, pooler and binary head on
-    the last."""
+    the last. Of the `layers`, `moe_layers` have, instead of the MLP's matrices, the
+    router's [E, h] and the rank's E / EP experts as the two grouped-GEMM weights the
+    planned launch asks for (`--moe-grouped-gemm`)."""
     h, f = model.hidden_size, model.ffn_size
     q = model.num_attention_heads * model.head_dim
     kv = model.query_groups * model.head_dim
     gates = 2 if model.swiglu else 1
-    layer = (h * (q + 2 * kv) // t, q * h // t, gates * f * h // t, f * h // t)
-    found = layer * layers
+    attention = (h * (q + 2 * kv) // t, q * h // t)
+    layer = attention + (gates * f * h // t, f * h // t)
+    found = layer * (layers - moe_layers)
+    if moe_layers:
+        local, fe = experts.num_experts // ep, experts.ffn_size(model)
+        moe = attention + (experts.num_experts * h, local * gates * fe * h // t,
+                           local * fe * h // t)
+        found += moe * moe_layers
     if stage == 0:
         found += (model.seq_length * h,) + ((2 * h,) if model.model == "bert" else ())
     if stage == depth - 1 and model.model == "bert":

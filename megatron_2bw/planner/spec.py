@@ -269,6 +269,12 @@ class ParallelConfig:
     and the stage boundary split over the TP ranks along the sequence; TP's all-reduces
     become reduce-scatter + all-gather pairs. Always False at TP = 1 (Megatron-LM turns it
     off there), so that equal plans compare equal."""
+    expert_parallel: int = 1
+    """`--expert-model-parallel-size`, e (a mixture of experts only): each MoE layer's
+    experts split over e ranks carved out of the DP x CP ranks (megatron-core's rule:
+    DP x CP divisible by e at expert-tensor-parallel size TP); the world stays
+    TP x CP x PP x DP. Expert gradients are reduced over the DP x CP / e ranks holding the
+    same experts (`expert_data_parallel`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", as_recompute(self.recompute))
@@ -280,6 +286,12 @@ class ParallelConfig:
                              f"{self.context_parallel!r}")
         object.__setattr__(self, "sequence_parallel",
                            bool(self.sequence_parallel) and self.tensor_parallel > 1)
+        if not isinstance(self.expert_parallel, int) or self.expert_parallel < 1:
+            raise ValueError(f"expert_parallel must be a positive integer, got "
+                             f"{self.expert_parallel!r}")
+        if self.gradient_ranks % self.expert_parallel:
+            raise ValueError(f"expert_parallel {self.expert_parallel} does not divide the "
+                             f"DP x CP = {self.gradient_ranks} ranks it is carved out of")
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -297,6 +309,13 @@ class ParallelConfig:
         """Ranks holding the same weights, over which gradients are reduced and the
         distributed optimizer shards: DP x CP."""
         return self.data_parallel_width * self.context_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks holding the same experts, over which expert gradients are reduced
+        (megatron-core's expert-data-parallel group at expert-tensor-parallel size TP):
+        DP x CP / EP."""
+        return self.gradient_ranks // self.expert_parallel
 
     @property
     def sequence_split(self) -> int:
@@ -351,6 +370,12 @@ class ParallelConfig:
             flags += ["--context-parallel-size", str(self.context_parallel)]
         return flags
 
+    def expert_flags(self) -> list[str]:
+        """Megatron-LM's flag for expert parallelism (none at EP = 1)."""
+        if self.expert_parallel == 1:
+            return []
+        return ["--expert-model-parallel-size", str(self.expert_parallel)]
+
     def optimizer_flags(self) -> list[str]:
         """Megatron-LM's flag for the sharded optimizer (none without it)."""
         return ["--use-distributed-optimizer"] if self.distributed_optimizer else []
@@ -362,7 +387,8 @@ class ParallelConfig:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         sequence = (" sp" if self.sequence_parallel else "") + (
             f" cp{self.context_parallel}" if self.context_parallel > 1 else "")
-        return (f"{self.schedule} tp{self.tensor_parallel}{sequence} pp{self.pipeline_depth} "
-                f"dp{self.data_parallel_width} b{self.micro_batch_size} "
+        experts = f" ep{self.expert_parallel}" if self.expert_parallel > 1 else ""
+        return (f"{self.schedule} tp{self.tensor_parallel}{sequence} pp{self.pipeline_depth}"
+                f"{experts} dp{self.data_parallel_width} b{self.micro_batch_size} "
                 f"m{self.num_microbatches}{chunks}{rc}{split}"
                 + (" dopt" if self.distributed_optimizer else ""))

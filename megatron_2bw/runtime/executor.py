@@ -36,6 +36,7 @@ from ..schedules.stop import last_step, stop_cut
 from ..schedules.validate import require_valid
 from .activations import ActivationMeter
 from .checkpoint import WeightsCheckpoint, restore_loss_scales, weights_checkpoint
+from .aux_losses import AuxLosses
 from .grad_sync import GradReduceConfig, GradReducer, TiedGradSync
 from .p2p import P2P, StageLinks, Transport
 from .versions import WeightStore, WeightVersionError
@@ -69,6 +70,8 @@ class RunResult:
     tokens: dict[int, float] = field(default_factory=dict)  # minibatch -> tokens (per-token loss)
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # per minibatch
     steps: dict[int, dict[str, float]] = field(default_factory=dict)  # minibatch -> step info
+    # minibatch -> auxiliary losses per layer, summed over the model-parallel group
+    aux_losses: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     peak_stashes: int = 0
     peak_sends: int = 0  # most sent tensors held at once (not yet known to have arrived)
     stopped_after: Optional[int] = None  # the last minibatch stepped, when a step callback
@@ -112,7 +115,7 @@ class PipelineExecutor:
                  grads: GradReduceConfig = GradReduceConfig(),
                  count_tokens: Optional[TokenCount] = None, num_chunks: int = 1,
                  transport: Optional[Transport] = None, reducer: Optional[GradReducer] = None,
-                 grad_numel: int = 0):
+                 grad_numel: int = 0, aux_losses: Optional[AuxLosses] = None):
         if num_chunks > 1 and len(getattr(module, "chunks", ())) != num_chunks:
             raise ValueError(f"num_chunks={num_chunks} needs a module with that many "
                              "`chunks`")
@@ -129,6 +132,7 @@ class PipelineExecutor:
         self.reducer = reducer if reducer is not None else GradReducer(dp_group, grads)
         self.tied = tied
         self.updater = updater
+        self.aux_losses = aux_losses  # a mixture of experts' router losses, if any
         self.activations = ActivationMeter()  # the first training forward's saved bytes
         self._count_tokens = count_tokens
         self._train = True
@@ -323,14 +327,20 @@ class PipelineExecutor:
         self.weights.acquire(a.version)
         with self.activations.measure(module):
             out = module(inp, batch)
+        if self.aux_losses is not None:
+            self.aux_losses.collect(a.microbatch // self._m)
         if last:
             self._record_loss(a, module, out)
-            divisor = 1 if self._count_tokens is not None else self._m  # per-token: a sum
-            out = out * (self.weights.loss_scale_of[a.version] / divisor)
+            out = out * (self.weights.loss_scale_of[a.version] / self._loss_divisor)
         else:
             self._act_outbox[key] = out
         self._stash[key] = (inp, out, a.version)
         self._note_stash(a)
+
+    @property
+    def _loss_divisor(self) -> int:
+        """What a microbatch's loss is divided by: m, or 1 for a per-token loss (a sum)."""
+        return 1 if self._count_tokens is not None else self._m
 
     def _note_stash(self, a: Action) -> None:
         """Track the peak stash; more than the schedule declared is a bug in one of them."""
@@ -362,7 +372,11 @@ class PipelineExecutor:
         grad = None if self._is_last(a) else self._grad_inbox.pop(key)
         self.weights.bind_grads(version, a.microbatch // self._m)
         self._grad_version[a.microbatch // self._m] = version
+        if self.aux_losses is not None:  # scaled as this version's main loss
+            self.aux_losses.set_scale(self.weights.loss_scale_of[version] / self._loss_divisor)
         torch.autograd.backward(out, grad_tensors=grad)
+        if self.aux_losses is not None:  # a recomputed forward tracks its losses here
+            self.aux_losses.collect(a.microbatch // self._m)
         self.weights.release(version)
         if inp is not None:
             self._grad_outbox[key] = inp.grad
@@ -406,6 +420,8 @@ class PipelineExecutor:
         if self.tied is not None and self.tied.counts_in_norm:
             self.tied.finish(a.minibatch)
         self.updater.start_step(a.minibatch, flat, views)
+        if self.aux_losses is not None:
+            self.aux_losses.start(a.minibatch)
 
     def _optimizer_step(self, a: Action) -> None:
         k = a.minibatch
@@ -414,6 +430,8 @@ class PipelineExecutor:
             self.tied.finish(k)
         newest, target = self.weights.publish(a.version)
         info = self.updater.finish_step(k, flat, views, newest, target)
+        if self.aux_losses is not None:
+            self._result.aux_losses[k] = self.aux_losses.finish(k)
         self.weights.loss_scale_of[a.version] = self.updater.loss_scale
         self.weights.loss_scale_of.pop(a.version - self.weights.num_buffers - 1, None)
         self.weights.clear_grads(k)

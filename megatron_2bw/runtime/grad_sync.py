@@ -95,6 +95,48 @@ class SequenceParallelSum:
             start += n
 
 
+@dataclass(frozen=True)
+class ExpertGradients:
+    """Where a mixture of experts' routed-expert gradients sit in the flat gradient, and
+    the group that holds the same experts (megatron-core's expert-data-parallel group).
+
+    An expert's gradient is not the data-parallel replicas' to average: the data-parallel
+    ranks of one expert-parallel group hold *different* experts, and the token dispatcher
+    already brought every one of their tokens to the expert that serves it. So it is
+    summed over the expert-data-parallel group only and divided by the dense
+    data-parallel size (x CP), as megatron-core's DDP scales it; averaging it over the
+    data-parallel group would mix different experts' gradients, silently
+    (tests/test_moe_training.py shows it is caught). `dense`: the other ranges.
+    """
+
+    group: Optional[dist.ProcessGroup]
+    ranges: tuple[tuple[int, int], ...]
+    dense: tuple[tuple[int, int], ...]
+
+
+class _Part:
+    """One all-reduce of some of the flat gradient's elements over one group: the whole
+    buffer in place (`ranges` None) or the listed ranges packed into one tensor."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup],
+                 ranges: Optional[tuple[tuple[int, int], ...]] = None):
+        self.group, self.ranges = group, ranges
+        self.active = comm.runs(group)
+
+    def pack(self, flat_grad: torch.Tensor) -> torch.Tensor:
+        if self.ranges is None:
+            return flat_grad
+        return torch.cat([flat_grad[o:o + n] for o, n in self.ranges])
+
+    def unpack(self, buffer: torch.Tensor, flat_grad: torch.Tensor) -> None:
+        if self.ranges is None:
+            return
+        start = 0
+        for offset, n in self.ranges:
+            flat_grad[offset:offset + n].copy_(buffer[start:start + n])
+            start += n
+
+
 class GradReducer:
     """Averages gradients over the data-parallel group (mean, as Megatron-LM).
 
@@ -105,17 +147,22 @@ class GradReducer:
     minibatch) the gradients are summed, not averaged, and divided by the count summed
     over the group, as Megatron-LM's finalize_model_grads does with num_tokens: the step
     is then the mean over every token of the global batch.
+
+    With `experts` (a mixture of experts) the routed experts' ranges are summed over
+    their own group instead (`ExpertGradients`), both parts divided by w.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup],
                  config: GradReduceConfig = GradReduceConfig(),
-                 sp_sum: Optional[SequenceParallelSum] = None):
+                 sp_sum: Optional[SequenceParallelSum] = None,
+                 experts: Optional[ExpertGradients] = None):
         self.group, self.config = group, config
         self.sp_sum = sp_sum  # the TP sum sequence parallelism needs first, if any
         self.size = comm.size(group) if group is not None else 1
         self.active = comm.runs(group)  # the comm layer says whether the group runs
-        self._pending: dict[int, tuple[Optional[dist.Work], torch.Tensor,
-                                       Optional[torch.Tensor]]] = {}
+        self._parts = ([_Part(group)] if experts is None else
+                       [_Part(group, experts.dense), _Part(experts.group, experts.ranges)])
+        self._pending: dict[int, list] = {}
         self._tokens: dict[int, tuple[Optional[dist.Work], torch.Tensor]] = {}
 
     def start(self, minibatch: int, flat_grad: torch.Tensor,
@@ -124,29 +171,44 @@ class GradReducer:
             raise RuntimeError(f"gradient reduction of minibatch {minibatch} started twice")
         if self.sp_sum is not None:
             self.sp_sum(flat_grad)
-        work, low = None, None
         scale = 1.0 if tokens is not None else 1.0 / self.size  # per-token: a sum
-        if self.active and self.config.low_precision:
-            low = (flat_grad * scale).to(self.config.dtype)
-            work = comm.all_reduce(low, self.group, async_op=True)
-        elif self.active:
-            work = comm.all_reduce(flat_grad, self.group, async_op=True)
-        self._pending[minibatch] = (work, flat_grad, low)
+        self._pending[minibatch] = (flat_grad, [self._launch(part, flat_grad, scale)
+                                                for part in self._parts])
+        self._start_count(minibatch, tokens)
+
+    def _launch(self, part: _Part, flat_grad: torch.Tensor, scale: float) -> tuple:
+        """Start one part's all-reduce: (part, work or None, its fp32 buffer, its bf16
+        copy or None). A part whose group does not run is left as it is, but for a packed
+        one (experts): divided by w all the same at the wait, since an expert's gradient
+        already holds every data-parallel replica's tokens."""
+        buffer, work, low = part.pack(flat_grad), None, None
+        if self.config.low_precision and (part.active or part.ranges is not None):
+            low = (buffer * scale).to(self.config.dtype)
+        if part.active:
+            work = comm.all_reduce(low if low is not None else buffer, part.group,
+                                   async_op=True)
+        return part, work, buffer, low
+
+    def _start_count(self, minibatch: int, tokens: Optional[torch.Tensor]) -> None:
+        """Per-token loss: start the sum of the replicas' token counts."""
         if tokens is not None:
             count = tokens.detach().to(torch.float64).clone()
             self._tokens[minibatch] = (comm.all_reduce(count, self.group, async_op=True)
                                        if self.active else None, count)
 
     def wait(self, minibatch: int) -> torch.Tensor:
-        work, flat_grad, low = self._pending.pop(minibatch)
-        if work is not None:
-            wait_collective(work, self.group,
-                            f"the data-parallel gradient all-reduce of minibatch {minibatch}")
+        flat_grad, parts = self._pending.pop(minibatch)
+        per_token = minibatch in self._tokens
+        for part, work, buffer, low in parts:
+            if work is not None:
+                wait_collective(work, part.group, f"the data-parallel gradient all-reduce "
+                                                  f"of minibatch {minibatch}")
             if low is not None:
-                flat_grad.copy_(low)
-            elif minibatch not in self._tokens:
-                flat_grad.div_(self.size)
-        if minibatch in self._tokens:
+                buffer.copy_(low)
+            elif not per_token and (work is not None or part.ranges is not None):
+                buffer.div_(self.size)
+            part.unpack(buffer, flat_grad)
+        if per_token:
             self._divide_by_tokens(minibatch, flat_grad)
         return flat_grad
 
@@ -206,10 +268,7 @@ class ShardedGradReducer(GradReducer):
                 for offset, t in self._copies(flat_grad, scale)]
         self._pending[minibatch] = (work, flat_grad, low)
         self._buffers[minibatch] = buffer
-        if tokens is not None:
-            count = tokens.detach().to(torch.float64).clone()
-            self._tokens[minibatch] = (comm.all_reduce(count, self.group, async_op=True)
-                                       if self.active else None, count)
+        self._start_count(minibatch, tokens)
 
     def _chunk_order(self, flat_grad: torch.Tensor) -> torch.Tensor:
         """The buffer the reduce-scatter reads: the flat gradient itself (padded to

@@ -26,7 +26,7 @@ from .errors import UserError
 from .housekeeping import HousekeepingConfig
 from .megatron_flags import DOC, add_megatron_flags, check_megatron_flags
 from .skip_guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipGuardConfig, skip_guard_config
-from .model_flags import model_config, model_flags
+from .model_flags import model_config, model_flags, num_experts, one_value
 from .validation import Flags, check_ranges, validate_flags
 
 
@@ -292,6 +292,13 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="ranks that each hold 1/N of every sequence (load-balanced causal "
                         "chunks); attention exchanges keys and values, gradients are reduced "
                         "over data x context parallel ranks")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="mixture of experts: ranks each MoE layer's experts are spread over "
+                        "(expert parallelism); with the expert-tensor-parallel size it splits "
+                        "the TP x CP x DP ranks of a pipeline stage")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="mixture of experts: tensor-parallel ranks of each expert (default "
+                        "--tensor-model-parallel-size)")
     g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a",
                                                              "a2a+p2p"],
                    help="context-parallel attention: p2p, a ring overlapping each key/value "
@@ -412,16 +419,22 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
     check_ranges(args)
     check_megatron_flags(args, world_size)
     view = validate_flags(args, model, world_size)
-    # Megatron-LM's derived value (None without interleaving), saved in checkpoints' args
+    # Megatron-LM's derived values (None without interleaving; --num-experts 0 = None; the
+    # MoE flags that take several values as one value), saved in checkpoints' args
     args.virtual_pipeline_model_parallel_size = (view.virtual_stages if view.virtual_stages > 1
                                                  else None)
+    args.num_experts = num_experts(args)
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        setattr(args, name, one_value(getattr(args, name)))
     parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size,
                               context_parallel=args.context_parallel_size,
                               schedule=view.schedule,
                               grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                               distributed_optimizer=args.use_distributed_optimizer,
-                              virtual_stages=view.virtual_stages)
+                              virtual_stages=view.virtual_stages,
+                              expert_parallel=args.expert_model_parallel_size,
+                              expert_tensor_parallel=args.expert_tensor_parallel_size)
     gbs, precision = view.gbs, view.precision
     dtype = _precision(precision)
     padded = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, parallel.tensor_parallel)

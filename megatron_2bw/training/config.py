@@ -19,7 +19,12 @@ from .skip_guard import SkipGuardConfig
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The TP x CP x PP x DP grid. The data-parallel size is derived, as in Megatron-LM."""
+    """The TP x CP x PP x DP grid. The data-parallel size is derived, as in Megatron-LM.
+
+    Mixture-of-experts layers split the same ranks their own way (megatron-core's expert
+    grid, `initialize_model_parallel`): within a pipeline stage, the TP x CP x DP ranks
+    are expert-tensor-parallel x expert-parallel x expert-data-parallel (ETP x EP x EDP).
+    """
 
     world_size: int
     tensor_parallel: int = 1
@@ -35,8 +40,15 @@ class ParallelConfig:
     # above 1 a schedule with an interleaved form (flush: Megatron-LM's interleaved 1F1B)
     # interleaves them
     virtual_stages: int = 1
+    # --expert-model-parallel-size: ranks each MoE layer's experts are spread over (EP)
+    expert_parallel: int = 1
+    # --expert-tensor-parallel-size: tensor-parallel ranks of each expert (ETP); None
+    # (the default) becomes tensor_parallel, Megatron-LM's default
+    expert_tensor_parallel: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.expert_tensor_parallel is None:
+            object.__setattr__(self, "expert_tensor_parallel", self.tensor_parallel)
         grid = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
         if self.world_size % grid:
             raise ValueError(
@@ -44,6 +56,16 @@ class ParallelConfig:
                 f"({self.tensor_parallel}) x --pipeline-model-parallel-size "
                 f"({self.pipeline_parallel}) x --context-parallel-size "
                 f"({self.context_parallel}) = {grid}")
+        if self.expert_parallel < 1 or self.expert_tensor_parallel < 1:
+            raise ValueError(f"expert-parallel size {self.expert_parallel} and expert-tensor-"
+                             f"parallel size {self.expert_tensor_parallel} must be positive")
+        expert_grid = self.expert_tensor_parallel * self.expert_parallel * self.pipeline_parallel
+        if self.world_size % expert_grid:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by "
+                f"--expert-tensor-parallel-size ({self.expert_tensor_parallel}) x "
+                f"--expert-model-parallel-size ({self.expert_parallel}) x "
+                f"--pipeline-model-parallel-size ({self.pipeline_parallel}) = {expert_grid}")
         if self.virtual_stages > 1 and self.pipeline_parallel < 2:
             raise ValueError(f"{self.virtual_stages} virtual pipeline stages per rank need "
                              "--pipeline-model-parallel-size above 1")
@@ -52,6 +74,13 @@ class ParallelConfig:
     def data_parallel(self) -> int:
         return self.world_size // (self.tensor_parallel * self.pipeline_parallel
                                    * self.context_parallel)
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks holding the same experts (EDP = world / (ETP x EP x PP)): an expert's
+        gradient is reduced over these, the dense weights' over data x context parallel."""
+        return self.world_size // (self.expert_tensor_parallel * self.expert_parallel
+                                   * self.pipeline_parallel)
 
 
 @dataclass(frozen=True)

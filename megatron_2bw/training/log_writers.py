@@ -3,7 +3,8 @@
 What is written, when, and which flag turns it on follow `training_log` and
 `evaluate_and_print_results` (megatron/training/training.py at core_v0.16.1), so
 dashboards built on a Megatron-LM run read ours: every `--tensorboard-log-interval`
-iterations `learning-rate`, `batch-size`, each loss (`lm loss`, BERT's `sop loss`),
+iterations `learning-rate`, `batch-size`, each loss (`lm loss`, BERT's `sop loss`; a
+mixture of experts' `load_balancing_loss` / `z_loss` against the iteration only),
 `loss-scale`, `grad-norm` (not on a skipped step, which has none), `world-size` (flag), each
 also against consumed samples (`<tag> vs samples`); at each log line `iteration-time` and
 `throughput` (flags); after validation `<loss> validation` (and its `ppl`, flag).
@@ -27,6 +28,10 @@ from .config import TrainConfig
 from .errors import UserError
 
 logger = logging.getLogger("megatron_2bw.train")
+
+# a mixture of experts' router losses, under Megatron-LM's names (track_moe_metrics):
+# in the log line after the model's losses, and in TensorBoard against the iteration only
+ROUTER_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
 VS_SAMPLES = " vs samples"
 
@@ -60,7 +65,10 @@ class ScalarWriters:
         self._pair("learning-rate", rec["lr"], it, samples)
         self._pair("batch-size", rec["global_batch_size"], it, samples)
         for tag, value in losses.items():
-            self._pair(tag, value, it, samples)
+            if tag in ROUTER_LOSSES:
+                self._scalar(tag, value, it)
+            else:
+                self._pair(tag, value, it, samples)
         if self.t.log_loss_scale_to_tensorboard:
             self._pair("loss-scale", rec["loss_scale"], it, samples)
         if self.t.log_world_size_to_tensorboard:

@@ -35,6 +35,7 @@ from ..checkpointing.save_load import (SaveOptions, prepare_resume, read_checkpo
                             save_checkpoint)
 from .config import RunConfig
 from .data_sources import DataSources
+from . import experts
 from .distributed import DistEnv
 from .errors import describe
 from .housekeeping import Housekeeping
@@ -60,7 +61,9 @@ def _muon_spec(name: str, p, run: RunConfig) -> MuonParamSpec | None:
     m = run.model  # the fused QKV's rows per query group: [q heads of the group, k, v]
     qkv = (qkv_split_rows(m.num_attention_heads, m.query_groups, m.head_dim)
            if is_megatron_qkv_param(name, p) else None)
-    dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
+    split = getattr(p, "tensor_model_parallel", False) and not (
+        experts.expert_mask([name])[0] and ps.get_expert_tensor_parallel_world_size() == 1)
+    dim = getattr(p, "partition_dim", None) if split else None  # an expert at ETP 1: whole
     return MuonParamSpec(tuple(p.shape), partition_dim=dim, qkv_split=qkv)
 
 
@@ -73,12 +76,14 @@ def _param_infos(module, tp_rank: int, run: RunConfig) -> list[ParamInfo]:
         if not p.requires_grad:
             continue
         is_tied = tied is not None and p is tied
-        tp_dup = not getattr(p, "tensor_model_parallel", False) and tp_rank != 0
+        expert = experts.expert_mask([name])[0]
+        counted = experts.counts_in_norm(p, expert, tp_rank)
         infos.append(ParamInfo(name=name, decay=p.dim() > 1 and not name.endswith(".bias"),
-                               counts_in_norm=not tp_dup and not (is_tied and last_copy),
+                               counts_in_norm=counted and not (is_tied and last_copy),
                                tied=is_tied, muon=_muon_spec(name, p, run),
                                embedding_or_output=getattr(
-                                   p, "is_embedding_or_output_parameter", False)))
+                                   p, "is_embedding_or_output_parameter", False),
+                               expert=expert))
     return infos
 
 
@@ -96,12 +101,14 @@ def _offsets(params: list) -> list[int]:
     return offsets
 
 
-def _sequence_parallel_sum(params: list, run: RunConfig) -> Optional[SequenceParallelSum]:
+def _sequence_parallel_sum(params: list, infos: list[ParamInfo],
+                           run: RunConfig) -> Optional[SequenceParallelSum]:
     """The TP sum of the gradients sequence parallelism leaves partial (megatron-core's
-    `sequence_parallel` parameters: norms, row-parallel biases), or None without SP."""
+    `sequence_parallel` parameters: norms, row-parallel biases, the router; not a routed
+    expert's, whose tokens the dispatcher brought whole), or None without SP."""
     offsets = _offsets(params)
-    ranges = tuple((offsets[i], p.numel()) for i, p in enumerate(params)
-                   if getattr(p, "sequence_parallel", False))
+    ranges = tuple((offsets[i], p.numel()) for i, (p, info) in enumerate(zip(params, infos))
+                   if getattr(p, "sequence_parallel", False) and not info.expert)
     if not ranges:
         return None
     return SequenceParallelSum(ps.get_tensor_model_parallel_group(), ranges,
@@ -152,6 +159,8 @@ class Trainer:
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tensor_parallel,
                                      pipeline_model_parallel_size=par.pipeline_parallel,
                                      context_parallel_size=par.context_parallel,
+                                     expert_model_parallel_size=par.expert_parallel,
+                                     expert_tensor_parallel_size=par.expert_tensor_parallel,
                                      distributed_timeout_minutes=env.timeout.total_seconds() / 60)
         model_parallel_manual_seed(run.train.seed + 100 * ps.get_pipeline_model_parallel_rank())
         self.stage = ps.get_pipeline_model_parallel_rank()
@@ -201,9 +210,14 @@ class Trainer:
         gather = functools.partial(comm.gather_concat, group=tp_group) if comm.runs(tp_group) else None
         tp = TensorParallel(ps.get_tensor_model_parallel_rank(),
                             ps.get_tensor_model_parallel_world_size(), gather)
-        groups = StepGroups(model_parallel=ps.get_model_parallel_group())
-        sp_sum = _sequence_parallel_sum(params, run)
-        reducer, layout = GradReducer(data_parallel_group(), _grad_reduce(run), sp_sum), None
+        mask = [i.expert for i in infos]
+        groups = StepGroups(model_parallel=ps.get_model_parallel_group(),
+                            expert_model_parallel=experts.expert_norm_group() if any(mask)
+                            else None)
+        sp_sum = _sequence_parallel_sum(params, infos, run)
+        reducer = GradReducer(data_parallel_group(), _grad_reduce(run), sp_sum,
+                              experts.expert_gradients(mask, _offsets(params)))
+        layout = None
         # one data-parallel rank has nothing to shard (data_parallel_group() is None
         # where the comm layer says the group does not run)
         if run.parallel.distributed_optimizer and data_parallel_group() is not None:
@@ -222,7 +236,9 @@ class Trainer:
             grads=_grad_reduce(run),
             count_tokens=module.num_tokens if run.model.per_token_loss else None,
             make_copy=self._build_stage, num_chunks=schedule.num_chunks, reducer=reducer,
-            grad_numel=layout.padded if layout is not None else 0)
+            grad_numel=layout.padded if layout is not None else 0,
+            aux_losses=experts.aux_losses(run.model, run.model.per_token_loss,
+                                          self.env.device))
         return executor, updater
 
     def _report_optimizer_memory(self) -> None:
@@ -489,9 +505,21 @@ class Trainer:
         elapsed, self._last_time = now - self._last_time, now
         rec = self._record(k, stats, list(result.metrics.get(k, {})),
                            result.steps[k], elapsed)
+        rec.update(self._router_losses(k, result))
         self.history[k + 1] = rec
         self.sink.record(rec)
         return stop
+
+    def _router_losses(self, k: int, result: RunResult) -> dict[str, float]:
+        """A mixture of experts' router losses of minibatch k under Megatron-LM's names,
+        averaged over the data-parallel replicas (none for a dense model)."""
+        per_layer = result.aux_losses.pop(k, None)
+        if not per_layer:
+            return {}
+        run = self.run
+        m = run.batch_sizes.size(k) // (run.train.micro_batch_size * run.parallel.data_parallel)
+        values = experts.log_values(per_layer, run.model, m)
+        return dict(zip(values, self._dp_mean(list(values.values()))))
 
     def _stop_learning_after(self, iteration: int, step: dict) -> bool:
         """The skip guard's verdict on `iteration`'s step, kept from the first that ends the

@@ -14,13 +14,15 @@ against one it is not.
 - HONORED_NOOP: flags whose Megatron-LM meaning is already what happens here
   (`--use-mcore-models`: there are no legacy models; `--num-workers`: samples come from
   the dataset in the training process, no DataLoader).
-- REFUSED: flags that would change numerics or memory and are not implemented, with why.
+- REFUSED: flags that would change numerics or memory and are not implemented, with why;
+  REFUSED_VALUES: values of honored flags that ask for such a feature (the flex MoE
+  dispatcher, the global-batch aux loss, a per-layer MoE pattern), named with the value.
 - REMOVED: spellings Megatron-LM dropped, with what replaced them (as Megatron-LM says).
 
 A command line with several refused or removed flags hears of all of them in one line
-(the four fp8 flags under their one reason), not one per run. `--sequence-parallel` (an
-ordinary flag, arguments.py) at TP=1 is accepted with one warning that it is off, as
-Megatron-LM warns.
+(the fp8 flags under their one reason; a DeepSeek-V3 recipe's MoE flags likewise), not one
+per run. `--sequence-parallel` (an ordinary flag, arguments.py) at TP=1 is accepted with
+one warning that it is off, as Megatron-LM warns.
 
 Every flag not in arguments.py or here is unknown: the parser names it and points to
 docs/megatron-flags.md, which lists Megatron-LM's flags and their status here.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .errors import UserError
+from .model_flags import as_list, layer_freq_problem, pattern_frequency
 
 DOC = "docs/megatron-flags.md"
 
@@ -69,6 +72,16 @@ MAPPED: tuple[Flag, ...] = (
     _switch("--overlap-grad-reduce"),
     _switch("--overlap-param-gather"),
     _value("--empty-unused-memory-level", int),
+    # mixture of experts: fused kernels and overlaps (Transformer Engine, DeepEP), the same
+    # numbers; what runs instead is INSTEAD's where it is more than "selects a kernel"
+    _switch("--moe-permute-fusion"),
+    _switch("--moe-router-fusion"),
+    _switch("--moe-use-legacy-grouped-gemm"),
+    _switch("--overlap-moe-expert-parallel-comm"),
+    _switch("--moe-shared-expert-overlap"),
+    _value("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep"]),
+    _value("--moe-deepep-num-sms", int),
+    _value("--moe-hybridep-num-sms", int),
 )
 
 # (flag, why Megatron-LM's meaning is already what happens here)
@@ -80,11 +93,39 @@ HONORED_NOOP: tuple[tuple[Flag, str], ...] = (
      "Megatron-LM ignores it for the other tokenizers too"),
     (_switch("--no-create-attention-mask-in-dataloader"), "the model builds the causal "
      "mask itself; Megatron-LM's data-loader mask is the same mask"),
+    (_switch("--moe-extended-tp"), "megatron-core ignores it (deprecated); "
+     "--expert-tensor-parallel-size replaced it"),
+    (_switch("--moe-pad-experts-for-cuda-graph-inference"), "acts only in Megatron-LM's "
+     "inference under CUDA graphs; training does not read it"),
 )
 
-# the four fp8 flags share one reason, so a command line with all of them hears it once
+# the fp8 flags (and the MoE router's padding for fp8) share one reason, so a command line
+# with all of them hears it once
 FP8_WHY = ("fp8 needs Transformer Engine on a GPU, which this build does not use; drop the "
            "fp8 flags and use --bf16")
+
+# Megatron-LM's mixture-of-experts features that models/moe.py does not build, one reason
+# per feature (its flags are named together)
+ROUTER_WHY = ("the router here is megatron-core's top-k router with a softmax after the "
+              "top-k choice: sigmoid scores, pre-softmax routing, score scaling and expert "
+              "groups are not implemented")
+EXPERT_BIAS_WHY = ("aux-loss-free balancing keeps a per-expert routing bias that is updated "
+                   "after each step from the tokens each expert received: router state "
+                   "outside the parameters and the optimizer, not implemented here; balance "
+                   "with --moe-aux-loss-coeff instead")
+SHARED_WHY = "shared experts are not implemented: the MoE layers here have routed experts only"
+MTP_WHY = "multi-token prediction (extra MTP layers and their loss) is not implemented"
+FLEX_WHY = ("the flex token dispatcher runs DeepEP or HybridEP kernels on GPUs, which this "
+            "build does not use; use --moe-token-dispatcher-type alltoall (or allgather)")
+
+
+def _mtp(a: argparse.Namespace) -> bool:
+    return bool(a.mtp_num_layers)
+
+
+def _rope(a: argparse.Namespace) -> bool:
+    return a.position_embedding_type == "rope" or a.use_rotary_position_embeddings
+
 
 # (flag, does it change something here? (flags, world size), why it is refused)
 REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...] = (
@@ -95,6 +136,130 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
     (_value("--fp8-amax-compute-algo", choices=["max", "most_recent"]),
      lambda a, w: a.fp8_amax_compute_algo is not None, FP8_WHY),
     (_switch("--fp8-param-gather"), lambda a, w: a.fp8_param_gather, FP8_WHY),
+    # Megatron-LM's deprecated switch, which it too refuses except with rotary embeddings
+    # (not under Megatron-LM's dest, add_position_embedding: checkpoints' args derive that
+    # one from the model, and a checkpoint's flags are read back onto this parser)
+    (_switch("--no-position-embedding"), lambda a, w: a.no_position_embedding and not _rope(a),
+     "deprecated in Megatron-LM, which accepts it only with rotary embeddings (where it "
+     "changes nothing); use --position-embedding-type none"),
+    # mixture of experts
+    (_value("--moe-router-score-function", choices=["softmax", "sigmoid"]),
+     lambda a, w: a.moe_router_score_function == "sigmoid", ROUTER_WHY),
+    (_switch("--moe-router-pre-softmax"), lambda a, w: a.moe_router_pre_softmax, ROUTER_WHY),
+    (_value("--moe-router-topk-scaling-factor", float),
+     lambda a, w: a.moe_router_topk_scaling_factor is not None, ROUTER_WHY),
+    (_value("--moe-router-num-groups", int), lambda a, w: a.moe_router_num_groups is not None,
+     ROUTER_WHY),
+    (_value("--moe-router-group-topk", int), lambda a, w: a.moe_router_group_topk is not None,
+     ROUTER_WHY),
+    (_switch("--moe-router-enable-expert-bias"),
+     lambda a, w: a.moe_router_enable_expert_bias, EXPERT_BIAS_WHY),
+    (_value("--moe-router-bias-update-rate", float),
+     lambda a, w: (a.moe_router_bias_update_rate is not None
+                   and a.moe_router_enable_expert_bias), EXPERT_BIAS_WHY),
+    (_value("--moe-shared-expert-intermediate-size", int),
+     lambda a, w: a.moe_shared_expert_intermediate_size is not None, SHARED_WHY),
+    (_switch("--moe-shared-expert-gate"),
+     lambda a, w: (a.moe_shared_expert_gate
+                   and a.moe_shared_expert_intermediate_size is not None), SHARED_WHY),
+    (_value("--mtp-num-layers", int), lambda a, w: _mtp(a), MTP_WHY),
+    (_value("--mtp-loss-scaling-factor", float),
+     lambda a, w: a.mtp_loss_scaling_factor is not None and _mtp(a), MTP_WHY),
+    (_switch("--mtp-standalone"), lambda a, w: a.mtp_standalone and _mtp(a), MTP_WHY),
+    (_switch("--moe-enable-deepep"), lambda a, w: a.moe_enable_deepep, FLEX_WHY),
+    (_switch("--moe-router-padding-for-quantization"),
+     lambda a, w: a.moe_router_padding_for_quantization, FP8_WHY),
+    (_switch("--moe-router-padding-for-fp8"), lambda a, w: a.moe_router_padding_for_fp8,
+     FP8_WHY),
+    (_switch("--moe-layer-recompute"), lambda a, w: a.moe_layer_recompute,
+     "recomputing the MoE layers alone is not implemented; --recompute-granularity full "
+     "recomputes whole layers, MoE layers included"),
+    (_value("--moe-token-drop-policy", choices=["probs", "position"]),
+     lambda a, w: a.moe_token_drop_policy == "position",
+     "dropping an expert's last tokens by position is not implemented; past an expert's "
+     "capacity its lowest-probability tokens are dropped (probs, the default)"),
+    (_value("--moe-input-jitter-eps", float), lambda a, w: a.moe_input_jitter_eps is not None,
+     "jitter on the router's input is not implemented"),
+    (_switch("--moe-apply-probs-on-input"), lambda a, w: a.moe_apply_probs_on_input,
+     "scaling the experts' input by the routing probabilities is not implemented (they "
+     "scale the experts' output)"),
+    (_switch("--moe-router-force-load-balancing"),
+     lambda a, w: a.moe_router_force_load_balancing,
+     "routing by random scores (a benchmark setting) is not implemented"),
+    (_switch("--moe-per-layer-logging"), lambda a, w: a.moe_per_layer_logging,
+     "logging the MoE losses of each layer is not implemented"),
+    (_value("--moe-latent-size", int), lambda a, w: a.moe_latent_size is not None,
+     "latent projections around the experts are not implemented"),
+    (_switch("--moe-use-upcycling"), lambda a, w: a.moe_use_upcycling,
+     "turning a dense checkpoint into a MoE model (upcycling) is not implemented"),
+    (_value("--moe-upcycling-granularity", int),
+     lambda a, w: a.moe_upcycling_granularity not in (None, 1),
+     "turning a dense checkpoint into a MoE model (upcycling) is not implemented"),
+    (_switch("--moe-enable-routing-replay"), lambda a, w: a.moe_enable_routing_replay,
+     "routing replay (recording routing decisions to replay them, for reinforcement "
+     "learning) is not implemented"),
+)
+
+
+@dataclass(frozen=True)
+class RefusedValue:
+    """A value of an honored flag (model_flags.py) that asks for a Megatron-LM feature not
+    implemented here: `label` says which values (for docs/megatron-flags.md)."""
+
+    name: str
+    label: str
+    refused: Callable[[argparse.Namespace, int], bool]
+    why: str
+
+    def shown(self, args: argparse.Namespace) -> str:
+        """The flag with the value the command line gave it."""
+        value = getattr(args, self.name.lstrip("-").replace("-", "_"))
+        if self.name == "--moe-layer-freq":
+            return f"{self.name} {pattern_text(value)}"
+        values = value if isinstance(value, list) else [value]
+        return f"{self.name} {' '.join(str(v) for v in values)}"
+
+
+def pattern_text(pattern: list[int]) -> str:
+    """A 0/1 layer pattern in Megatron-LM's notation, by runs: [0]*3+[1]*58."""
+    runs: list[list[int]] = []
+    for v in pattern:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return "+".join(f"[{v}]*{n}" for v, n in runs)
+
+
+def _several(value) -> bool:
+    return isinstance(value, list) and len(value) > 1
+
+
+def _unexpressible_pattern(a: argparse.Namespace) -> bool:
+    freq = a.moe_layer_freq
+    return (isinstance(freq, list) and layer_freq_problem(a) is None
+            and pattern_frequency(freq) is None)
+
+
+SEVERAL_WHY = ("combining several load-balancing losses is not implemented; give one "
+               "--moe-router-load-balancing-type and one --moe-aux-loss-coeff")
+
+REFUSED_VALUES: tuple[RefusedValue, ...] = (
+    RefusedValue("--moe-token-dispatcher-type", "flex",
+                 lambda a, w: a.moe_token_dispatcher_type == "flex", FLEX_WHY),
+    RefusedValue("--moe-router-load-balancing-type", "global_aux_loss",
+                 lambda a, w: "global_aux_loss" in as_list(a.moe_router_load_balancing_type),
+                 "the global-batch aux loss keeps token counts over the whole global batch in "
+                 "router state that Megatron-LM resets after each step, not implemented "
+                 "here; use aux_loss or seq_aux_loss"),
+    RefusedValue("--moe-router-load-balancing-type", "several types",
+                 lambda a, w: _several(a.moe_router_load_balancing_type), SEVERAL_WHY),
+    RefusedValue("--moe-aux-loss-coeff", "several values",
+                 lambda a, w: _several(a.moe_aux_loss_coeff), SEVERAL_WHY),
+    RefusedValue("--moe-layer-freq", "other patterns",
+                 lambda a, w: _unexpressible_pattern(a),
+                 "a per-layer pattern other than every N-th layer from the first (such as "
+                 "dense first layers) is not implemented; the model takes a frequency N"),
 )
 
 # Megatron-LM's removed spellings and what it tells the user instead
@@ -150,6 +315,9 @@ def refusals(args: argparse.Namespace, world_size: int) -> list[Refusal]:
     for flag, changes, why in REFUSED:
         if changes(args, world_size):
             found.setdefault((why, False), []).append(flag.name)
+    for value in REFUSED_VALUES:
+        if value.refused(args, world_size):
+            found.setdefault((value.why, False), []).append(value.shown(args))
     return [Refusal(tuple(flags), why, removed) for (why, removed), flags in found.items()]
 
 
@@ -196,6 +364,17 @@ INSTEAD: dict[str, str] = {
     "--overlap-param-gather": "the distributed optimizer all-gathers the new weights at the "
     "optimizer step, before the next forward (not overlapped with it); under 2BW the step "
     "already sits where the next weight version is first needed",
+    "--moe-use-legacy-grouped-gemm": "--moe-grouped-gemm runs megatron-core's GroupedMLP (the "
+    "legacy grouped GEMM's weights and checkpoint keys), computed in torch, with or without "
+    "this flag",
+    "--overlap-moe-expert-parallel-comm": "each MoE layer's token exchange between expert-"
+    "parallel ranks runs in line, not overlapped with another microbatch's compute",
+    "--moe-shared-expert-overlap": "acts only with shared experts, which are not implemented "
+    "(--moe-shared-expert-intermediate-size is refused)",
+    "--moe-flex-dispatcher-backend": "acts only with the flex token dispatcher, which is "
+    "refused here",
+    "--moe-deepep-num-sms": "acts only with the flex token dispatcher, which is refused here",
+    "--moe-hybridep-num-sms": "acts only with the flex token dispatcher, which is refused here",
 }
 
 

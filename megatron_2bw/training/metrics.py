@@ -21,7 +21,8 @@ from typing import Optional
 from ..models.config import ModelConfig
 from ..schedules import DEFAULT_SCHEDULE, schedule_spec
 from .config import TrainConfig
-from .log_writers import ScalarWriters, output_error, perplexity, step_grad_norm
+from .log_writers import (ROUTER_LOSSES, ScalarWriters, output_error, perplexity,
+                          step_grad_norm)
 
 logger = logging.getLogger("megatron_2bw.train")
 
@@ -38,11 +39,14 @@ def transformer_flops(batch: int, model: ModelConfig) -> float:
 def megatron_losses(rec: dict, prefix: str = "") -> dict[str, float]:
     """A record's losses under Megatron-LM's names, in its order: `lm loss` is the language
     model's loss alone (BERT's record "loss" is lm + sop, so it is not that), `sop loss`
-    BERT's sentence-order loss when the binary head is on. `prefix` "val_" reads a
+    BERT's sentence-order loss when the binary head is on, then a mixture of experts'
+    router losses (`ROUTER_LOSSES`, training only). `prefix` "val_" reads a
     validation record."""
     losses = {"lm loss": rec.get(prefix + "lm_loss", rec[prefix + "loss"])}
     if rec.get(prefix + "sop_loss") is not None:
         losses["sop loss"] = rec[prefix + "sop_loss"]
+    losses.update({name: rec[prefix + name] for name in ROUTER_LOSSES
+                   if rec.get(prefix + name) is not None})
     return losses
 
 

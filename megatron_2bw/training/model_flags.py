@@ -12,13 +12,15 @@ naming the flag that makes it act.
 from __future__ import annotations
 
 import argparse
+import ast
+import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
-from ..models.config import (ATTENTION_BACKENDS, RECOMPUTE_MODULES, ModelConfig,
-                             stage_layer_counts)
+from ..models.config import (ATTENTION_BACKENDS, MOE_DISPATCHERS, RECOMPUTE_MODULES,
+                             ModelConfig, stage_layer_counts)
 from ..shape import swiglu_ffn_size
 from .errors import UserError
 
@@ -50,6 +52,7 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     _stage_flags(p)
     _recompute_flags(p)
     _kernel_flags(p)
+    _moe_flags(p)
 
 
 def _architecture_flags(p: argparse.ArgumentParser) -> None:
@@ -147,6 +150,262 @@ def _recompute_flags(p: argparse.ArgumentParser) -> None:
                         "paper's per-layer recomputation is uniform with 1")
     g.add_argument("--recompute-modules", nargs="+", choices=list(RECOMPUTE_MODULES),
                    help="selective only: what to recompute (default core_attn)")
+
+
+# Megatron-LM's choices; global_aux_loss and flex are refused with why (megatron_flags.py)
+MEGATRON_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+MEGATRON_DISPATCHERS = MOE_DISPATCHERS + ("flex",)
+# Megatron-LM's defaults of the MoE flags honored here (--num-experts aside): what a flag
+# given without --num-experts is compared with (it acts on MoE layers only)
+MOE_DEFAULTS: dict[str, object] = {
+    "moe_ffn_hidden_size": None, "moe_router_topk": 2,
+    "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None, "moe_token_dispatcher_type": "allgather",
+    "moe_grouped_gemm": False, "moe_layer_freq": 1, "moe_router_dtype": None,
+    "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False}
+
+
+def _moe_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's mixture-of-experts flags (core_v0.16.1, its "moe" group and the
+    TransformerConfig fields it generates flags from), with its names and defaults; the
+    expert-parallel sizes are parallel flags (arguments.py)."""
+    g, D = p.add_argument_group("mixture of experts (GPT; models/moe.py)"), MOE_DEFAULTS
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer; leave it out (or give 0) for dense MLPs")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=D["moe_ffn_hidden_size"],
+                   help="inner width of each expert's MLP (default: the dense MLP width)")
+    g.add_argument("--moe-router-topk", type=int, default=D["moe_router_topk"],
+                   help="experts each token is routed to")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+",
+                   choices=list(MEGATRON_LOAD_BALANCING),
+                   default=D["moe_router_load_balancing_type"],
+                   help="aux_loss: the GShard / Switch balancing loss per microbatch; "
+                        "seq_aux_loss: per sequence (DeepSeek-V2/V3); sinkhorn: S-BASE "
+                        "balancing, no loss; none. global_aux_loss and several types at "
+                        "once are refused")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+",
+                   default=D["moe_aux_loss_coeff"],
+                   help="weight of the load-balancing loss (0: none is added; 1e-2 is a "
+                        "usual start)")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=D["moe_z_loss_coeff"],
+                   help="weight of the router z-loss (default: none; 1e-3 is a usual start)")
+    g.add_argument("--moe-token-dispatcher-type", choices=list(MEGATRON_DISPATCHERS),
+                   default=D["moe_token_dispatcher_type"],
+                   help="how tokens reach the experts of other expert-parallel ranks: "
+                        "allgather (every rank sees every token) or alltoall (each token "
+                        "goes where its experts are); flex is refused")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="run a rank's experts as one grouped matrix product (megatron-core's "
+                        "GroupedMLP weights; needs --disable-bias-linear)")
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq_type, default=D["moe_layer_freq"],
+                   help="which layers are MoE layers: N, every N-th layer from the first "
+                        "(1: all); or a 0/1 list per layer such as \"([1]+[0])*12\", taken "
+                        "when it is every N-th layer from the first")
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=D["moe_router_dtype"],
+                   help="routing and the weighted sum of the experts' outputs in this dtype "
+                        "(default: the model's)")
+    g.add_argument("--moe-expert-capacity-factor", type=float,
+                   default=D["moe_expert_capacity_factor"],
+                   help="tokens an expert takes, as a multiple of an even share; the rest "
+                        "are dropped (default: none are dropped)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="pad each expert's input to its capacity (with "
+                        "--moe-expert-capacity-factor)")
+
+
+# --moe-layer-freq's list form, as Megatron-LM's moe_freq_type reads it (its characters;
+# evaluated here without eval, to at most this many entries)
+_PATTERN_CHARS = re.compile(r"[^,\d\[\]()+*]")
+_MAX_PATTERN = 1 << 16
+
+
+def moe_layer_freq_type(text: str) -> Union[int, list[int]]:
+    """Megatron-LM's --moe-layer-freq: an integer N, or a Python list expression of one
+    0 (dense) / 1 (MoE) per layer, e.g. "([0]+[1]*23)" (an argparse type)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1].strip()  # quotes kept by a script's unquoted array expansion
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: give an integer N "
+                                             "or a list pattern") from None
+    compact = "".join(text.split())
+    try:
+        if _PATTERN_CHARS.search(compact):
+            raise ValueError("only digits, commas, [ ] ( ) + and * may appear")
+        value = _pattern_value(ast.parse(compact, mode="eval").body)
+        if not isinstance(value, list):
+            raise ValueError("it is not a list")
+    except (SyntaxError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"invalid pattern {text!r}: {err}") from None
+    return value
+
+
+def _pattern_value(node: ast.AST) -> Union[int, list[int]]:
+    """An int or a list of ints from list displays, + and * (what the pattern may hold)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        items = [_pattern_value(item) for item in node.elts]
+        if any(isinstance(item, list) for item in items):
+            raise ValueError("nested lists")
+        return items  # type: ignore[return-value]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left), _pattern_value(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+            items, times = (left, right) if isinstance(left, list) else (right, left)
+            if len(items) * max(times, 0) > _MAX_PATTERN:  # type: ignore[operator]
+                raise ValueError(f"more than {_MAX_PATTERN} entries")
+            return items * times  # type: ignore[operator]
+    raise ValueError("not a list of integers built with + and *")
+
+
+def pattern_frequency(pattern: list[int]) -> Optional[int]:
+    """N where `pattern` (one 0/1 per layer) is every N-th layer from layer 0 (the int
+    form's meaning, megatron-core's get_gpt_decoder_layer_specs), else None."""
+    moe = [i for i, v in enumerate(pattern) if v == 1]
+    if not moe or moe[0] != 0:
+        return None
+    n = moe[1] if len(moe) > 1 else len(pattern)
+    return n if pattern == [int(i % n == 0) for i in range(len(pattern))] else None
+
+
+def layer_freq_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why --moe-layer-freq cannot describe this model's layers (Megatron-LM's rules),
+    else None. A valid pattern that is not every N-th layer is refused elsewhere, as not
+    implemented (megatron_flags.py)."""
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        return None if freq >= 1 else f"--moe-layer-freq {freq} must be at least 1"
+    if len(freq) != args.num_layers:
+        return (f"the --moe-layer-freq pattern has {len(freq)} entries for --num-layers "
+                f"{args.num_layers}")
+    if set(freq) - {0, 1}:
+        return "the --moe-layer-freq pattern may hold only 0 (dense) and 1 (MoE)"
+    return None
+
+
+def layer_freq(args: argparse.Namespace) -> Union[int, list[int]]:
+    """ModelConfig's moe_layer_freq: the int, or the frequency a pattern amounts to (a
+    pattern that amounts to none stays a list, which ModelConfig refuses)."""
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        return freq
+    return pattern_frequency(freq) or freq
+
+
+def one_value(value):
+    """A one-item list as its item (Megatron-LM's validate_args does so for the two MoE
+    flags that take several values); anything else as it is."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def as_list(value) -> list:
+    return list(value) if isinstance(value, list) else [value]
+
+
+def num_experts(args: argparse.Namespace) -> Optional[int]:
+    """--num-experts, with Megatron-LM's 0 = None (dense)."""
+    return args.num_experts or None
+
+
+def moe_ffn_width(args: argparse.Namespace) -> int:
+    """Inner width of each expert's MLP: --moe-ffn-hidden-size, else the dense width."""
+    return args.moe_ffn_hidden_size or _ffn(args)
+
+
+def idle_moe_flags(args: argparse.Namespace) -> list[str]:
+    """The MoE flags given a value that acts on MoE layers only (its default aside), and
+    expert parallelism (Megatron-LM's own rule); --moe-ffn-hidden-size is ModelConfig's.
+    Not --expert-tensor-parallel-size: Megatron-LM accepts it, saves it resolved in every
+    checkpoint's args (as the tensor-parallel size), and megatron-core builds the expert
+    grid from it even for a dense model, so it is held to the grid rule only."""
+    flags = [f"--{name.replace('_', '-')}" for name, default in MOE_DEFAULTS.items()
+             if name != "moe_ffn_hidden_size" and one_value(getattr(args, name)) != default]
+    if args.expert_model_parallel_size != 1:
+        flags.append("--expert-model-parallel-size")
+    return flags
+
+
+def moe_config(args: argparse.Namespace) -> dict:
+    """The ModelConfig fields of the MoE flags (Megatron-LM's meanings)."""
+    return dict(
+        num_experts=num_experts(args), moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_load_balancing_type=one_value(args.moe_router_load_balancing_type),
+        moe_aux_loss_coeff=one_value(args.moe_aux_loss_coeff),
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm, moe_layer_freq=layer_freq(args),
+        moe_router_dtype=args.moe_router_dtype,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity)
+
+
+class _Unvalidated(ModelConfig):
+    """A ModelConfig that skips validation, to ask it for its MoE problems only."""
+
+    def __post_init__(self) -> None:  # noqa: D401 - nothing to check here
+        pass
+
+
+# the words of ModelConfig's MoE problems -> the flags that set them
+_PROBLEM_FLAGS = (
+    (r"\bnum_experts\b", "--num-experts"),
+    (r"\bmoe_ffn_hidden_size\b", "--moe-ffn-hidden-size"),
+    (r"\bmoe_router_topk\b", "--moe-router-topk"),
+    (r"\bmoe_router_load_balancing_type\b|\bsinkhorn\b", "--moe-router-load-balancing-type"),
+    (r"\bmoe_aux_loss_coeff\b", "--moe-aux-loss-coeff"),
+    (r"\bmoe_z_loss_coeff\b", "--moe-z-loss-coeff"),
+    (r"\bmoe_token_dispatcher_type\b", "--moe-token-dispatcher-type"),
+    (r"\bmoe_grouped_gemm\b", "--moe-grouped-gemm"),
+    (r"\bmoe_layer_freq\b", "--moe-layer-freq"),
+    (r"\bmoe_router_dtype\b", "--moe-router-dtype"),
+    (r"\bmoe_expert_capacity_factor\b", "--moe-expert-capacity-factor"),
+    (r"\bmoe_pad_expert_input_to_capacity\b", "--moe-pad-expert-input-to-capacity"),
+    (r"\badd_bias_linear\b", "--disable-bias-linear"),
+)
+# what would work, by the flags a problem names
+_PROBLEM_FIXES = {
+    ("--moe-ffn-hidden-size", "--num-experts"):
+        "add --num-experts, or drop --moe-ffn-hidden-size",
+    ("--num-experts",): "drop the MoE flags for BERT (Megatron-LM's pretrain_bert.py builds "
+                        "no MoE layers)",
+    ("--moe-grouped-gemm", "--disable-bias-linear"):
+        "add --disable-bias-linear, or drop --moe-grouped-gemm",
+    ("--moe-router-topk", "--num-experts"): "route each token to at most --num-experts experts",
+    ("--moe-router-topk", "--moe-router-load-balancing-type"):
+        "give --moe-router-topk 2 or more, or --moe-router-load-balancing-type sinkhorn",
+    ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff"):
+        "give --moe-aux-loss-coeff 0 with sinkhorn, or another load-balancing type",
+    ("--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor"):
+        "give --moe-expert-capacity-factor, or drop --moe-pad-expert-input-to-capacity",
+    ("--moe-expert-capacity-factor", "--moe-router-load-balancing-type"):
+        "drop --moe-expert-capacity-factor, or balance with aux_loss, seq_aux_loss or none",
+}
+
+
+def moe_problem(args: argparse.Namespace, model: str) -> Optional[tuple[str, str, str]]:
+    """(what, where, fix) of the first MoE problem ModelConfig finds in these flags (its
+    own rules, megatron-core's: asked here, not repeated), else None."""
+    config = _Unvalidated(model=model, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          num_attention_heads=args.num_attention_heads,
+                          seq_length=args.seq_length, vocab_size=1,
+                          add_bias_linear=args.add_bias_linear, **moe_config(args))
+    problems = config._moe_problems()
+    if not problems:
+        return None
+    what = problems[0]
+    found = sorted((m.start(), flag) for pattern, flag in _PROBLEM_FLAGS
+                   for m in [re.search(pattern, what)] if m)
+    flags = tuple(dict.fromkeys(flag for _, flag in found)) or ("--num-experts",)
+    fix = _PROBLEM_FIXES.get(flags, "change the flags named (megatron-core's MoE layer "
+                                    "refuses this)")
+    return what, ", ".join(flags), fix
 
 
 # ------------------------------------------------------------------ rules between the flags
@@ -352,7 +611,7 @@ def model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfi
         cp_comm_type=args.cp_comm_type,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        **kernel_config(args))
+        **moe_config(args), **kernel_config(args))
 
 
 def kernel_config(args: argparse.Namespace) -> dict:

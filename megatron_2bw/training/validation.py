@@ -28,6 +28,8 @@ from ..schedules import (DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES, ScheduleSp
                          canonical_name, names_where, schedule_spec)
 from .batch_sizes import BatchSizes
 from .errors import UserError
+from .model_flags import (idle_moe_flags, layer_freq_problem, moe_ffn_width, moe_problem,
+                          num_experts)
 
 
 # ------------------------------------------------------------------ numeric ranges
@@ -118,6 +120,14 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--tensor-model-parallel-size", COUNT, ""),
     ("--context-parallel-size", COUNT, ""),
     ("--pipeline-model-parallel-size", COUNT, ""),
+    ("--expert-model-parallel-size", COUNT, ""),
+    ("--expert-tensor-parallel-size", COUNT, "or leave it out for --tensor-model-parallel-size"),
+    ("--num-experts", COUNT_OR_ZERO, "(0, or leaving it out: dense MLPs)"),
+    ("--moe-ffn-hidden-size", COUNT, "or leave it out for the dense MLP width"),
+    ("--moe-router-topk", COUNT, ""),
+    ("--moe-aux-loss-coeff", NON_NEGATIVE, "(0: no load-balancing loss)"),
+    ("--moe-z-loss-coeff", NON_NEGATIVE, "or leave it out for no z-loss"),
+    ("--moe-expert-capacity-factor", POSITIVE, "or leave it out to drop no tokens"),
     ("--vocab-size", COUNT, ""),
     ("--make-vocab-size-divisible-by", COUNT, ""),
     ("--mask-prob", OPEN_UNIT, ""),
@@ -131,6 +141,18 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--fp8-amax-history-len", COUNT, ""),
     ("--num-layers-per-virtual-pipeline-stage", COUNT, ""),
     ("--num-virtual-stages-per-pipeline-rank", COUNT, ""),
+    ("--moe-router-num-groups", COUNT, ""),
+    ("--moe-router-group-topk", COUNT, ""),
+    ("--moe-router-topk-scaling-factor", POSITIVE, ""),
+    ("--moe-router-bias-update-rate", NON_NEGATIVE, ""),
+    ("--moe-shared-expert-intermediate-size", COUNT, ""),
+    ("--moe-input-jitter-eps", NON_NEGATIVE, ""),
+    ("--moe-latent-size", COUNT, ""),
+    ("--moe-upcycling-granularity", COUNT, ""),
+    ("--moe-deepep-num-sms", COUNT, ""),
+    ("--moe-hybridep-num-sms", COUNT, ""),
+    ("--mtp-num-layers", COUNT_OR_ZERO, ""),
+    ("--mtp-loss-scaling-factor", NON_NEGATIVE, ""),
 )
 
 
@@ -333,6 +355,65 @@ class Flags:
     def precision(self) -> str:
         return "fp16" if self.args.fp16 else "bf16" if self.args.bf16 else "fp32"
 
+    # mixture of experts: the expert grid and what ModelConfig says of the MoE flags
+
+    @property
+    def experts(self) -> Optional[int]:
+        """--num-experts (None: dense, as its 0 in Megatron-LM)."""
+        return num_experts(self.args)
+
+    @property
+    def ep(self) -> int:
+        return self.args.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        """--expert-tensor-parallel-size, by default --tensor-model-parallel-size."""
+        a = self.args
+        return a.expert_tensor_parallel_size or a.tensor_model_parallel_size
+
+    @property
+    def etp_source(self) -> str:
+        return "" if self.args.expert_tensor_parallel_size else " (by default, as TP)"
+
+    @property
+    def expert_grid(self) -> int:
+        return self.etp * self.ep * self.args.pipeline_model_parallel_size
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks per pipeline stage (TP x CP x DP), which ETP x EP must tile."""
+        return max(self.world_size // self.args.pipeline_model_parallel_size, 1)
+
+    @property
+    def idle_moe_flags(self) -> str:
+        return ", ".join(idle_moe_flags(self.args))
+
+    @property
+    def layer_freq_problem(self) -> Optional[str]:
+        return layer_freq_problem(self.args)
+
+    @property
+    def moe_problem(self) -> Optional[tuple[str, str, str]]:
+        """ModelConfig's first MoE problem (what, where, fix), or None."""
+        return moe_problem(self.args, self.model)
+
+    @property
+    def moe_what(self) -> str:
+        return self.moe_problem[0] if self.moe_problem else ""
+
+    @property
+    def moe_where(self) -> str:
+        return self.moe_problem[1] if self.moe_problem else "--num-experts"
+
+    @property
+    def moe_fix(self) -> str:
+        return self.moe_problem[2] if self.moe_problem else ""
+
+    @property
+    def moe_ffn(self) -> int:
+        return moe_ffn_width(self.args)
+
 
 def _dest(flag: str) -> str:
     """argparse's attribute for `flag` (--pipeline-no-flushes -> pipeline_no_flushes)."""
@@ -472,6 +553,66 @@ CONTEXT_PARALLEL_RULES: tuple[Rule, ...] = (
          "implemented", "use p2p (a ring, the default) or all_gather"),
 )
 
+# Mixture of experts: Megatron-LM's and megatron-core's rules on the MoE flags and the
+# expert grid (validate_args, initialize_model_parallel, TransformerConfig, MoELayer), and
+# ModelConfig's own MoE rules, asked (models/config.py) and told with the flags' names.
+# Megatron-LM features the flags ask for that are not implemented here (flex, the global
+# aux loss, a per-layer pattern) are refused in megatron_flags.py, all at once.
+MOE_RULES: tuple[Rule, ...] = (
+    Rule("{f.idle_moe_flags}", lambda f: f.experts is not None or not f.idle_moe_flags,
+         "{f.idle_moe_flags}: settings of mixture-of-experts layers, and without "
+         "--num-experts there are none (Megatron-LM refuses expert parallelism then)",
+         "add --num-experts N, or drop them"),
+    Rule("--moe-layer-freq", lambda f: f.experts is None or f.layer_freq_problem is None,
+         "{f.layer_freq_problem}", "give an integer N >= 1 (every N-th layer from the first "
+         "is a MoE layer), or one 0 / 1 per layer"),
+    Rule("{f.moe_where}", lambda f: f.moe_problem is None, "{f.moe_what}", "{f.moe_fix}"),
+    Rule("--num-experts, --expert-model-parallel-size",
+         lambda f: f.experts is None or f.experts % f.ep == 0,
+         "{f.experts} experts do not split over --expert-model-parallel-size {f.ep}",
+         "use an expert-parallel size that divides the number of experts (Megatron-LM's "
+         "rule)"),
+    Rule("--expert-tensor-parallel-size, --expert-model-parallel-size, "
+         "--pipeline-model-parallel-size", lambda f: f.world_size % f.expert_grid == 0,
+         "world size {f.world_size} is not divisible by ETP x EP x PP = {f.etp} x {f.ep} x "
+         "{a.pipeline_model_parallel_size} = {f.expert_grid}: the expert layers split each "
+         "pipeline stage's {f.stage_ranks} ranks (TP x CP x DP) into ETP x EP x expert-data-"
+         "parallel ranks", "give expert-tensor-parallel x expert-parallel sizes whose product "
+         "divides {f.stage_ranks} (megatron-core's rule)"),
+    Rule("--sequence-parallel", lambda f: (f.experts is None or f.model != "gpt"
+                                          or f.args.tensor_model_parallel_size == 1
+                                          or f.args.sequence_parallel),
+         "megatron-core's MoE layer refuses to train at --tensor-model-parallel-size "
+         "{a.tensor_model_parallel_size} without sequence parallelism",
+         "add --sequence-parallel"),
+    Rule("--disable-bias-linear, --expert-tensor-parallel-size",
+         lambda f: f.experts is None or not f.args.add_bias_linear or f.etp == 1,
+         "experts with linear biases (the default) need expert-tensor-parallel size 1 "
+         "(megatron-core's rule); it is {f.etp}{f.etp_source}",
+         "add --disable-bias-linear, or give --expert-tensor-parallel-size 1"),
+    Rule("--moe-ffn-hidden-size, --expert-tensor-parallel-size",
+         lambda f: f.experts is None or f.moe_ffn % f.etp == 0,
+         "the experts' MLP width {f.moe_ffn} does not split over expert-tensor-parallel "
+         "size {f.etp}{f.etp_source}", "give --moe-ffn-hidden-size a multiple of it, or "
+         "another --expert-tensor-parallel-size"),
+    Rule("--use-distributed-optimizer, --expert-model-parallel-size",
+         lambda f: (f.experts is None or not f.args.use_distributed_optimizer
+                    or (f.ep == 1 and f.etp == f.args.tensor_model_parallel_size)),
+         "the distributed optimizer does not yet shard experts over their own "
+         "(expert-data-parallel) group, which expert parallelism {f.ep} / expert tensor "
+         "parallelism {f.etp} needs", "leave out --use-distributed-optimizer, or train at "
+         "--expert-model-parallel-size 1 with the default expert-tensor-parallel size"),
+    Rule("--optimizer, --moe-grouped-gemm, --expert-tensor-parallel-size",
+         lambda f: (f.experts is None or f.args.optimizer != "muon"
+                    or (not f.args.moe_grouped_gemm
+                        and f.etp in (1, f.args.tensor_model_parallel_size))),
+         "muon orthogonalises each expert's matrix: grouped GEMM keeps all of a rank's "
+         "experts in one matrix, and an expert-tensor-parallel size other than 1 or the "
+         "tensor-parallel size splits them over a group muon does not gather over",
+         "leave out --moe-grouped-gemm and give --expert-tensor-parallel-size 1 (or the "
+         "tensor-parallel size) with --optimizer muon"),
+)
+
 RULES: tuple[Rule, ...] = (
     Rule("--pipeline-schedule", lambda f: _known_schedule(f.args.pipeline_schedule),
          "unknown pipeline schedule {a.pipeline_schedule!r}",
@@ -496,6 +637,7 @@ RULES: tuple[Rule, ...] = (
          "world size {f.world_size} is not divisible by TP x PP x CP = {f.grid}",
          "launch a multiple of TP x PP x CP processes, or change the sizes"),
     *CONTEXT_PARALLEL_RULES,
+    *MOE_RULES,
     Rule("--hidden-size, --num-attention-heads",
          lambda f: (f.args.kv_channels is not None
                     or f.args.hidden_size % f.args.num_attention_heads == 0),

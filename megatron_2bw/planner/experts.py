@@ -1,0 +1,237 @@
+"""A mixture of experts (MoE) as the planner counts it: sizes, FLOPs, activation bytes.
+
+Megatron-LM's MoE flags name the fields (`--num-experts`, `--moe-router-topk`,
+`--moe-ffn-hidden-size`, `--moe-layer-freq`, `--moe-token-dispatcher-type`); the dense
+shape beside them is `megatron_2bw.shape.ModelShape`, whose formulas stay those of a dense
+model. An MoE layer is a dense layer whose MLP is replaced by a router (a [E, h] weight,
+replicated over tensor-parallel ranks, as megatron-core's `TopKRouter`) and E copies of
+the MLP at width `moe_ffn_hidden_size` (SwiGLU or not, as the dense MLP); every
+`moe_layer_freq`-th layer counting from layer 0 is one (layers 0, k, 2k, ...: Megatron-LM's
+integer `--moe-layer-freq`). Each token goes through its top-k experts, so a layer's expert
+compute and activations are k times one expert's per token, whatever the number of experts.
+
+How experts are split (megatron-core's `initialize_model_parallel`): expert parallelism
+(EP) carves each pipeline stage's TP x CP x DP ranks into expert-tensor-parallel x EP x
+expert-data-parallel ranks; the planner keeps megatron-core's default expert-tensor-
+parallel size, ETP = TP. A rank holds E / EP experts, each split over ETP ranks; expert
+gradients are reduced over the expert-data-parallel group of DP x CP / EP ranks, the rest
+(attention, norms, router, embedding) over DP x CP as in a dense model. Pure Python, no
+torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..shape import ModelShape
+
+DISPATCHERS = ("allgather", "alltoall")
+"""`--moe-token-dispatcher-type` choices the trainer runs."""
+
+DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL = False
+"""Whether the trainer takes `--use-distributed-optimizer` together with
+`--expert-model-parallel-size` > 1. It refuses the pair, so the search never plans it (the
+one place to change when the trainer learns it)."""
+
+ROUTER_SCORE_BYTES = 4
+"""Bytes per token and expert the router keeps for backward (its fp32 scores)."""
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The MoE part of a model; a `ModelShape` says the rest. Invalid values raise one
+    ValueError naming the flag."""
+
+    num_experts: int
+    """`--num-experts`: experts per MoE layer (E)."""
+    moe_router_topk: int = 2
+    """`--moe-router-topk`: experts each token is routed to (k)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """`--moe-ffn-hidden-size`: each expert's MLP width; None: the dense MLP's."""
+    moe_layer_freq: int = 1
+    """`--moe-layer-freq`: every this-many-th layer, from layer 0, is an MoE layer."""
+    moe_token_dispatcher_type: Optional[str] = None
+    """`--moe-token-dispatcher-type`; None: chosen per plan (`dispatcher`): alltoall with
+    expert parallelism, as Megatron-LM's Mixtral example, else allgather (the trainer's
+    default)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name, flag in (("num_experts", "--num-experts"),
+                           ("moe_router_topk", "--moe-router-topk"),
+                           ("moe_layer_freq", "--moe-layer-freq")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{flag} {value!r}: give a positive integer")
+        size = self.moe_ffn_hidden_size
+        if size is not None and (not isinstance(size, int) or size < 1):
+            problems.append(f"--moe-ffn-hidden-size {size!r}: give a positive integer")
+        if not problems and self.moe_router_topk > self.num_experts:
+            problems.append(f"--moe-router-topk {self.moe_router_topk}: a token cannot go to "
+                            f"more than the {self.num_experts} experts (--num-experts)")
+        dispatcher = self.moe_token_dispatcher_type
+        if dispatcher is not None and dispatcher not in DISPATCHERS:
+            problems.append(f"--moe-token-dispatcher-type {dispatcher!r}: choose one of "
+                            f"{DISPATCHERS}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    # ---- which layers, which dispatcher
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) is an MoE layer."""
+        return layer % self.moe_layer_freq == 0
+
+    def moe_layers(self, first: int, count: int) -> int:
+        """MoE layers among global layers first, ..., first + count - 1."""
+        return sum(self.is_moe_layer(i) for i in range(first, first + count))
+
+    def dispatcher(self, expert_parallel: int) -> str:
+        """The token dispatcher of a plan: the one given, else alltoall at EP > 1 (tokens
+        go only where their experts are) and allgather at EP = 1 (no expert-parallel
+        traffic; at TP > 1 it moves a token once, the all-to-all dispatcher k times)."""
+        if self.moe_token_dispatcher_type is not None:
+            return self.moe_token_dispatcher_type
+        return "alltoall" if expert_parallel > 1 else "allgather"
+
+    # ---- parameters (with biases, as `ModelShape.layer_params` counts the dense layer)
+    def ffn_size(self, model: ModelShape) -> int:
+        """One expert's MLP width."""
+        return self.moe_ffn_hidden_size or model.ffn_size
+
+    @staticmethod
+    def mlp_params(model: ModelShape, ffn: int) -> int:
+        """One MLP of width `ffn`: fc1 h f g + f g, fc2 f h + h (g = 2 with SwiGLU), the
+        MLP term of `ModelShape.layer_params`."""
+        g = 2 if model.swiglu else 1
+        h = model.hidden_size
+        return h * ffn * g + ffn * g + ffn * model.hidden_size + h
+
+    def expert_params(self, model: ModelShape) -> int:
+        """One expert's MLP."""
+        return self.mlp_params(model, self.ffn_size(model))
+
+    def router_params(self, model: ModelShape) -> int:
+        """The router's [E, h] weight."""
+        return self.num_experts * model.hidden_size
+
+    def layer_params(self, model: ModelShape) -> int:
+        """One MoE layer: the dense layer without its MLP, the router and E experts."""
+        return (model.layer_params() - self.mlp_params(model, model.ffn_size)
+                + self.router_params(model) + self.num_experts * self.expert_params(model))
+
+    def num_moe_layers(self, model: ModelShape) -> int:
+        return self.moe_layers(0, model.num_layers)
+
+    def total_params(self, model: ModelShape) -> int:
+        """`ModelShape.total_params` with the MoE layers' MLPs replaced."""
+        k = self.num_moe_layers(model)
+        return model.total_params() + k * (self.layer_params(model) - model.layer_params())
+
+    def active_params(self, model: ModelShape) -> int:
+        """Parameters one token goes through: the MoE layers with k experts, not E."""
+        unused = (self.num_experts - self.moe_router_topk) * self.expert_params(model)
+        return self.total_params(model) - self.num_moe_layers(model) * unused
+
+    def mean_layer_params(self, model: ModelShape) -> float:
+        """A layer's parameters averaged over the model's dense and MoE layers."""
+        k = self.num_moe_layers(model)
+        return ((model.num_layers - k) * model.layer_params()
+                + k * self.layer_params(model)) / model.num_layers
+
+    # ---- FLOPs: the dense layer's (`ModelShape.layer_forward_flops`) with the MLP's
+    # 2bshf(g + 1) replaced by k experts' 2bshf_e(g + 1) and the router's 2bshE, as
+    # Megatron-LM's num_floating_point_operations counts an MoE layer (routed experts x
+    # the expert width) plus the router's GEMM.
+    def layer_forward_flops(self, model: ModelShape, b: int) -> float:
+        h, s = model.hidden_size, model.seq_length
+        g = 2 if model.swiglu else 1
+        dense_mlp = 2 * h * model.ffn_size * (g + 1)
+        experts = self.moe_router_topk * 2 * h * self.ffn_size(model) * (g + 1)
+        router = 2 * h * self.num_experts
+        return model.layer_forward_flops(b) + float(b * s * (experts + router - dense_mlp))
+
+    def training_flops(self, model: ModelShape, b: int,
+                       recompute_granularity: Optional[str] = None) -> float:
+        """`ModelShape.training_flops` with the MoE layers' FLOPs."""
+        passes = 4 if recompute_granularity == "full" else 3
+        k = self.num_moe_layers(model)
+        extra = k * (self.layer_forward_flops(model, b) - model.layer_forward_flops(b))
+        return model.training_flops(b, recompute_granularity) + passes * extra
+
+    # ---- activation bytes: the dense layer's (`ModelShape.layer_activation_bytes`) with
+    # the MLP's fc1 output and activation, 2f(g + 1) bytes per token / t, replaced by the
+    # k routed copies of each token: each expert's fc1 output and activation / t (the
+    # experts split over ETP = TP) and its permuted input, 2h bytes, whole on every TP rank
+    # (the dispatcher gathers the tokens over TP before the experts), and the router's
+    # fp32 scores (E per token, on the rank's s / (c t) tokens with sequence parallelism).
+    def layer_activation_bytes(self, model: ModelShape, b: int, tp: int, *, sp: bool = False,
+                               cp: int = 1) -> float:
+        return (model.layer_activation_bytes(b, tp, sp=sp, cp=cp)
+                + self._mlp_bytes_change(model, b, tp, sp=sp, cp=cp))
+
+    def layer_selective_activation_bytes(self, model: ModelShape, b: int, tp: int, *,
+                                         sp: bool = False, cp: int = 1) -> float:
+        """Selective recomputation drops the same core attention as in a dense layer."""
+        return (model.layer_selective_activation_bytes(b, tp, sp=sp, cp=cp)
+                + self._mlp_bytes_change(model, b, tp, sp=sp, cp=cp))
+
+    def _mlp_bytes_change(self, model: ModelShape, b: int, tp: int, *, sp: bool,
+                          cp: int) -> float:
+        h, s = model.hidden_size, model.seq_length
+        g = 2 if model.swiglu else 1
+        tokens = s * b / cp
+        dense_mlp = 2.0 * model.ffn_size * (g + 1) * tokens / tp
+        routed = self.moe_router_topk * tokens * (2.0 * self.ffn_size(model) * (g + 1) / tp
+                                                  + 2.0 * h)
+        router = ROUTER_SCORE_BYTES * self.num_experts * tokens / (tp if sp else 1)
+        return routed + router - dense_mlp
+
+    # ---- the launch
+    def model_flags(self) -> list[str]:
+        """Megatron-LM's flags of the MoE shape, as its Mixtral example gives them:
+        `--disable-bias-linear` (grouped GEMM experts have no biases, and megatron-core's
+        experts with biases need expert-tensor-parallel size 1), the experts, top-k, the
+        expert width and layer frequency where given, `--moe-grouped-gemm`."""
+        flags = ["--disable-bias-linear", "--num-experts", str(self.num_experts),
+                 "--moe-router-topk", str(self.moe_router_topk)]
+        if self.moe_ffn_hidden_size is not None:
+            flags += ["--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size)]
+        if self.moe_layer_freq != 1:
+            flags += ["--moe-layer-freq", str(self.moe_layer_freq)]
+        return flags + ["--moe-grouped-gemm"]
+
+    def plan_flags(self, expert_parallel: int) -> list[str]:
+        """The dispatcher of a plan (`dispatcher`); allgather, the trainer's default, is
+        left out unless it was asked for."""
+        chosen = self.dispatcher(expert_parallel)
+        if chosen == "allgather" and self.moe_token_dispatcher_type is None:
+            return []
+        return ["--moe-token-dispatcher-type", chosen]
+
+    def to_dict(self, model: ModelShape) -> dict:
+        return {"num_experts": self.num_experts, "moe_router_topk": self.moe_router_topk,
+                "moe_ffn_hidden_size": self.ffn_size(model),
+                "moe_layer_freq": self.moe_layer_freq,
+                "moe_token_dispatcher_type": self.moe_token_dispatcher_type,
+                "moe_layers": self.num_moe_layers(model),
+                "active_parameters": self.active_params(model)}
+
+
+def expert_parallel_sizes(experts: Optional[Experts], ranks: int,
+                          allowed: Optional[tuple[int, ...]] = None) -> list[int]:
+    """EP sizes for a plan whose DP x CP is `ranks` (expert parallelism is carved out of
+    them: megatron-core needs world % (ETP x EP x PP) == 0, i.e. ranks % EP == 0 at
+    ETP = TP): 1, and every power of two (or `allowed` size) dividing the experts and
+    `ranks`. A dense model: 1 only."""
+    if experts is None:
+        return [1]
+    options = [1] if allowed is None or 1 in allowed else []
+    if allowed is None:
+        candidates, e = [], 2
+        while e <= experts.num_experts:
+            candidates.append(e)
+            e *= 2
+    else:
+        candidates = sorted(k for k in set(allowed) if k > 1)
+    return options + [e for e in candidates
+                      if experts.num_experts % e == 0 and ranks % e == 0]

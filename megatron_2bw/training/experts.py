@@ -1,0 +1,103 @@
+"""A mixture of experts in the trainer: which gradients are the experts', over which
+groups they are reduced and normed, and the router losses' scale and log values.
+
+megatron-core builds the expert groups beside the dense ones (`initialize_model_parallel`
+with expert_model_parallel_size / expert_tensor_parallel_size): the ranks of one
+expert-parallel group are data-parallel replicas of the dense part that each hold
+different experts, and the token dispatcher brings every token to its expert. So:
+
+- an expert's gradient is summed over the expert-data-parallel group (the ranks holding
+  the same experts) and divided by the dense data-parallel size, never averaged over the
+  data-parallel group (`ExpertGradients`);
+- the gradient norm sums the experts' squares over the expert tensor x expert x pipeline
+  group, where each expert is held once, and the dense squares over the model-parallel
+  group (`StepGroups.expert_model_parallel`);
+- sequence parallelism's TP sum leaves the experts alone (their tokens are already whole
+  per expert), the router and norms in;
+- the router's auxiliary losses take the main loss's scale per backward, and are logged
+  under Megatron-LM's names (`AuxLosses`, `log_values`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state as ps
+
+from ..models.config import ModelConfig
+from ..models.moe import aux_loss_names, is_expert_parameter, set_aux_loss_scale, take_aux_losses
+from ..runtime.aux_losses import AuxLosses
+from ..runtime.grad_sync import ExpertGradients
+
+
+def expert_mask(names: list[str]) -> list[bool]:
+    """Whether each trained parameter (by name, in buffer order) is a routed expert's."""
+    return [is_expert_parameter(n) for n in names]
+
+
+def counts_in_norm(p: torch.nn.Parameter, expert: bool, tp_rank: int) -> bool:
+    """Whether this rank's copy of `p` counts in the gradient norm: not a duplicate of
+    another rank's within the group its norm is summed over (a replicated parameter
+    counts on tensor-parallel rank 0 only; an expert's on expert-TP rank 0 only)."""
+    if getattr(p, "tensor_model_parallel", False):
+        return True
+    rank = ps.get_expert_tensor_parallel_rank() if expert else tp_rank
+    return rank == 0
+
+
+def separate_groups() -> bool:
+    """Whether the experts' gradients need their own groups: expert parallelism, or an
+    expert-tensor-parallel size other than the tensor-parallel one. Otherwise the
+    expert-data-parallel group is the data-parallel one and nothing changes."""
+    return (ps.get_expert_model_parallel_world_size() > 1
+            or ps.get_expert_tensor_parallel_world_size()
+            != ps.get_tensor_model_parallel_world_size())
+
+
+def expert_gradients(mask: list[bool], offsets: list[int]) -> Optional[ExpertGradients]:
+    """The experts' and the other ranges of the flat gradient, with the expert-data-parallel
+    group; None when the model has no experts or they share the dense groups."""
+    if not any(mask) or not separate_groups():
+        return None
+    experts = tuple((offsets[i], offsets[i + 1] - offsets[i]) for i, e in enumerate(mask) if e)
+    dense = tuple((offsets[i], offsets[i + 1] - offsets[i])
+                  for i, e in enumerate(mask) if not e)
+    return ExpertGradients(ps.get_expert_data_parallel_group(), experts, dense)
+
+
+def expert_norm_group():
+    """The group over which the experts' squared gradient norm is summed."""
+    return ps.get_expert_tensor_model_pipeline_parallel_group()
+
+
+def aux_losses(model: ModelConfig, per_token: bool, device: torch.device
+               ) -> Optional[AuxLosses]:
+    """The router losses' scale and per-minibatch values, for a mixture of experts.
+
+    megatron-core's schedules scale the auxiliary losses' gradient by the main loss's
+    scale over the microbatches, times the context-parallel size (its main loss is
+    multiplied by CP too), or by the loss scale alone with a per-token loss."""
+    if not model.is_moe:
+        return None
+    cp = 1 if per_token else ps.get_context_parallel_world_size()
+    return AuxLosses(take_aux_losses, lambda s: set_aux_loss_scale(s * cp, device),
+                     aux_loss_names(model), model.num_layers,
+                     ps.get_model_parallel_group(), device)
+
+
+def log_values(per_layer: dict[str, torch.Tensor], model: ModelConfig,
+               microbatches: int) -> dict[str, float]:
+    """A minibatch's router losses as Megatron-LM logs them: each summed over layers,
+    microbatches and the model-parallel ranks, over the MoE layers and the microbatches
+    (`track_moe_metrics` with loss_scale 1 / num_microbatches). Megatron-LM sums the
+    load-balancing loss over TP x CP (so it is multiplied by CP here, before the caller's
+    mean over DP x CP) and reads the z-loss of its logging rank alone; here the z-loss is
+    the mean over the tensor-parallel and data-parallel ranks."""
+    layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    tp = ps.get_tensor_model_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()  # the caller averages over DP x CP
+    values = {}
+    for name, v in per_layer.items():
+        value = v.sum().item() / layers / microbatches
+        values[name] = value / tp if name == "z_loss" else value * cp
+    return values

@@ -1,0 +1,455 @@
+"""The planner and a mixture of experts: parameters, memory, FLOPs and the token dispatch of
+MoE layers, expert parallelism in the search, its flags in the emitted launch, and dense
+plans exactly as they were.
+
+Fast: pure planner arithmetic (the emitted launch also goes through the trainer's parser
+in this process).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import replace
+
+import pytest
+
+from megatron_2bw.planner import (PRESETS, CostModel, FlopsCompute, ModelShape,
+                                  ParallelConfig, SearchSpace, enumerate_configs, explain,
+                                  search)
+from megatron_2bw.planner.cli import main as cli_main
+from megatron_2bw.planner.experts import (DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL, Experts,
+                                          expert_parallel_sizes)
+from megatron_2bw.planner.explain import format_table
+from megatron_2bw.planner.hardware import GB
+from megatron_2bw.planner.placement import Layout, alltoall_bandwidth, ring_allreduce_s
+from megatron_2bw.planner.report import launch_command, to_json
+from megatron_2bw.planner.shards import stage_matrices
+from megatron_2bw.planner.spec import (FULL, NO_RECOMPUTE, SELECTIVE, Recompute,
+                                       optimizer_precision)
+
+P3 = PRESETS["p3.16xlarge"]
+P4D = PRESETS["p4d.24xlarge"]
+# Mixtral 8x7B (Jiang et al. 2024; Megatron-LM's examples/mixtral): 32 layers, h 4096,
+# SwiGLU experts of width 14336, 32 heads over 8 key/value groups, vocabulary 32000, 8
+# experts, top-2, 4096 tokens
+MIXTRAL = ModelShape("gpt", 32, 4096, 32, 4096, 32000, 14336, swiglu=True,
+                     num_query_groups=8)
+MIXTRAL_EXPERTS = Experts(8, 2)
+SMALL = ModelShape("gpt", 8, 512, 8, 256, 1024, 1024, swiglu=True)
+SMALL_FLAGS = ["--num-layers", "8", "--hidden-size", "512", "--ffn-hidden-size", "1024",
+               "--swiglu", "--num-attention-heads", "8", "--seq-length", "256",
+               "--vocab-size", "1024"]
+
+
+def cost_model(model: ModelShape = MIXTRAL, experts: Experts | None = MIXTRAL_EXPERTS,
+               hw=P4D, **kw) -> CostModel:
+    return CostModel(model, FlopsCompute(model, hw), hw, experts=experts, **kw)
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def test_mixtral_parameters_match_the_published_46_7b_total_and_12_9b_active():
+    """Mixtral 8x7B has 46.7B parameters, 12.9B used per token (Mistral AI's release).
+    The planner's shape ties the output layer to the word embedding and keeps a learned
+    position table (Megatron's defaults; Mixtral unties and uses rope): the total is
+    within 0.5%; the active count, plus the untied output layer's V h, within 0.5%."""
+    e, m = MIXTRAL_EXPERTS, MIXTRAL
+    h, f = 4096, 14336
+    attention = h * (4096 + 2 * 1024) + 4096 + 2 * 1024 + 4096 * h + h  # QKV, projection
+    expert = 2 * h * f + 2 * f + f * h + h  # SwiGLU fc1 (gate, up), fc2, with biases
+    assert e.expert_params(m) == expert
+    assert e.layer_params(m) == attention + 4 * h + 8 * h + 8 * expert  # norms, router
+    assert e.total_params(m) == pytest.approx(46.7e9, rel=0.005)
+    untied_output = 32000 * h
+    assert e.active_params(m) + untied_output == pytest.approx(12.9e9, rel=0.005)
+    assert e.total_params(m) - e.active_params(m) == 32 * 6 * expert
+
+
+def test_one_expert_routed_top_1_is_the_dense_layer_plus_a_router():
+    """E = 1, k = 1: the MoE layer is the dense MLP plus an [1, h] router, so its sizes,
+    FLOPs and bytes differ from the dense layer's by the router and the permuted input,
+    and a plan's time and memory by a fraction of a percent."""
+    m, one = SMALL, Experts(1, 1)
+    b, s, h = 2, SMALL.seq_length, SMALL.hidden_size
+    assert one.layer_params(m) == m.layer_params() + h
+    assert one.layer_forward_flops(m, b) == m.layer_forward_flops(b) + 2 * b * s * h
+    assert one.layer_activation_bytes(m, b, 1) == pytest.approx(
+        m.layer_activation_bytes(b, 1) + s * b * (2 * h + 4))
+    dense, moe = cost_model(m, None, P3), cost_model(m, one, P3)
+    for cfg in (ParallelConfig("flush", 1, 2, 4, 2, 8, SELECTIVE),
+                ParallelConfig("2bw", 1, 4, 2, 1, 16, FULL)):
+        a, c = dense.evaluate(cfg), moe.evaluate(cfg)
+        assert c.iteration_time_s == pytest.approx(a.iteration_time_s, rel=5e-3)
+        assert c.memory_bytes == pytest.approx(a.memory_bytes, rel=5e-3)
+        assert c.iteration_time_s > a.iteration_time_s and c.memory_bytes > a.memory_bytes
+
+
+def test_moe_layer_flops_are_topk_experts_and_the_router():
+    """An MoE layer's forward: the dense layer's attention, k experts' MLP (2bsh f_e x 3
+    with SwiGLU) and the router's 2bshE; the whole model's training FLOPs follow."""
+    m, e, b = MIXTRAL, MIXTRAL_EXPERTS, 1
+    s, h, f = m.seq_length, m.hidden_size, 14336
+    dense_mlp = 2 * b * s * h * f * 3
+    assert e.layer_forward_flops(m, b) == pytest.approx(
+        m.layer_forward_flops(b) - dense_mlp + 2 * dense_mlp + 2 * b * s * h * 8)
+    assert e.training_flops(m, b) == pytest.approx(
+        3 * 32 * e.layer_forward_flops(m, b) + 3 * m.logits_forward_flops(b))
+    wide = Experts(64, 16, moe_ffn_hidden_size=1792)  # fine-grained: same active width
+    assert wide.layer_forward_flops(m, b) == pytest.approx(
+        e.layer_forward_flops(m, b) + 2 * b * s * h * (64 - 8))
+
+
+def test_moe_layer_frequency_decides_which_layers_of_each_stage_are_moe():
+    """--moe-layer-freq k: layers 0, k, 2k, ... are MoE layers; each stage (and each model
+    chunk, whose layers are the model's (j d + s)-th run) counts its own, and its
+    parameters with them."""
+    every_third = Experts(4, 2, moe_layer_freq=3)
+    assert [i for i in range(8) if every_third.is_moe_layer(i)] == [0, 3, 6]
+    cm = cost_model(SMALL, every_third, P3)
+    cfg = ParallelConfig("flush", 1, 2, 1, 1, 4, NO_RECOMPUTE)
+    assert [cm.stage_chunks(cfg, s) for s in range(2)] == [((4, 2),), ((4, 1),)]
+    chunked = replace(cfg, virtual_stages=2)  # chunks of 2: stage 0 holds 0-1 and 4-5
+    assert cm.stage_chunks(chunked, 0) == ((2, 1), (2, 0))
+    assert cm.stage_chunks(chunked, 1) == ((2, 1), (2, 1))
+    stages = cm.evaluate(cfg).stages
+    extra = every_third.layer_params(SMALL) - SMALL.layer_params()
+    dense = cost_model(SMALL, None, P3).evaluate(cfg).stages
+    assert [s.params - d.params for s, d in zip(stages, dense)] == [2 * extra, extra]
+    assert stages[0].compute_s > stages[1].compute_s > dense[1].compute_s
+
+
+# ---------------------------------------------------------------- memory and traffic
+
+
+def test_memory_per_device_falls_with_expert_parallelism():
+    """At a fixed TP / PP / DP, each doubling of EP halves the experts a device holds (and
+    their gradients and optimizer state); the rest of its memory does not change."""
+    cm = cost_model()
+    base = ParallelConfig("flush", 1, 8, 8, 1, 32, FULL)
+    estimates = [cm.evaluate(replace(base, expert_parallel=e)) for e in (1, 2, 4, 8)]
+    memory = [e.memory_bytes for e in estimates]
+    assert memory == sorted(memory, reverse=True) and len(set(memory)) == 4
+    experts = [max(s.expert_params for s in e.stages) for e in estimates]
+    assert experts == [experts[0] // k for k in (1, 2, 4, 8)]
+    assert experts[0] == 4 * 8 * MIXTRAL_EXPERTS.expert_params(MIXTRAL)  # 4 layers, 8 each
+    per_param = 2 + 4 + 12  # Flush: one fp16 copy, one fp32 gradient, Adam's state
+    first, last = estimates[0], estimates[-1]
+    assert first.memory_bytes - last.memory_bytes == pytest.approx(
+        per_param * (experts[0] - experts[-1]))
+
+
+def test_alltoall_dispatch_grows_with_expert_parallelism_and_across_servers():
+    """The all-to-all dispatcher sends each rank's k routed copies of its tokens, (EP - 1)
+    / EP of them to other ranks, twice per direction (dispatch and combine): its time grows
+    with EP, is 0 at EP = 1 and TP = 1, and an expert-parallel group that spans servers
+    (EP x TP above a server's devices) pays the network for most of its bytes."""
+    cm = cost_model(experts=Experts(16, 2, moe_token_dispatcher_type="alltoall"))
+    times = [cm.expert_dispatch_s(ParallelConfig("flush", 1, 1, 64, 1, 4, FULL,
+                                                 expert_parallel=e))
+             for e in (1, 2, 4, 8, 16)]
+    assert times[0] == 0.0 and times == sorted(times) and len(set(times)) == 5
+    b, act = 1, 2
+    buffer = 2 * MIXTRAL.boundary_bytes(b, act)  # top-2 copies of [s, b, h]
+    inside = ParallelConfig("flush", 1, 1, 64, 1, 4, FULL, expert_parallel=8)
+    link = cm.network(inside).expert_alltoall
+    assert link.bytes_per_s == pytest.approx(P4D.intra_bytes_per_s * 8 / 7)
+    assert times[3] == pytest.approx(2 * (link.latency_s + buffer / link.bytes_per_s))
+    # TP 8: the 8 ranks of an expert-parallel group sit on 8 servers; each server sends
+    # 7/8 of the buffers of its 8 ranks over its network
+    across = ParallelConfig("flush", 8, 1, 8, 1, 32, FULL, sequence_parallel=True,
+                            expert_parallel=8)
+    wide = cm.network(across).expert_alltoall
+    assert wide.bytes_per_s == pytest.approx(P4D.inter_bytes_per_s / 7)
+    assert wide.latency_s == P4D.collective_latency_s(True)
+
+
+def test_alltoall_bandwidth_counts_what_leaves_each_server():
+    """Two servers of 8, one group of 16: a rank sends 7/16 of its buffer inside its server
+    and 8/16 out; a server's 8 ranks send 4 buffers through its network."""
+    lay = Layout(1, 16, 1, 8, ep=16)
+    bw = alltoall_bandwidth(lay, lay.ep_groups(), P3)
+    assert 1 / bw == pytest.approx(max(7 / 16 / P3.intra_bytes_per_s,
+                                       4 / P3.inter_bytes_per_s))
+
+
+def test_allgather_dispatcher_is_the_dense_mlps_pair_at_ep_1():
+    """The allgather dispatcher gathers every rank's tokens over the TP x EP ranks and
+    reduce-scatters them back: at EP = 1 exactly the dense MLP's sequence-parallel pair,
+    and EP times the bytes over TP x EP ranks with expert parallelism."""
+    cm = cost_model(experts=Experts(8, 2, moe_token_dispatcher_type="allgather"))
+    tp4 = ParallelConfig("flush", 4, 8, 2, 1, 32, FULL, sequence_parallel=True)
+    assert cm.expert_dispatch_s(tp4) == pytest.approx(cm.tensor_parallel_allreduce_s(tp4))
+    ep2 = replace(tp4, expert_parallel=2)
+    assert cm.expert_dispatch_s(ep2) > cm.expert_dispatch_s(tp4)
+    assert Experts(8, 2).dispatcher(1) == "allgather" and Experts(8, 2).dispatcher(2) == "alltoall"
+
+
+def test_expert_gradients_are_reduced_over_the_expert_data_parallel_ranks():
+    """With EP > 1 a stage's gradient reduction is two all-reduces: the dense part over
+    the DP x CP ranks, the experts over the DP x CP / EP that hold the same experts; at
+    EP = 1 the two groups are one and so is the all-reduce."""
+    cm = cost_model()
+    cfg = ParallelConfig("flush", 1, 8, 8, 1, 32, FULL, expert_parallel=4)
+    stage = cm.evaluate(cfg).stages[3]  # a middle stage: no tied embedding
+    net = cm.network(cfg)
+    dp, edp = net.data_parallel[3], net.expert_data_parallel[3]
+    assert cfg.expert_data_parallel == 2
+    assert stage.allreduce_s == pytest.approx(
+        ring_allreduce_s((stage.params - stage.expert_params) * 4, 8, dp.bytes_per_s,
+                         dp.latency_s)
+        + ring_allreduce_s(stage.expert_params * 4, 2, edp.bytes_per_s, edp.latency_s))
+    flat = cm.evaluate(replace(cfg, expert_parallel=1)).stages[3]
+    assert flat.allreduce_s == pytest.approx(
+        ring_allreduce_s(flat.params * 4, 8, dp.bytes_per_s, dp.latency_s))
+
+
+def test_expert_groups_follow_megatron_cores_rank_order():
+    """The expert-parallel, expert-tensor x expert-parallel and expert-data-parallel groups
+    are megatron-core's (its expert RankGenerator at ETP = TP, order tp-cp-ep-dp-pp)."""
+    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    for tp, cp, dp, pp, ep in ((1, 1, 8, 2, 4), (2, 2, 2, 2, 2), (2, 1, 4, 1, 4),
+                               (1, 4, 2, 2, 8), (4, 1, 2, 2, 2)):
+        lay = Layout(tp, dp, pp, 8, cp, ep)
+        gen = parallel_state.RankGenerator(tp=tp, ep=ep, dp=cp * dp // ep, pp=pp, cp=1,
+                                           order="tp-cp-ep-dp-pp")
+        for mine, theirs in ((lay.ep_groups(), "ep"), (lay.tp_ep_groups(), "tp-ep"),
+                             (lay.expert_gradient_groups(), "dp")):
+            assert sorted(map(list, mine)) == sorted(gen.get_ranks(theirs)), theirs
+
+
+def test_muon_keeps_the_routers_and_grouped_experts_whole():
+    """Under --optimizer muon the distributed optimizer keeps matrices whole; an MoE
+    layer's are its attention's two, the router and the two grouped-GEMM weights of the
+    rank's E / EP experts."""
+    m, e = SMALL, Experts(4, 2)
+    mats = stage_matrices(m, 1, 1, 2, 4, e, 4, 2)
+    h, f = 512, 1024
+    assert sorted(mats) == sorted((h * 3 * h, h * h, 4 * h, 2 * 2 * f * h, 2 * f * h) * 4)
+    cm = cost_model(m, e, P3, precision=optimizer_precision("muon"))
+    cfg = ParallelConfig("flush", 1, 2, 4, 1, 8, FULL, distributed_optimizer=True)
+    stage = cm.evaluate(cfg).stages[1]
+    assert sum(stage_matrices(m, 1, 1, 2, 4, e, 4, 1)) < stage.params
+
+
+# ---------------------------------------------------------------- search
+
+
+def test_expert_parallel_sizes_divide_the_experts_and_the_data_parallel_ranks():
+    assert expert_parallel_sizes(None, 64) == [1]
+    assert expert_parallel_sizes(Experts(8, 2), 64) == [1, 2, 4, 8]
+    assert expert_parallel_sizes(Experts(8, 2), 4) == [1, 2, 4]
+    assert expert_parallel_sizes(Experts(6, 2), 12) == [1, 2]
+    assert expert_parallel_sizes(Experts(8, 2), 16, (1, 3, 4, 16)) == [1, 4]
+    with pytest.raises(ValueError, match="expert_parallel 3"):
+        ParallelConfig("flush", 1, 1, 8, 1, 4, FULL, expert_parallel=3)
+
+
+def test_search_picks_expert_parallelism_for_mixtral_on_64_a100s():
+    """Mixtral 8x7B on 8 p4d.24xlarge servers (64 A100 40 GB): the best plan splits the
+    experts (EP > 1), and every plan keeps megatron-core's rules: EP divides the experts
+    and DP x CP, TP > 1 only with sequence parallelism, no distributed optimizer with
+    EP > 1 (the trainer refuses the pair)."""
+    cm = cost_model()
+    space = SearchSpace(64, 64, schedules=("flush", "2bw"), micro_batch_sizes=(1,),
+                        recompute=(SELECTIVE,), virtual_stages=(1,),
+                        context_parallel_sizes=(1,), uneven_stages=False)
+    configs = list(enumerate_configs(cm, space))
+    assert {c.expert_parallel for c in configs} == {1, 2, 4, 8}
+    for c in configs:
+        assert 8 % c.expert_parallel == 0 and c.gradient_ranks % c.expert_parallel == 0
+        assert c.tensor_parallel == 1 or c.sequence_parallel
+        assert not (c.expert_parallel > 1 and c.distributed_optimizer) \
+            or DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL
+    result = search(cm, space)
+    best = result.best.config
+    assert best.expert_parallel > 1 and f" ep{best.expert_parallel} " in best.label()
+    assert result.best.fits and result.best.memory_gb <= 40
+    words = explain(cm, result)
+    assert f"Expert parallelism: {best.expert_parallel} ranks share" in words
+    header, _, row = format_table(result).splitlines()[:3]
+    column = header.index(" ep ")
+    assert row[column:column + 4].strip() == str(best.expert_parallel)
+    report = to_json(cm, result)
+    assert report["best"]["expert_parallel"] == best.expert_parallel
+    assert report["best"]["moe_token_dispatcher_type"] == "alltoall"
+    assert report["best"]["seconds_by_cause"]["expert token dispatch"] > 0
+    assert report["search"]["model"]["moe"]["active_parameters"] == \
+        MIXTRAL_EXPERTS.active_params(MIXTRAL)
+
+
+def test_without_sequence_parallelism_a_mixture_of_experts_gets_tp_1():
+    cm = cost_model(SMALL, Experts(8, 2), P3)
+    space = SearchSpace(16, 32, sequence_parallel=False, recompute=(FULL,))
+    assert {c.tensor_parallel for c in enumerate_configs(cm, space)} == {1}
+    assert {c.tensor_parallel for c in enumerate_configs(cm, replace(
+        space, sequence_parallel=True))} > {1}
+
+
+def test_the_distributed_optimizer_is_searched_only_without_expert_parallelism():
+    cm = cost_model(SMALL, Experts(8, 2), P3)
+    only_sharded = SearchSpace(16, 32, distributed_optimizer=(True,), recompute=(FULL,))
+    configs = list(enumerate_configs(cm, only_sharded))
+    assert configs and all(c.expert_parallel == 1 for c in configs)
+    with pytest.raises(ValueError, match="--use-distributed-optimizer"):
+        cm.evaluate(ParallelConfig("flush", 1, 2, 8, 1, 4, FULL, distributed_optimizer=True,
+                                   expert_parallel=2))
+
+
+# ---------------------------------------------------------------- dense plans
+
+
+# The cost model's numbers for these dense configurations before it knew experts (the
+# same floats): a dense model's plans must not move.
+DENSE = ModelShape("gpt", 8, 512, 8, 128, 1024)
+LLAMA = ModelShape("gpt", 8, 1024, 16, 4096, 32000, 2816, swiglu=True, num_query_groups=4)
+PINNED_CONFIGS = (
+    ParallelConfig("flush", 2, 2, 4, 2, 8, SELECTIVE, sequence_parallel=True,
+                   distributed_optimizer=True),
+    ParallelConfig("2bw", 1, 4, 4, 1, 16, FULL),
+    ParallelConfig("flush", 2, 2, 2, 1, 16, Recompute("full", "block", 2), context_parallel=2,
+                   sequence_parallel=True, virtual_stages=2),
+    ParallelConfig("gpipe", 4, 2, 2, 4, 4, NO_RECOMPUTE, first_stage_layers=3),
+    ParallelConfig("2bw", 2, 1, 8, 2, 4, SELECTIVE, distributed_optimizer=True,
+                   sequence_parallel=True))
+PINNED = {
+    "dense": ((0.010168460621170062, 1578359552.0), (0.008008973462450102, 1669664512.0),
+              (0.02450487629894113, 1620608768.0), (0.005754057144819617, 1676798464.0),
+              (0.011254833135872201, 1671501824.0)),
+    "llama": ((0.21002278710534905, 4252823296.0), (0.23066361608396146, 4860325632.0),
+              (0.13815999412040159, 2561994496.0), (0.13819557263006402, 36198357248.0),
+              (0.17087062848802315, 5364858624.0)),
+}
+
+
+def test_dense_plans_are_what_they_were():
+    """Every dense configuration has EP = 1, no expert flag, no `ep` in its label or the
+    table, and predicts the very numbers it did before experts were modelled."""
+    for name, model, precision in (("dense", DENSE, optimizer_precision()),
+                                   ("llama", LLAMA,
+                                    optimizer_precision("muon", "error-feedback"))):
+        cm = CostModel(model, FlopsCompute(model, P4D), P4D, precision)
+        got = tuple((e.iteration_time_s, e.memory_bytes)
+                    for e in map(cm.evaluate, PINNED_CONFIGS))
+        assert got == PINNED[name]
+    cm = CostModel(DENSE, FlopsCompute(DENSE, P4D), P4D)
+    result = search(cm, SearchSpace(16, 64))
+    assert (result.best.config.label(), result.best.iteration_time_s,
+            result.best.memory_bytes, result.num_enumerated, result.num_fitting) == (
+        "2bw tp1 pp2 dp8 b4 m2 dopt", 0.0022425053198971813, 1800688896.0, 1140, 1140)
+    assert all(e.config.expert_parallel == 1 and " ep" not in e.config.label()
+               and not e.config.expert_flags()
+               for e in result.ranked + result.not_fitting)
+    assert "ep" not in format_table(result).splitlines()[0].split()
+    assert "Expert parallelism" not in explain(cm, result)
+    assert "--num-experts" not in launch_command(DENSE, result.best.config, 8)
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _planner(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = cli_main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _trainer_accepts(words: list[str], world: int):
+    """The trainer's parser and checks on the emitted pretrain_gpt.py words; skipped while
+    the trainer has no MoE flags."""
+    from megatron_2bw.training import arguments
+    if "--num-experts" not in arguments.build_parser("gpt")._option_string_actions:
+        pytest.skip("pretrain_gpt.py has no --num-experts yet: the emitted MoE flags cannot "
+                    "be checked against the trainer's parser")
+    args = arguments.parse_args("gpt", words)
+    arguments.config_from_args(args, "gpt", world_size=world, vocab_size=args.vocab_size)
+    return args
+
+
+def test_emit_writes_a_mixtral_like_launch_the_trainer_accepts(tmp_path, capsys):
+    """The launch of an MoE plan carries Megatron-LM's Mixtral flags: the experts, top-k,
+    grouped GEMM (and so no linear biases), the alltoall dispatcher with expert
+    parallelism, --expert-model-parallel-size, --sequence-parallel at TP > 1, and the
+    router's loss flags passed on."""
+    plan = tmp_path / "plan.json"
+    argv = (SMALL_FLAGS + ["--num-experts", "8", "--global-batch-size", "64", "--num-gpus",
+                           "16", "--hardware", "p4d.24xlarge", "--tensor-parallel-sizes", "2",
+                           "--expert-parallel-sizes", "4", "--recompute", "full",
+                           "--json", str(plan), "--emit", "command", "--master-addr",
+                           "10.0.0.5", "--mock-data", "--train-iters", "10", "--lr", "1e-4",
+                           "--moe-router-load-balancing-type", "aux_loss",
+                           "--moe-aux-loss-coeff", "1e-2"])
+    code, text, err = _planner(argv, capsys)
+    assert code == 0, err
+    for words in ("--disable-bias-linear --num-experts 8 --moe-router-topk 2 "
+                  "--moe-grouped-gemm --moe-token-dispatcher-type alltoall",
+                  "--tensor-model-parallel-size 2 --sequence-parallel",
+                  "--expert-model-parallel-size 4",
+                  "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"):
+        assert words in text, words
+    assert "--use-distributed-optimizer" not in text and " ep4 " in err
+    best = json.loads(plan.read_text())["best"]
+    assert (best["expert_parallel"], best["tensor_parallel"]) == (4, 2)
+    words = shlex.split(text)
+    args = _trainer_accepts(words[words.index("pretrain_gpt.py") + 1:], 16)
+    assert (args.num_experts, args.moe_router_topk, args.expert_model_parallel_size,
+            args.moe_token_dispatcher_type, args.moe_grouped_gemm, args.sequence_parallel,
+            args.add_bias_linear) == (8, 2, 4, "alltoall", True, True, False)
+
+
+def test_emit_without_expert_parallelism_keeps_the_default_dispatcher(capsys):
+    argv = (SMALL_FLAGS + ["--num-experts", "4", "--moe-layer-freq", "2",
+                           "--global-batch-size", "16", "--num-gpus", "4", "--hardware",
+                           "p4d.24xlarge", "--expert-parallel-sizes", "1",
+                           "--tensor-parallel-sizes", "1", "--emit", "command", "--mock-data",
+                           "--train-iters", "10", "--lr", "1e-4"])
+    code, text, err = _planner(argv, capsys)
+    assert code == 0, err
+    assert "--num-experts 4 --moe-router-topk 2 --moe-layer-freq 2 --moe-grouped-gemm" in text
+    assert "--moe-token-dispatcher-type" not in text and "--expert-model-parallel" not in text
+    words = shlex.split(text)
+    args = _trainer_accepts(words[words.index("pretrain_gpt.py") + 1:], 4)
+    assert (args.num_experts, args.moe_token_dispatcher_type) == (4, "allgather")
+
+
+def test_the_report_names_the_experts(capsys):
+    code, out, err = _planner(SMALL_FLAGS + ["--num-experts", "8", "--global-batch-size", "32",
+                                             "--num-gpus", "8", "--hardware", "p4d.24xlarge",
+                                             "--recompute", "full", "--schedules", "flush"],
+                              capsys)
+    assert code == 0, err
+    assert "8 experts, top-2" in out.splitlines()[0] and "Expert parallelism:" in out
+    assert "--num-experts 8" in out
+
+
+@pytest.mark.parametrize("change, flag", [
+    (["--moe-router-topk", "4"], "--moe-router-topk"),
+    (["--num-experts", "8", "--moe-router-topk", "9"], "--moe-router-topk"),
+    (["--num-experts", "8", "--model", "bert"], "--num-experts"),
+    (["--expert-parallel-sizes", "2"], "--expert-parallel-sizes"),
+    (["--num-experts", "8", "--emit", "command", "--mock-data", "--train-iters", "1", "--lr",
+      "1", "--", "--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
+    (["--num-experts", "8", "--emit", "command", "--mock-data", "--train-iters", "1", "--lr",
+      "1", "--", "--moe-router-topk", "1"], "--moe-router-topk"),
+])
+def test_bad_moe_input_is_one_line_naming_the_flag(change, flag, capsys):
+    code, out, err = _planner(SMALL_FLAGS + ["--global-batch-size", "32", "--num-gpus", "8",
+                                             "--hardware", "p4d.24xlarge"] + change, capsys)
+    assert code == 2 and not out and err.count("\n") == 1 and flag in err, err
+
+
+def test_num_experts_0_is_a_dense_model(capsys):
+    code, out, err = _planner(SMALL_FLAGS + ["--num-experts", "0", "--global-batch-size", "32",
+                                             "--num-gpus", "8", "--hardware", "p4d.24xlarge",
+                                             "--quiet", "--json", "/dev/null"], capsys)
+    assert code == 0 and "experts" not in out, err
+
+
+def test_memory_terms_still_add_up_with_experts():
+    cm = cost_model()
+    est = cm.evaluate(ParallelConfig("2bw", 2, 8, 4, 1, 32, SELECTIVE, sequence_parallel=True,
+                                     expert_parallel=4))
+    assert sum(cm.memory_terms(est).values()) == pytest.approx(est.memory_bytes)
+    assert est.memory_bytes / GB < 80
+    assert max(s.expert_params for s in est.stages) == 4 * 2 * (
+        (MIXTRAL_EXPERTS.expert_params(MIXTRAL) - 4096) // 2 + 4096)  # 4 layers, 2 experts / TP
