@@ -15,8 +15,13 @@ $(STAMP): requirements.txt setup.py
 
 install: $(STAMP)
 
+# two workers, each taking whole test files (module fixtures stay shared): the suite's
+# waits (process start-up, SLURM's scheduler, timeouts under test) overlap the other's work
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadfile
+
 test: install
-	$(PY) -m pytest -q -ra --durations=25 -m "not matrix" tests
+	$(PY) -m pytest -q -ra --durations=25 $(XDIST) -m "not matrix" tests
 
 # the repeated parametrisations `make test` leaves out (a tool run, under a minute)
 test-matrix: install
@@ -26,7 +31,7 @@ test-matrix: install
 # run per entry point; the slow rest (multi-process equality matrices, launchers, the
 # GPU scripts' dry runs) is in `make test` only
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not slow and not matrix" tests
+	$(PY) -m pytest -q -ra $(XDIST) -m "not slow and not matrix" tests
 
 # the GPU subset (CUDA tests and one multi-process test per launcher path); on a GPU
 # machine without network tools/gpu_check.sh runs it with the machine's own python

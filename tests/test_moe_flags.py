@@ -270,22 +270,19 @@ MIXTRAL = ["--use-mcore-models", "--disable-bias-linear", "--seq-length", "16",
            "--sequence-parallel"]
 
 
-# the distributed optimizer's expert sharding is not built yet: the example runs without it
-MIXTRAL_NOW = [f for f in MIXTRAL if f != "--use-distributed-optimizer"]
-
-
 def test_megatron_lms_mixtral_example_runs_at_its_layout() -> None:
-    refused = _refused(MIXTRAL[MIXTRAL.index("--use-mcore-models"):], world=32, base=[])
-    assert "--use-distributed-optimizer, --expert-model-parallel-size" in str(refused)
-    run = config_from_args(parse_args("gpt", MIXTRAL_NOW), "gpt", 32, VOCAB)
+    """Its flags as they are, the distributed optimizer included (the dense part sharded
+    over the data-parallel ranks, the experts over the expert-data-parallel ones)."""
+    run = config_from_args(parse_args("gpt", MIXTRAL), "gpt", 32, VOCAB)
     m, par = run.model, run.parallel
     assert (m.num_experts, m.moe_router_topk, m.moe_aux_loss_coeff) == (8, 2, 1e-2)
     assert m.moe_grouped_gemm and m.moe_token_dispatcher_type == "alltoall"
     assert (par.data_parallel, par.expert_parallel, par.expert_data_parallel) == (8, 8, 1)
-    notes = M.mapped_notes(parse_args("gpt", MIXTRAL_NOW), on_gpu=True)
+    assert par.distributed_optimizer
+    notes = M.mapped_notes(parse_args("gpt", MIXTRAL), on_gpu=True)
     assert [n.split(":")[0] for n in notes] == ["--overlap-grad-reduce", "--overlap-param-gather"]
     with pytest.raises(UserError) as info:  # on one node of 8, as megatron-core refuses it
-        config_from_args(parse_args("gpt", MIXTRAL_NOW), "gpt", 8, VOCAB)
+        config_from_args(parse_args("gpt", MIXTRAL), "gpt", 8, VOCAB)
     assert "ETP x EP x PP = 1 x 8 x 4 = 32" in info.value.what
 
 
@@ -372,17 +369,19 @@ def test_mapped_moe_flags_say_what_runs() -> None:
 
 
 @pytest.mark.parametrize("extra,named", [
-    (["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-     "--use-distributed-optimizer, --expert-model-parallel-size"),
     (["--optimizer", "muon", "--moe-grouped-gemm", "--disable-bias-linear"],
      "--optimizer, --moe-grouped-gemm"),
-], ids=["distopt-ep2", "muon-grouped"])
+], ids=["muon-grouped"])
 def test_combinations_not_yet_trained_are_refused(extra, named) -> None:
-    """Not implemented yet: the distributed optimizer's expert sharding; Muon over a
-    grouped-GEMM matrix of several experts. Said in one line, naming the flags."""
+    """Not implemented yet: Muon over a grouped-GEMM matrix of several experts. Said in
+    one line, naming the flags."""
     err = _refused(["--num-experts", "4"] + extra, world=2)
     assert named in str(err), err
 
 
-def test_the_distributed_optimizer_trains_experts_without_expert_parallelism() -> None:
-    _run(["--num-experts", "4", "--use-distributed-optimizer"], world=2)
+@pytest.mark.parametrize("extra", [[], ["--expert-model-parallel-size", "2"]],
+                         ids=["ep1", "ep2"])
+def test_the_distributed_optimizer_trains_experts(extra) -> None:
+    """With expert parallelism or without (Megatron-LM's Mixtral example: EP 8)."""
+    run = _run(["--num-experts", "4", "--use-distributed-optimizer"] + extra, world=4)
+    assert run.parallel.distributed_optimizer

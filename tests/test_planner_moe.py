@@ -226,6 +226,9 @@ def test_muon_keeps_the_routers_and_grouped_experts_whole():
     mats = stage_matrices(m, 1, 1, 2, 4, e, 4, 2)
     h, f = 512, 1024
     assert sorted(mats) == sorted((h * 3 * h, h * h, 4 * h, 2 * 2 * f * h, 2 * f * h) * 4)
+    sequential = stage_matrices(m, 1, 1, 2, 4, replace(e, moe_grouped_gemm=False), 4, 2)
+    assert sorted(sequential) == sorted((h * 3 * h, h * h, 4 * h) * 4
+                                        + (2 * f * h, f * h) * 2 * 4)  # 2 experts a rank
     cm = cost_model(m, e, P3, precision=optimizer_precision("muon"))
     cfg = ParallelConfig("flush", 1, 2, 4, 1, 8, FULL, distributed_optimizer=True)
     stage = cm.evaluate(cfg).stages[1]
@@ -286,14 +289,39 @@ def test_without_sequence_parallelism_a_mixture_of_experts_gets_tp_1():
         space, sequence_parallel=True))} > {1}
 
 
-def test_the_distributed_optimizer_is_searched_only_without_expert_parallelism():
+def test_the_distributed_optimizer_is_searched_only_where_the_trainer_takes_it():
+    """While the trainer refuses --use-distributed-optimizer with expert parallelism the
+    search plans neither the pair nor (with the sharded optimizer required) EP > 1; the
+    cost model counts the pair all the same: the dense part sharded over DP x CP, the
+    experts over the DP x CP / EP ranks holding them, each reduce-scattered and gathered
+    over its own group."""
     cm = cost_model(SMALL, Experts(8, 2), P3)
     only_sharded = SearchSpace(16, 32, distributed_optimizer=(True,), recompute=(FULL,))
     configs = list(enumerate_configs(cm, only_sharded))
-    assert configs and all(c.expert_parallel == 1 for c in configs)
-    with pytest.raises(ValueError, match="--use-distributed-optimizer"):
-        cm.evaluate(ParallelConfig("flush", 1, 2, 8, 1, 4, FULL, distributed_optimizer=True,
-                                   expert_parallel=2))
+    if not DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL:
+        assert configs and all(c.expert_parallel == 1 for c in configs)
+    cm = cost_model()
+    cfg = ParallelConfig("flush", 1, 8, 8, 1, 32, FULL, expert_parallel=4,
+                         distributed_optimizer=True)
+    stage = cm.evaluate(cfg).stages[3]
+    dense, routed = stage.params - stage.expert_params, stage.expert_params
+    assert stage.state.optimizer_state == 12 * (-(-dense // 8) + -(-routed // 2))
+    plain = cm.evaluate(replace(cfg, distributed_optimizer=False)).stages[3]
+    assert plain.state.optimizer_state == 12 * stage.params > stage.state.optimizer_state
+    net = cm.network(cfg)
+    dp, edp = net.data_parallel[3], net.expert_data_parallel[3]
+    assert stage.allreduce_s == pytest.approx(
+        7 / 8 * 4 * 8 * -(-dense // 8) / dp.bytes_per_s + dp.latency_s
+        + 1 / 2 * 4 * 2 * -(-routed // 2) / edp.bytes_per_s + edp.latency_s)
+    first = cm.evaluate(cfg).stages[0]  # and the tied embedding's gradient, summed whole
+    dense, routed = first.params - first.expert_params, first.expert_params
+    embedding = cm.tied_embedding_params(cfg) * 4
+    dp, edp = net.data_parallel[0], net.expert_data_parallel[0]
+    assert first.allreduce_s == pytest.approx(
+        7 / 8 * 4 * 8 * -(-dense // 8) / dp.bytes_per_s + dp.latency_s
+        + 1 / 2 * 4 * 2 * -(-routed // 2) / edp.bytes_per_s + edp.latency_s
+        + ring_allreduce_s(embedding, 8, dp.bytes_per_s, dp.latency_s)
+        + ring_allreduce_s(embedding, 2, net.embedding.bytes_per_s, net.embedding.latency_s))
 
 
 # ---------------------------------------------------------------- dense plans
@@ -395,6 +423,22 @@ def test_emit_writes_a_mixtral_like_launch_the_trainer_accepts(tmp_path, capsys)
     assert (args.num_experts, args.moe_router_topk, args.expert_model_parallel_size,
             args.moe_token_dispatcher_type, args.moe_grouped_gemm, args.sequence_parallel,
             args.add_bias_linear) == (8, 2, 4, "alltoall", True, True, False)
+
+
+def test_emit_with_muon_leaves_out_grouped_gemm(capsys):
+    """The trainer's Muon orthogonalises each expert's matrices, which grouped GEMM joins
+    into one: with --optimizer muon the launch has no --moe-grouped-gemm."""
+    argv = (SMALL_FLAGS + ["--num-experts", "4", "--global-batch-size", "16", "--num-gpus",
+                           "8", "--hardware", "p4d.24xlarge", "--expert-parallel-sizes", "2",
+                           "--optimizer", "muon", "--bf16", "--emit", "command", "--mock-data",
+                           "--train-iters", "10", "--lr", "1e-4"])
+    code, text, err = _planner(argv, capsys)
+    assert code == 0, err
+    assert "--num-experts 4" in text and "--moe-grouped-gemm" not in text
+    words = shlex.split(text)
+    args = _trainer_accepts(words[words.index("pretrain_gpt.py") + 1:], 8)
+    assert (args.optimizer, args.moe_grouped_gemm, args.expert_model_parallel_size) == (
+        "muon", False, 2)
 
 
 def test_emit_without_expert_parallelism_keeps_the_default_dispatcher(capsys):

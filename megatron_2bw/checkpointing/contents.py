@@ -24,15 +24,22 @@ from .files import iteration_dir, read_tracker
 
 logger = logging.getLogger(__name__)
 MODULE_PREFIX = "model."  # PipelineStage holds megatron-core's model as `.model`
-# the model flags --use-checkpoint-args takes from the checkpoint (the parallel layout
-# stays this run's, as in Megatron-LM without --use-mp-args-from-checkpoint-args)
+# the model flags --use-checkpoint-args takes from the checkpoint (the parallel layout,
+# the expert-parallel sizes among it, stays this run's, as in Megatron-LM without
+# --use-mp-args-from-checkpoint-args); the mixture of experts' are those of Megatron-LM's
+# `load_args_from_checkpoint` (core_v0.16.1) that are flags here
 CHECKPOINT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                    "seq_length", "max_position_embeddings", "untie_embeddings_and_output_weights",
                    "swiglu", "group_query_attention", "num_query_groups", "kv_channels",
                    "add_bias_linear", "normalization", "norm_epsilon", "qk_layernorm",
                    "layernorm_zero_centered_gamma", "position_embedding_type", "rotary_base",
                    "rotary_percent", "make_vocab_size_divisible_by", "vocab_size",
-                   "tokenizer_type", "bert_no_binary_head", "bias_gelu_fusion")
+                   "tokenizer_type", "bert_no_binary_head", "bias_gelu_fusion",
+                   "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk",
+                   "moe_token_dispatcher_type", "moe_grouped_gemm")
+# of those, what Megatron-LM takes only where this run leaves it unset (its `_set_arg`
+# without force): how tokens travel is the run's choice, not the model's
+UNLESS_SET = ("moe_token_dispatcher_type",)
 # Megatron-LM's data position in its args (`sample_counters`)
 SAMPLE_COUNTERS = ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples")
 
@@ -48,7 +55,12 @@ def megatron_args(run, iteration: int = 0, validates: bool = False) -> argparse.
                    add_position_embedding=m.position_embedding_type == "learned_absolute",
                    use_rotary_position_embeddings=m.position_embedding_type == "rope",
                    bert_binary_head=m.bert_binary_head,
-                   apply_layernorm_1p=m.layernorm_zero_centered_gamma)
+                   apply_layernorm_1p=m.layernorm_zero_centered_gamma,
+                   # Megatron-LM's validate_args: the expert-TP size defaults to TP, an
+                   # expert's width to --ffn-hidden-size (a dense model's stays None)
+                   expert_tensor_parallel_size=run.parallel.expert_tensor_parallel)
+    if m.is_moe:
+        derived["moe_ffn_hidden_size"] = m.moe_ffn_size
     # counters among the flags are a converted checkpoint's own (a conversion trains nothing)
     counters = sample_counters(run, iteration, validates)
     return argparse.Namespace(**{**counters, **run.flags, **derived})
@@ -167,7 +179,11 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     if saved is None:
         return []
     changed = []
+    if "num_experts" in saved and not saved["num_experts"]:
+        saved = {**saved, "moe_ffn_hidden_size": None}  # Megatron-LM's rule: dense
     for key in CHECKPOINT_ARGS:
+        if key in UNLESS_SET and getattr(args, key, None) is not None:
+            continue
         if key in saved and getattr(args, key, None) != saved[key]:
             changed.append(f"--{key.replace('_', '-')} {saved[key]}")
             setattr(args, key, saved[key])

@@ -2,7 +2,7 @@
 
     {root}/latest_checkpointed_iteration.txt       the newest complete iteration
     {root}/iter_{N:07d}/manifest.json              sha256 and size of every rank file
-    {root}/iter_{N:07d}/mp_rank_XX[_XXX]/model_optim_rng.pt
+    {root}/iter_{N:07d}/mp_rank_XX[_XXX][_XXX]/model_optim_rng.pt
 
 Every file is written to `<name>.tmp` and renamed, so an interrupted save never damages
 an earlier checkpoint. The manifest is written after all rank files and before the
@@ -293,8 +293,9 @@ def load_state(root: str, iteration: int, rel: str,
         raise CheckpointError(
             f"checkpoint file missing: iteration {iteration} holds "
             f"{', '.join(present) or 'no rank directories'}, saved with another tensor x "
-            f"pipeline layout? ({path}); use the --tensor-model-parallel-size and "
-            "--pipeline-model-parallel-size it was saved with")
+            f"pipeline (x expert) layout? ({path}); use the --tensor-model-parallel-size, "
+            "--pipeline-model-parallel-size and --expert-model-parallel-size it was saved "
+            "with")
     if not verified:
         warn(f"checkpoint iteration {iteration} has no {MANIFEST} (written by Megatron-LM or "
              f"an older megatron-2bw): loading {root} without checksum verification")

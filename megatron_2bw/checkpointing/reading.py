@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from ..optim.checkpoint import CheckpointedOptimizer
 from ..runtime.checkpoint import CheckpointedRuntime
-from .contents import complete_megatron_state, to_megatron_names
+from .contents import complete_megatron_state, saved_args, to_megatron_names
 from .files import (TRACKER, CheckpointError, iteration_dir, list_iterations, load_state,
                     read_tracker, refuse_unread_checkpoints)
 from .fit import misfit_line, misfits, tensor_shapes
@@ -108,8 +109,36 @@ def read_checkpoint(root: str, rel: Optional[str] = None, overwrite: bool = Fals
     if is_sharded(root, iteration):
         return _read_sharded(root, iteration)
     rel = rel or rank_file()
+    _refuse_other_layout(root, iteration, rel)
     state = complete_megatron_state(load_state(root, iteration, rel, warn=warn_once))
     return LoadedCheckpoint(iteration, state, os.path.join(iteration_dir(root, iteration), rel))
+
+
+def _refuse_other_layout(root: str, iteration: int, rel: str) -> None:
+    """A --ckpt-format torch checkpoint without this rank's file, saved at another tensor,
+    pipeline or expert-parallel size (its args say which): refused naming that flag. A
+    file of another layout holds other layers or other experts under their local names,
+    so it loads at its own layout only; torch_dist reshards."""
+    path = os.path.join(iteration_dir(root, iteration), rel)
+    if os.path.exists(path) or not ps.model_parallel_is_initialized():
+        return
+    try:
+        saved = saved_args(root, iteration) or {}
+    except Exception:  # noqa: BLE001 - load_state names what is wrong with the files
+        return
+    mine = (("tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size()),
+            ("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size()),
+            ("expert_model_parallel_size", ps.get_expert_model_parallel_world_size()))
+    for key, value in mine:
+        old = saved.get(key, 1 if key == "expert_model_parallel_size" else None)
+        if old is not None and old != value:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(
+                f"the checkpoint was saved with {flag} {old}, this run has {value}, and a "
+                f"--ckpt-format torch checkpoint loads only at the layout it was saved "
+                f"with ({path} does not exist); resume with {flag} {old}, or convert it to "
+                "torch_dist (tools/checkpoint/convert.py --ckpt-format torch_dist), which "
+                "loads at any layout")
 
 
 def _no_checkpoint(root: str, overwrite: bool, required: bool) -> None:

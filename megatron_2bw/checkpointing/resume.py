@@ -14,22 +14,31 @@ import logging
 from typing import Optional
 
 from ..optim.checkpoint import CheckpointedOptimizer
+from ..shape import swiglu_ffn_size
 from .files import CheckpointError, check_save_dir
 from .ranks import warn_once
 from .reading import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 # flags that fix the shapes of the saved tensors: a checkpoint loads only with equal values
-SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_experts",
+               "moe_ffn_hidden_size", "num_attention_heads",
                "max_position_embeddings", "tensor_model_parallel_size",
-               "pipeline_model_parallel_size", "untie_embeddings_and_output_weights",
+               "pipeline_model_parallel_size", "expert_model_parallel_size",
+               "expert_tensor_parallel_size", "untie_embeddings_and_output_weights",
                "swiglu", "group_query_attention", "num_query_groups", "kv_channels",
                "add_bias_linear", "normalization", "qk_layernorm",
                "layernorm_zero_centered_gamma", "position_embedding_type",
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
-# of those, the layout: a torch_dist checkpoint reshards to another one
+# of those, the layout: a torch_dist checkpoint reshards to another one (its experts are
+# named by their global index, so the expert-parallel sizes are layout too)
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "expert_model_parallel_size", "expert_tensor_parallel_size",
                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+# the flags that mean something for a mixture of experts only (a dense model has no
+# experts to split: these differing there changes no tensor)
+EXPERT_FLAGS = ("moe_ffn_hidden_size", "expert_model_parallel_size",
+                "expert_tensor_parallel_size")
 # flags that choose the tokenizer: another one changes what the token ids mean
 TOKENIZER_FLAGS = ("vocab_size", "tokenizer_type", "vocab_file", "merge_file",
                    "tokenizer_model")
@@ -52,6 +61,19 @@ SCHEDULE_FLAGS = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
 def _shape_value(args: dict, key: str) -> object:
     """A flag's effective value (the defaults Megatron-LM derives when it is unset)."""
     value = args.get(key)
+    if key == "num_experts":
+        return value or None  # Megatron-LM's 0 = dense
+    if key in EXPERT_FLAGS and not args.get("num_experts"):
+        return None
+    if key == "moe_ffn_hidden_size" and value is None:  # Megatron-LM's default: the
+        if args.get("ffn_hidden_size"):                 # dense width (resolved: saved
+            return args["ffn_hidden_size"]              # args hold it so)
+        hidden = args.get("hidden_size")
+        if hidden is None:
+            return None
+        return swiglu_ffn_size(hidden) if args.get("swiglu") else 4 * hidden
+    if key == "expert_tensor_parallel_size" and value is None:
+        return args.get("tensor_model_parallel_size")  # megatron-core's default
     if key == "layernorm_zero_centered_gamma" and value is None:
         return args.get("apply_layernorm_1p")  # Megatron-LM's name of the same flag
     if key == "num_query_groups" and not args.get("group_query_attention"):
@@ -74,8 +96,12 @@ def check_shapes(saved: dict, flags: dict, path: str, reshardable: bool = False)
         old, new = _shape_value(saved, key), _shape_value(flags, key)
         if key in saved and key in flags and old != new:
             flag = _flag(key)
+            convert = (", or convert it to torch_dist (tools/checkpoint/convert.py "
+                       "--ckpt-format torch_dist), which loads at any layout"
+                       if key in LAYOUT_FLAGS else "")
             raise CheckpointError(f"the checkpoint was saved with {flag} {old}, this run has "
-                                  f"{new} ({path}); resume with the checkpoint's {flag}")
+                                  f"{new} ({path}); resume with the checkpoint's {flag}"
+                                  f"{convert}")
 
 
 def _flag(key: str) -> str:
@@ -157,7 +183,26 @@ def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:
         _check_flags(loaded, run, start)
     if t.save:
         check_save_dir(t.save, start, t.overwrite_checkpoints)
+        _check_torch_format_layout(run)
     return start
+
+
+def _check_torch_format_layout(run) -> None:
+    """--ckpt-format torch names its files by tensor, pipeline and expert rank
+    (Megatron-LM's naming), one writer each: where the expert-tensor-parallel size does
+    not divide the tensor-parallel size, the ranks of one file hold different slices of
+    their experts, and all but one would be lost. Refused before the first iteration."""
+    par = run.parallel
+    if (run.train.ckpt_format != "torch" or not run.model.is_moe
+            or par.tensor_parallel % par.expert_tensor_parallel == 0):
+        return
+    raise CheckpointError(
+        f"--ckpt-format torch holds one file per tensor x pipeline x expert rank, and at "
+        f"--expert-tensor-parallel-size {par.expert_tensor_parallel} with "
+        f"--tensor-model-parallel-size {par.tensor_parallel} the ranks of one file hold "
+        f"different slices of their experts (--save {run.train.save}); save with "
+        "--ckpt-format torch_dist, or an --expert-tensor-parallel-size that divides the "
+        "tensor-parallel size")
 
 
 def _check_iterations(loaded: LoadedCheckpoint, train_iters: int, start: int) -> None:

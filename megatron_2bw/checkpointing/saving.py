@@ -2,9 +2,14 @@
 
     {save}/latest_checkpointed_iteration.txt
     {save}/iter_{iteration:07d}/manifest.json
-    {save}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
+    {save}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
 
-Only data-parallel rank 0 writes (replicas are identical). `model` holds the newest
+One rank per file writes (ranks.py: Megatron-LM's naming and writers): data-parallel rank
+0 of each (tensor, pipeline) rank, whose replicas are identical; with expert parallelism
+expert-data-parallel rank 0 of each (tensor, pipeline, expert) rank, whose file holds the
+dense part and that rank's experts under megatron-core's local module names
+(`...mlp.experts.local_experts.<j>.`, j the local index, as Megatron-LM writes them;
+expert rank e holds global experts e x E_local + j). `model` holds the newest
 weights as the optimizer trained them, as Megatron-LM does; `weight_versions` holds
 every weight buffer as it is (2BW: the shadow version too; with weight prediction the
 newest is a prediction of the next version), so a resumed run continues the delayed
@@ -23,7 +28,6 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from .. import comm
 from ..optim.checkpoint import CheckpointedOptimizer
@@ -32,7 +36,7 @@ from .contents import rng_state, to_megatron_names
 from .files import (CheckpointError, FileEntry, check_save_lock, clear_for_save,
                     discard_partial, iteration_dir, write_manifest, write_state,
                     write_tracker)
-from .ranks import agree, attempt, rank_file
+from .ranks import agree, attempt, is_file_writer, rank_file
 from .sharded import commit_sharded, save_sharded
 
 logger = logging.getLogger(__name__)
@@ -51,7 +55,8 @@ def save_checkpoint(root: str, iteration: int, executor: CheckpointedRuntime,
                     updater: CheckpointedOptimizer, args: argparse.Namespace,
                     schedule: str, overwrite: bool = False,
                     options: SaveOptions = SaveOptions()) -> None:
-    """Every rank calls this at a drained pipeline; DP rank 0 of each (tp, pp) writes
+    """Every rank calls this at a drained pipeline; one rank per file writes: DP rank 0
+    of each (tp, pp), with expert parallelism expert-DP rank 0 of each (tp, pp, ep)
     (torch_dist: dist_checkpointing spreads the writing over the ranks).
 
     Rank 0 first removes what failed saves left; the manifest (all ranks' checksums)
@@ -139,9 +144,10 @@ def _write(root: str, iteration: int, executor: CheckpointedRuntime,
     failed write on any rank stops every rank alike."""
     entries: dict[str, FileEntry] = {}
     error = None
-    # one writer per data x context parallel group: its replicas hold the same weights;
-    # a distributed optimizer gathers its state, so every data-parallel rank takes part
-    writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    # one writer per file: the lowest rank of the (expert-)data x context parallel group
+    # holding it, whose replicas hold the same weights; a distributed optimizer gathers
+    # its state, so every data-parallel rank takes part
+    writer = is_file_writer()
     state = (_state(iteration, executor, updater, args, schedule, options)
              if writer or updater.checkpoint_state().collective else None)
     if writer:

@@ -7,7 +7,14 @@
 Every tensor is a megatron-core `ShardedTensor` that names its place in the *global*
 model (the layer index is an axis of the key, the tensor-parallel split an offset), so
 a checkpoint written at one TP x PP x DP layout loads at another: each rank asks for
-the pieces its own layout holds. What is saved, under Megatron-LM's keys where it has
+the pieces its own layout holds. A routed expert's global index is an axis too
+(megatron-core's SequentialMLP / GroupedMLP `sharded_state_dict`: `...mlp.experts.
+linear_fc1.weight` at offset EP rank x local experts + j), and its replica id is its
+expert-data-parallel rank where a dense tensor's is its data-parallel rank: every expert
+is written once, by the ranks holding it, and a checkpoint reshards across expert-
+parallel sizes too. The optimizer's tensors and 2BW's extra versions take their
+parameter's key, offsets and replica id (`make_sharded_optimizer_tensor`), so they do
+the same. What is saved, under Megatron-LM's keys where it has
 them:
 
 - `model`: the newest weight version as the optimizer trained it, megatron-core's
@@ -20,8 +27,9 @@ them:
 - `optimizer.state.{exp_avg,exp_avg_sq,momentum_buffer,fp32_param,delay_compensation}.*`:
   each optimizer tensor sharded like its parameter (the last stage's tied output-layer
   copy is a replica of the word embedding, saved once);
-- `rng_state`: per (pipeline, tensor) rank, as Megatron-LM; restored only at the layout
-  it was saved at (another layout has other ranks; Megatron-LM does the same);
+- `rng_state`: per (pipeline, tensor) rank, with expert parallelism per (pipeline,
+  tensor, data-parallel) rank, as Megatron-LM; restored only at the layout it was saved
+  at (another layout has other ranks; Megatron-LM does the same);
 - common (rank 0's `common.pt`): args, iteration, checkpoint_version 3.0,
   opt_param_scheduler, and this engine's scalars (versions, loss scales, Adam's step).
 
@@ -115,14 +123,36 @@ def _prediction_shards(model: dict, names: Sequence[str],
             for name, tensor in zip(names, tensors)}
 
 
+def _rng_layout() -> tuple[int, ...]:
+    """The global shape of `rng_state` at this run's layout (Megatron-LM's
+    `get_rng_state`): one per (pipeline, tensor) rank, data-parallel replicas holding
+    copies; with expert parallelism one per (pipeline, tensor, data x context) rank, since
+    expert-parallel ranks (data-parallel replicas of the dense part) hold other experts'
+    RNG states (megatron-core seeds its expert-parallel generator by expert rank)."""
+    shape = (ps.get_pipeline_model_parallel_world_size(),
+             ps.get_tensor_model_parallel_world_size())
+    if ps.get_expert_model_parallel_world_size() > 1:
+        shape += (ps.get_data_parallel_world_size(with_context_parallel=True),)
+    return shape
+
+
 def _rng_shard(state: Optional[dict]) -> ShardedObject:
-    """This (pipeline, tensor) rank's RNG state; data-parallel replicas hold copies."""
-    return ShardedObject("rng_state", state,
-                         (ps.get_pipeline_model_parallel_world_size(),
-                          ps.get_tensor_model_parallel_world_size()),
-                         (ps.get_pipeline_model_parallel_rank(),
-                          ps.get_tensor_model_parallel_rank()),
-                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+    """This rank's RNG state, as Megatron-LM shards it (`_rng_layout`)."""
+    shape = _rng_layout()
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    dp = ps.get_data_parallel_rank(with_context_parallel=True)
+    if len(shape) > 2:  # every data-parallel rank's own
+        return ShardedObject("rng_state", state, shape, offset + (dp,), replica_id=0)
+    return ShardedObject("rng_state", state, shape, offset, replica_id=dp)
+
+
+def _saved_rng_layout(common: dict) -> tuple[int, ...]:
+    """`_rng_layout` of the run that saved the checkpoint (its args)."""
+    args = vars(common["args"])
+    tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
+    if (args.get("expert_model_parallel_size") or 1) == 1:
+        return pp, tp
+    return pp, tp, args["world_size"] // (tp * pp)
 
 
 def _common(iteration: int, weights: WeightsCheckpoint, record: OptimizerCheckpoint,
@@ -257,10 +287,11 @@ def read_common(root: str, iteration: int) -> dict:
     return common
 
 
-def _saved_layout(common: dict) -> tuple[int, int]:
-    """The (tensor, pipeline) parallel sizes the checkpoint was saved at."""
+def _saved_layout(common: dict) -> tuple[int, int, int]:
+    """The (tensor, pipeline, expert) parallel sizes the checkpoint was saved at."""
     args = vars(common["args"])
-    return args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
+    return (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"],
+            args.get("expert_model_parallel_size") or 1)
 
 
 def _requested_kinds(common: dict, record: OptimizerCheckpoint, needed: set[str],
@@ -359,8 +390,7 @@ def _template(common: dict, weights: WeightsCheckpoint, names: Sequence[str],
                 model, names, [torch.empty_like(p) for p in weights.buffer_params[0]])
     if shadow and len(common["pipedream_2bw"]["versions"]) > 1 and weights.num_buffers > 1:
         template["shadow_model"] = _model_shards(weights.buffers[1], SHADOW)
-    if rng and _saved_layout(common) == (ps.get_tensor_model_parallel_world_size(),
-                                         ps.get_pipeline_model_parallel_world_size()):
+    if rng and _saved_rng_layout(common) == _rng_layout():
         template["rng_state"] = _rng_shard(None)
     return template
 
@@ -446,10 +476,17 @@ def _versions(newest: int, loaded: dict) -> tuple[dict, dict[int, dict]]:
 
 def _warn_layout(common: dict) -> None:
     """One warning (logging rank): the saved RNG states belong to another layout."""
-    tp, pp = _saved_layout(common)
-    if dist.get_rank() == dist.get_world_size() - 1:
-        logger.warning(f"the checkpoint was saved at tensor x pipeline parallel {tp} x {pp}; "
-                       f"resharded to {ps.get_tensor_model_parallel_world_size()} x "
-                       f"{ps.get_pipeline_model_parallel_world_size()}; its random-number "
-                       "states belong to the old ranks and are not restored (dropout "
-                       "masks differ from an unresharded resume)")
+    tp, pp, ep = _saved_layout(common)
+    if dist.get_rank() != dist.get_world_size() - 1:
+        return
+    now = (ps.get_tensor_model_parallel_world_size(),
+           ps.get_pipeline_model_parallel_world_size())
+    if ep > 1 or ps.get_expert_model_parallel_world_size() > 1:
+        what = (f"tensor x pipeline x expert parallel {tp} x {pp} x {ep}; resharded to "
+                f"{now[0]} x {now[1]} x {ps.get_expert_model_parallel_world_size()} (data "
+                f"parallel {ps.get_data_parallel_world_size(with_context_parallel=True)})")
+    else:
+        what = f"tensor x pipeline parallel {tp} x {pp}; resharded to {now[0]} x {now[1]}"
+    logger.warning(f"the checkpoint was saved at {what}; its random-number states belong "
+                   "to the old ranks and are not restored (dropout masks differ from an "
+                   "unresharded resume)")

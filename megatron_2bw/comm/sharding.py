@@ -19,6 +19,14 @@ end to end, are the buffer the reduce-scatter reads and the all-gather writes (w
 
 The layout depends only on the parameter sizes, which of them are whole, and w: every
 rank of a data-parallel group computes the same one.
+
+A mixture of experts shards its two parts over two groups, as megatron-core's distributed
+optimizer does (one optimizer per group, chained): the dense parameters over the
+data-parallel group, the routed experts' over the expert-data-parallel group (the ranks
+holding the same experts; `ExpertShards`). Each part is a `ShardLayout` of the stage's
+parameters restricted to its `members`: the others have no piece in it, and the pieces
+keep their places in the stage's flat gradient, so the part is packed into chunk order
+(not `contiguous`: the experts sit between dense parameters).
 """
 from __future__ import annotations
 
@@ -49,22 +57,30 @@ class Piece:
 
 
 class ShardLayout:
-    """The pieces of every data-parallel rank, and the chunk size C they fit in."""
+    """The pieces of every data-parallel rank, and the chunk size C they fit in.
 
-    def __init__(self, numels: Sequence[int], whole: Sequence[bool], ranks: int):
-        if ranks < 1 or len(numels) != len(whole):
-            raise ValueError("a shard layout needs one `whole` flag per parameter and "
-                             "at least one rank")
+    `members` (default: all): which parameters this layout shards; the others (another
+    group's part) get no piece, and their elements are in no rank's chunk."""
+
+    def __init__(self, numels: Sequence[int], whole: Sequence[bool], ranks: int,
+                 members: Optional[Sequence[bool]] = None):
+        if ranks < 1 or len(numels) != len(whole) or (
+                members is not None and len(members) != len(numels)):
+            raise ValueError("a shard layout needs one `whole` (and `members`) flag per "
+                             "parameter and at least one rank")
         self.numels, self.whole, self.ranks = list(numels), list(whole), ranks
+        self.members = [True] * len(self.numels) if members is None else list(members)
         self.offsets = [0]
         for n in self.numels[:-1]:
             self.offsets.append(self.offsets[-1] + n)
-        self.total = sum(self.numels)
-        owner = _balance(self.numels, self.whole, ranks)
+        self.total = sum(n for n, m in zip(self.numels, self.members) if m)
+        owner = _balance(self.numels, [w and m for w, m in zip(self.whole, self.members)],
+                         ranks)
         loads = [sum(n for n, o in zip(self.numels, owner) if o == r) for r in range(ranks)]
         self.chunk = max(math.ceil(self.total / ranks), max(loads), 1)
-        self.contiguous = not any(self.whole)
-        self.pieces = _place(self.numels, self.offsets, owner, loads, self.chunk, ranks)
+        self.contiguous = not any(self.whole) and all(self.members)
+        self.pieces = _place(self.numels, self.offsets, owner, loads, self.chunk, ranks,
+                             self.members)
 
     @property
     def padded(self) -> int:
@@ -128,13 +144,16 @@ def _balance(numels: list[int], whole: list[bool], ranks: int) -> list[Optional[
 
 
 def _place(numels: list[int], offsets: list[int], owner: list[Optional[int]],
-           loads: list[int], chunk: int, ranks: int) -> list[list[Piece]]:
+           loads: list[int], chunk: int, ranks: int,
+           members: list[bool]) -> list[list[Piece]]:
     """Each rank's pieces in parameter order: its whole parameters, then elementwise
-    parameters cut to fill every rank up to `chunk`, rank 0 first."""
+    parameters cut to fill every rank up to `chunk`, rank 0 first (non-members: none)."""
     cuts: list[list[tuple[int, int, int]]] = [[] for _ in range(ranks)]
     room = [chunk - load for load in loads]
     rank = 0
     for i, n in enumerate(numels):
+        if not members[i]:
+            continue
         if owner[i] is not None:
             cuts[owner[i]].append((i, 0, n))
             continue
@@ -154,6 +173,17 @@ def _place(numels: list[int], offsets: list[int], owner: list[Optional[int]],
             slot += stop - start
         pieces.append(placed)
     return pieces
+
+
+@dataclass(frozen=True)
+class ExpertShards:
+    """A mixture of experts' second part: the routed experts' layout (`members`: the
+    expert parameters) and the group it is sharded over, megatron-core's
+    expert-data-parallel group (the ranks that hold the same experts). The dense
+    layout beside it has the other parameters as members."""
+
+    layout: ShardLayout
+    group: C.Group
 
 
 def reduce_scatter(buffer: torch.Tensor, layout: ShardLayout, group: C.Group,

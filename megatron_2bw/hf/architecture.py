@@ -1,20 +1,36 @@
 """Which Hugging Face class a megatron-core model is, its config, and back to flags.
 
-Three families have a `transformers` class that computes exactly what megatron-core
-computes here (fp32 logits equal to 1e-4, tested in tests/test_hf_export.py):
+Four families have a `transformers` class that computes exactly what megatron-core
+computes here (fp32 logits equal to 1e-4, tested in tests/test_hf_export.py and
+tests/test_hf_mixtral.py):
 
 | ours | transformers |
 |---|---|
 | GPT, learned absolute positions, LayerNorm, GELU, biases | `GPT2LMHeadModel` (`activation_function="gelu_new"`, GPT-2's tanh approximation, as --bias-gelu-fusion computes it; `"gelu"` with --no-bias-gelu-fusion) |
 | GPT, rope, RMSNorm, SwiGLU, optional GQA and biases | `LlamaForCausalLM` |
+| GPT, Llama-shaped, no biases, a mixture of experts in every layer (--num-experts N --moe-router-topk K) | `MixtralForCausalLM` |
 | BERT (pre-LayerNorm) | `MegatronBertForPreTraining` (`...ForMaskedLM` with --bert-no-binary-head) |
 
 Anything else (query/key norms, --apply-layernorm-1p, partial or interleaved rotary,
 a mix such as rope with LayerNorm) has no class that computes the same function: one
 `UserError` names the flag, rather than an export whose logits silently differ.
 
+Mixtral's router takes a softmax over all N experts, keeps the top K and divides them by
+their sum; megatron-core's TopKRouter (no --moe-router-pre-softmax, which is not offered
+here, K >= 2) takes the top K logits and a softmax over those K. Both are
+exp(l_i) / sum over the chosen j of exp(l_j) on the same K experts (the softmax keeps the
+logits' order), so the routing weights are equal up to rounding, for the aux_loss,
+seq_aux_loss and none balancing types alike (their losses act in training only). What
+differs is refused, naming the flag: sinkhorn routing (at inference its weights are the
+softmax over all experts, not renormalised), token dropping (--moe-expert-capacity-factor:
+megatron-core drops the tokens over an expert's capacity at inference too, so a token's
+logits depend on the rest of its batch; Mixtral is dropless), dense layers between the
+MoE layers (--moe-layer-freq other than 1: every Mixtral layer is sparse) and biases.
+
 An exported config carries `megatron_2bw` (the run's sequence length and vocabulary
-padding) so that importing it back gives the flags it came from.
+padding; for a mixture of experts also the router settings Mixtral's config has no field
+for and the experts' layout, `moe_meta`) so that importing it back gives the flags it
+came from.
 """
 from __future__ import annotations
 
@@ -27,16 +43,18 @@ from ..training.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-GPT2, LLAMA, BERT = "gpt2", "llama", "megatron-bert"
+GPT2, LLAMA, BERT, MIXTRAL = "gpt2", "llama", "megatron-bert", "mixtral"
 TANH_GELU = "gelu_new"
 TANH_GELUS = (TANH_GELU, "gelu_pytorch_tanh", "gelu_fast")
-CLASS_NAMES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+CLASS_NAMES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM",
+               MIXTRAL: "MixtralForCausalLM"}
 BERT_CLASSES = ("MegatronBertForPreTraining", "MegatronBertForMaskedLM")
 META = "megatron_2bw"  # our extra key in config.json
 DEFAULT_DROPOUT = 0.1  # Megatron-LM's --hidden-dropout / --attention-dropout default
 SUPPORTED = ("supported: GPT-2-like (learned positions, LayerNorm, GELU, biases), "
-             "Llama-like (--position-embedding-type rope --normalization RMSNorm --swiglu) "
-             "and BERT")
+             "Llama-like (--position-embedding-type rope --normalization RMSNorm --swiglu), "
+             "Mixtral-like (Llama-like with --disable-bias-linear --num-experts N, every layer "
+             "a MoE layer) and BERT")
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,31 @@ def _refuse_llama(m: ModelConfig) -> None:
             raise _no_class(what, flag)
 
 
+def _refuse_mixtral(m: ModelConfig) -> None:
+    """A mixture of experts: Mixtral's shape (Llama's, no biases, every layer sparse) and
+    routing (top-k weights renormalised, no token dropped); see the module docstring."""
+    if m.position_embedding_type != "rope":
+        raise _no_class(f"a mixture of experts with {m.position_embedding_type} position "
+                        "embeddings (the one MoE class here, Mixtral, is Llama-shaped: "
+                        "rope, RMSNorm, SwiGLU)", "--num-experts")
+    _refuse_llama(m)
+    checks = ((m.moe_layer_freq != 1, "--moe-layer-freq",
+               f"MoE layers every {m.moe_layer_freq} layers (every Mixtral layer is a MoE "
+               "layer: --moe-layer-freq 1)"),
+              (m.add_bias_linear, "--disable-bias-linear",
+               "a mixture of experts with linear biases (Mixtral has none)"),
+              (m.moe_router_load_balancing_type == "sinkhorn",
+               "--moe-router-load-balancing-type sinkhorn",
+               "sinkhorn routing (its inference weights are the softmax over all experts; "
+               "Mixtral renormalises the top-k weights to sum 1)"),
+              (m.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor",
+               "token dropping (megatron-core drops the tokens over an expert's capacity at "
+               "inference too; Mixtral is dropless, so the logits would differ)"))
+    for bad, flag, what in checks:
+        if bad:
+            raise _no_class(what, flag)
+
+
 def _refuse_bert(m: ModelConfig) -> None:
     flag = _classic_flag(m)
     if flag:
@@ -96,11 +139,14 @@ def _refuse_bert(m: ModelConfig) -> None:
 
 
 def hf_family(m: ModelConfig) -> str:
-    """GPT2, LLAMA or BERT; a UserError naming the flag HF has no class for."""
+    """GPT2, LLAMA, MIXTRAL or BERT; a UserError naming the flag HF has no class for."""
     if m.qk_layernorm:
         raise _no_class("query/key normalization", "--qk-layernorm")
     if m.layernorm_zero_centered_gamma:
         raise _no_class("zero-centred norms", "--apply-layernorm-1p")
+    if m.is_moe:
+        _refuse_mixtral(m)
+        return MIXTRAL
     if m.model == "bert":
         _refuse_bert(m)
         return BERT
@@ -147,6 +193,18 @@ def hf_config(m: ModelConfig, special: SpecialTokens, meta: dict):
             attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
             attention_dropout=m.attention_dropout, bos_token_id=special.bos,
             eos_token_id=special.eos, pad_token_id=special.pad, **common)
+    elif family == MIXTRAL:
+        config = transformers.MixtralConfig(
+            hidden_size=m.hidden_size, intermediate_size=m.moe_ffn_size,
+            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.query_groups, head_dim=m.head_dim, hidden_act="silu",
+            max_position_embeddings=m.max_positions, rms_norm_eps=m.layernorm_epsilon,
+            rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
+            sliding_window=None, num_local_experts=m.num_experts,
+            num_experts_per_tok=m.moe_router_topk,
+            router_aux_loss_coef=_aux_loss_coeff(m), router_jitter_noise=0.0,
+            attention_dropout=m.attention_dropout, bos_token_id=special.bos,
+            eos_token_id=special.eos, pad_token_id=special.pad, **common)
     else:
         config = transformers.MegatronBertConfig(
             hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
@@ -159,6 +217,22 @@ def hf_config(m: ModelConfig, special: SpecialTokens, meta: dict):
     config.dtype = m.params_dtype  # the dtype the weights are written in
     setattr(config, META, meta)
     return config
+
+
+def _aux_loss_coeff(m: ModelConfig) -> float:
+    """Mixtral's router_aux_loss_coef: the load-balancing loss's weight (0 without one)."""
+    balancing = m.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss")
+    return float(m.moe_aux_loss_coeff) if balancing else 0.0
+
+
+def moe_meta(m: ModelConfig) -> dict:
+    """The MoE flags Mixtral's config has no field for, for an import to give back (the
+    weights' layout and the training-only router settings); empty for a dense model."""
+    if not m.is_moe:
+        return {}
+    return {"moe_router_load_balancing_type": m.moe_router_load_balancing_type,
+            "moe_z_loss_coeff": m.moe_z_loss_coeff, "moe_grouped_gemm": m.moe_grouped_gemm,
+            "moe_router_dtype": m.moe_router_dtype}
 
 
 def _gelu(m: ModelConfig) -> str:
@@ -211,23 +285,21 @@ def _gpt2_flags(c) -> list[str]:
     return flags + gelu + _dropout_flags(c.resid_pdrop, c.attn_pdrop)
 
 
-def _llama_flags(c) -> list[str]:
+def _rope_flags(c, what: str) -> list[str]:
+    """The flags of a Llama-shaped HF config `c` (Llama, Mixtral) without its biases and
+    MLP width: shape, rotary, RMSNorm, SwiGLU, query groups."""
     rope = dict(getattr(c, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
-        raise UserError(f"Llama config with rope_type {rope.get('rope_type')!r}",
+        raise UserError(f"{what} config with rope_type {rope.get('rope_type')!r}",
                         "config.json rope_parameters",
                         "only the default rotary frequencies import")
     if c.hidden_act != "silu":
-        raise UserError(f"Llama config with hidden_act {c.hidden_act!r}", "config.json",
+        raise UserError(f"{what} config with hidden_act {c.hidden_act!r}", "config.json",
                         "megatron-core's --swiglu is SiLU-gated")
-    if bool(c.attention_bias) != bool(c.mlp_bias):
-        raise UserError(f"attention_bias={c.attention_bias} but mlp_bias={c.mlp_bias}",
-                        "config.json", "megatron-core has one switch for both "
-                        "(--disable-bias-linear)")
     heads, groups = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     flags = ["--num-layers", str(c.num_hidden_layers), "--hidden-size", str(c.hidden_size),
-             "--num-attention-heads", str(heads), "--ffn-hidden-size", str(c.intermediate_size),
+             "--num-attention-heads", str(heads),
              "--max-position-embeddings", str(c.max_position_embeddings),
              "--position-embedding-type", "rope", "--rotary-base",
              str(int(rope.get("rope_theta", 10000))), "--normalization", "RMSNorm",
@@ -236,8 +308,48 @@ def _llama_flags(c) -> list[str]:
         flags += ["--group-query-attention", "--num-query-groups", str(groups)]
     if head_dim != c.hidden_size // heads:
         flags += ["--kv-channels", str(head_dim)]
+    return flags
+
+
+def _llama_flags(c) -> list[str]:
+    if bool(c.attention_bias) != bool(c.mlp_bias):
+        raise UserError(f"attention_bias={c.attention_bias} but mlp_bias={c.mlp_bias}",
+                        "config.json", "megatron-core has one switch for both "
+                        "(--disable-bias-linear)")
+    flags = _rope_flags(c, "Llama") + ["--ffn-hidden-size", str(c.intermediate_size)]
     if not c.attention_bias:
         flags.append("--disable-bias-linear")
+    return flags + _dropout_flags(0.0, c.attention_dropout)
+
+
+def _mixtral_flags(c, meta: dict) -> list[str]:
+    """Mixtral: Llama's flags without biases, every layer a MoE layer of
+    num_local_experts experts of width intermediate_size, top num_experts_per_tok; the
+    router's training-only settings from the exported run (`moe_meta`), else Megatron-LM's
+    aux_loss balancing with Mixtral's router_aux_loss_coef."""
+    window = getattr(c, "sliding_window", None)
+    if window is not None and window < c.max_position_embeddings:
+        raise UserError(f"Mixtral config with sliding_window {window} (attention to the last "
+                        f"{window} positions only)", "config.json sliding_window",
+                        "megatron-core's attention here is full causal; only sliding_window "
+                        "null (or at least max_position_embeddings) imports")
+    if getattr(c, "router_jitter_noise", 0.0):
+        logger.warning(f"router_jitter_noise {c.router_jitter_noise} (training only) is not "
+                       "carried over: megatron-2bw does not implement --moe-input-jitter-eps")
+    width = str(c.intermediate_size)
+    balancing = meta.get("moe_router_load_balancing_type") or "aux_loss"
+    flags = _rope_flags(c, "Mixtral") + [
+        "--ffn-hidden-size", width, "--disable-bias-linear",
+        "--num-experts", str(c.num_local_experts), "--moe-router-topk",
+        str(c.num_experts_per_tok), "--moe-ffn-hidden-size", width,
+        "--moe-router-load-balancing-type", balancing,
+        "--moe-aux-loss-coeff", f"{c.router_aux_loss_coef:g}"]
+    if meta.get("moe_z_loss_coeff") is not None:
+        flags += ["--moe-z-loss-coeff", f"{meta['moe_z_loss_coeff']:g}"]
+    if meta.get("moe_router_dtype"):
+        flags += ["--moe-router-dtype", meta["moe_router_dtype"]]
+    if meta.get("moe_grouped_gemm"):
+        flags.append("--moe-grouped-gemm")
     return flags + _dropout_flags(0.0, c.attention_dropout)
 
 
@@ -264,12 +376,15 @@ def imported_architecture(c) -> ImportedArchitecture:
         flags, model, positions = _gpt2_flags(c), "gpt", c.n_positions
     elif c.model_type == LLAMA and arch in (None, "LlamaForCausalLM"):
         flags, model, positions = _llama_flags(c), "gpt", c.max_position_embeddings
+    elif c.model_type == MIXTRAL and arch in (None, CLASS_NAMES[MIXTRAL]):
+        meta = getattr(c, META, None) or {}
+        flags, model, positions = _mixtral_flags(c, meta), "gpt", c.max_position_embeddings
     elif c.model_type == BERT and arch in BERT_CLASSES + (None,):
         binary = arch != BERT_CLASSES[1]
         flags, model, positions = _bert_flags(c, binary), "bert", c.max_position_embeddings
     else:
         raise UserError(f"cannot import model type {c.model_type!r} ({arch})", "config.json",
-                        "supported: GPT2LMHeadModel, LlamaForCausalLM, "
+                        "supported: GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, "
                         "MegatronBertForPreTraining, MegatronBertForMaskedLM")
     if not c.tie_word_embeddings:
         flags.append("--untie-embeddings-and-output-weights")

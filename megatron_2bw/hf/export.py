@@ -19,7 +19,7 @@ import shutil
 import uuid
 from typing import Optional, Sequence
 
-from .architecture import hf_config, hf_family
+from .architecture import hf_config, hf_family, moe_meta
 from .megatron_io import VERSIONS, loaded_checkpoint
 from .tokenizer import export_tokenizer
 from .weights import to_hf
@@ -88,8 +88,8 @@ def _write_model(folder: str, config, state: dict, saved_args: dict, iteration: 
 
     os.makedirs(folder)
     special = export_tokenizer(saved_args, folder)
-    hf = hf_config(config, special, {**_meta(saved_args), "source_iteration": iteration,
-                                     "weight_version": version})
+    hf = hf_config(config, special, {**_meta(saved_args), **moe_meta(config),
+                                     "source_iteration": iteration, "weight_version": version})
     hf.save_pretrained(folder)
     if config.model == "gpt":
         GenerationConfig.from_model_config(hf).save_pretrained(folder)

@@ -2,10 +2,13 @@
 
     python tools/checkpoint/import_hf.py --input HF_DIR --save CKPT [--ckpt-format torch]
 
-GPT2LMHeadModel, LlamaForCausalLM and MegatronBert (the classes `export.py` writes)
-become megatron-core GPT / BERT weights, saved weights only at iteration 0 (no optimizer
-state): continue with the printed flags plus `--load CKPT --finetune`. The vocabulary is
-padded to Megatron's multiple (`--make-vocab-size-divisible-by`, default the exported
+GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM and MegatronBert (the classes
+`export.py` writes) become megatron-core GPT / BERT weights (Mixtral: a mixture of experts
+in every layer, --num-experts / --moe-router-topk / --moe-ffn-hidden-size from its config;
+the experts as SequentialMLP's, or GroupedMLP's with --moe-grouped-gemm or when the
+exported run had it), saved weights only at iteration 0 (no optimizer state): continue
+with the printed flags plus `--load CKPT --finetune`. The vocabulary is padded to
+Megatron's multiple (`--make-vocab-size-divisible-by`, default the exported
 run's or 128) with copies of the last row, as Megatron-LM's converter pads it.
 """
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..vocab import pad_vocab_size
-from .architecture import BERT, CLASS_NAMES, META, ImportedArchitecture, imported_architecture
+from .architecture import (BERT, CLASS_NAMES, META, MIXTRAL, ImportedArchitecture,
+                           imported_architecture)
 from .megatron_io import build_run, save_weights
 from .tokenizer import tokenizer_flags
 from .weights import from_hf, pad_vocab_rows
@@ -29,9 +33,9 @@ DEFAULT_SEQ_LENGTH = 4096  # the ceiling when the HF config names only its posit
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tools/checkpoint/import_hf.py", allow_abbrev=False,
-        description="Import a Hugging Face GPT-2, Llama or MegatronBert model directory as a "
-        "megatron-2bw checkpoint (weights only, iteration 0) to continue pretraining from "
-        "with --finetune. Runs as one process.")
+        description="Import a Hugging Face GPT-2, Llama, Mixtral or MegatronBert model "
+        "directory as a megatron-2bw checkpoint (weights only, iteration 0) to continue "
+        "pretraining from with --finetune. Runs as one process.")
     p.add_argument("--input", required=True, help="the HF model directory")
     p.add_argument("--save", required=True, help="the checkpoint directory to write")
     p.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
@@ -44,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron's vocabulary padding multiple (default: the exported "
                         "run's, else 128); for tensor parallelism T pass N x T as the "
                         "continued run pads to a multiple of N x T")
+    p.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="Mixtral: write the experts as GroupedMLP's weight1 / weight2, for a "
+                        "run with --moe-grouped-gemm (default: the exported run's layout, "
+                        "else SequentialMLP's per-expert weights)")
     p.add_argument("--overwrite-checkpoints", action="store_true")
     return p
 
@@ -69,8 +77,9 @@ def _hf_state(input_dir: str, config, arch: ImportedArchitecture) -> dict:
 
 def import_hf(input_dir: str, save: str, ckpt_format: str = "torch_dist",
               seq_length: Optional[int] = None, divisible_by: Optional[int] = None,
-              overwrite: bool = False) -> ImportResult:
-    """Write the HF model in `input_dir` as a checkpoint in `save`; the flags to continue."""
+              overwrite: bool = False, grouped_gemm: bool = False) -> ImportResult:
+    """Write the HF model in `input_dir` as a checkpoint in `save`; the flags to continue
+    (`grouped_gemm`: a Mixtral's experts in GroupedMLP's layout)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(input_dir, local_files_only=True)
@@ -81,6 +90,8 @@ def import_hf(input_dir: str, save: str, ckpt_format: str = "torch_dist",
     tokenizer = tokenizer_flags(input_dir, arch.family)
     flags = arch.flags + ["--seq-length", str(seq), "--make-vocab-size-divisible-by",
                           str(multiple)]
+    if grouped_gemm and arch.family == MIXTRAL and "--moe-grouped-gemm" not in flags:
+        flags.append("--moe-grouped-gemm")
     vocab = tokenizer or ["--vocab-size", str(arch.vocab_size)]
     run = build_run(arch.model, flags + vocab + ["--mock-data", "--save", save,
                                                  "--ckpt-format", ckpt_format]
@@ -135,6 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         import_hf(args.input, args.save, args.ckpt_format, args.seq_length,
-                  args.make_vocab_size_divisible_by, args.overwrite_checkpoints)
+                  args.make_vocab_size_divisible_by, args.overwrite_checkpoints,
+                  args.moe_grouped_gemm)
         return 0
     return guarded(body)

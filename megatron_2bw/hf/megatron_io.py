@@ -44,7 +44,11 @@ CARRIED = CHECKPOINT_ARGS + (
     "layernorm_zero_centered_gamma", "use_rotary_position_embeddings", "rotary_interleaved",
     "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
     "calculate_per_token_loss", "fp16", "bf16", "pipeline_schedule", "pipeline_no_flushes",
-    "gpipe", "vocab_file", "merge_file", "tokenizer_model")
+    "gpipe", "vocab_file", "merge_file", "tokenizer_model",
+    # a mixture of experts (its expert-parallel sizes are 1 here: one process)
+    "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm", "moe_layer_freq",
+    "moe_router_dtype", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")
 # required flags of the parser, overwritten by the checkpoint's own values
 PLACEHOLDER = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
                "--seq-length", "8", "--lr", "1", "--micro-batch-size", "1", "--mock-data"]
@@ -113,12 +117,13 @@ def saved_versions(root: str, iteration: int) -> list[int]:
 def _check_layout(root: str, iteration: int, saved: dict) -> None:
     tp = saved.get("tensor_model_parallel_size", 1)
     pp = saved.get("pipeline_model_parallel_size", 1)
-    if not is_sharded(root, iteration) and tp * pp != 1:
+    ep = saved.get("expert_model_parallel_size", 1) or 1  # a file per expert-parallel rank
+    if not is_sharded(root, iteration) and tp * pp * ep != 1:
         raise UserError(
             f"a --ckpt-format torch checkpoint loads only at the layout it was saved with "
-            f"(tensor x pipeline parallel {tp} x {pp}), and the Hugging Face tools run as "
-            f"one process", root,
-            f"convert it first: torchrun --nproc-per-node {tp * pp} tools/checkpoint/"
+            f"(tensor x pipeline x expert parallel {tp} x {pp} x {ep}), and the Hugging "
+            f"Face tools run as one process", root,
+            f"convert it first: torchrun --nproc-per-node {tp * pp * ep} tools/checkpoint/"
             f"convert.py --load {root} --save DIR --ckpt-format torch_dist, then use DIR")
 
 

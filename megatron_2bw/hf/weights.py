@@ -12,6 +12,15 @@ The layouts that differ:
 - SwiGLU's `linear_fc1` is [gate; up] (megatron-core's `glu`: silu(first half) * second
   half): Llama's `gate_proj` and `up_proj`.
 - GPT-2's `Conv1D` stores weights as [in, out]: the transpose of a `Linear`'s.
+- Mixtral: the router `mlp.router.weight` [N, hidden] is `block_sparse_moe.gate.weight`;
+  expert e's fc1 [gate; up] is `block_sparse_moe.experts.e.w1` (gate) and `w3` (up), its
+  fc2 `w2`. Ours hold an expert either as SequentialMLP's
+  `mlp.experts.local_experts.e.linear_fc{1,2}.weight` or, with --moe-grouped-gemm, inside
+  GroupedMLP's `weight1` / `weight2` (`weight1.view(N, hidden, -1)[e]` is fc1 transposed,
+  `weight2.view(N, -1, hidden)[e]` fc2 transposed; models/moe.py). The export writes the
+  per-expert names of the Mixtral checkpoints on the Hub (transformers >= 5 fuses them on
+  load into `mlp.experts.gate_up_proj` [N, 2F, hidden] = [w1; w3] per expert and
+  `down_proj` [N, hidden, F]); the import reads either.
 - BERT without a binary head has no token-type embedding; MegatronBert always adds row 0
   of its table, so the export writes zeros and the import folds row 0 into the position
   table (exact for token_type_ids = 0, the only type such a model was trained with).
@@ -24,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
-from .architecture import BERT, GPT2, LLAMA, hf_family
+from .architecture import BERT, GPT2, LLAMA, MIXTRAL, hf_family
 
 State = dict[str, Tensor]
 
@@ -163,6 +172,100 @@ def _llama_from_hf(src: State, m: ModelConfig) -> State:
     return out
 
 
+# ---------------------------------------------------------------------------- Mixtral
+
+_MIXTRAL_PLAIN = _LLAMA_PLAIN[:3]  # the norms and the attention output; no biases
+
+
+def _attention_to_hf(src: State, m: ModelConfig, i: int) -> State:
+    a, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    out = {h + theirs: src[a + ours] for ours, theirs in _MIXTRAL_PLAIN}
+    q, k, v = split_qkv(src[a + "self_attention.linear_qkv.weight"], m)
+    out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
+                h + "self_attn.v_proj.weight": v})
+    return out
+
+
+def _attention_from_hf(src: State, m: ModelConfig, i: int) -> State:
+    a, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    out = {a + ours: src[h + theirs] for ours, theirs in _MIXTRAL_PLAIN}
+    out[a + "self_attention.linear_qkv.weight"] = merge_qkv(
+        src[h + "self_attn.q_proj.weight"], src[h + "self_attn.k_proj.weight"],
+        src[h + "self_attn.v_proj.weight"], m)
+    return out
+
+
+def our_experts(src: State, m: ModelConfig, i: int) -> list[tuple[Tensor, Tensor]]:
+    """Layer i's experts as (fc1 [2F, hidden] = [gate; up], fc2 [hidden, F]) by global
+    index, from SequentialMLP's or GroupedMLP's tensors (TP = EP = 1)."""
+    a = f"decoder.layers.{i}.mlp.experts."
+    n, hidden = m.num_experts, m.hidden_size
+    if a + "weight1" in src:
+        w1 = src[a + "weight1"].reshape(n, hidden, -1)
+        w2 = src[a + "weight2"].reshape(n, -1, hidden)
+        return [(w1[e].t(), w2[e].t()) for e in range(n)]
+    return [(src[a + f"local_experts.{e}.linear_fc1.weight"],
+             src[a + f"local_experts.{e}.linear_fc2.weight"]) for e in range(n)]
+
+
+def _experts_state(experts: list[tuple[Tensor, Tensor]], m: ModelConfig, i: int) -> State:
+    """The inverse of `our_experts`, in the layout of `m` (--moe-grouped-gemm or not)."""
+    a = f"decoder.layers.{i}.mlp.experts."
+    if m.moe_grouped_gemm:
+        return {a + "weight1": torch.stack([fc1.t() for fc1, _ in experts]).reshape(
+                    m.hidden_size, -1),
+                a + "weight2": torch.stack([fc2.t() for _, fc2 in experts]).reshape(
+                    -1, m.hidden_size)}
+    out = {}
+    for e, (fc1, fc2) in enumerate(experts):
+        out[a + f"local_experts.{e}.linear_fc1.weight"] = fc1
+        out[a + f"local_experts.{e}.linear_fc2.weight"] = fc2
+    return out
+
+
+def _hf_experts(src: State, m: ModelConfig, i: int) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    """Layer i's router and experts (fc1 = [w1; w3], fc2 = w2) from an HF state dict:
+    the Hub's per-expert names, or the fused tensors of transformers >= 5's model."""
+    h = f"model.layers.{i}."
+    fused = h + "mlp.experts.gate_up_proj"
+    if fused in src:
+        gate_up, down = src[fused], src[h + "mlp.experts.down_proj"]
+        return src[h + "mlp.gate.weight"], [(gate_up[e], down[e]) for e in range(m.num_experts)]
+    b = h + "block_sparse_moe."
+    return src[b + "gate.weight"], [
+        (torch.cat([src[b + f"experts.{e}.w1.weight"], src[b + f"experts.{e}.w3.weight"]]),
+         src[b + f"experts.{e}.w2.weight"]) for e in range(m.num_experts)]
+
+
+def _mixtral_to_hf(src: State, m: ModelConfig) -> State:
+    out = {"model.embed_tokens.weight": src["embedding.word_embeddings.weight"],
+           "model.norm.weight": src["decoder.final_layernorm.weight"]}
+    for i in _layers(m):
+        out.update(_attention_to_hf(src, m, i))
+        b = f"model.layers.{i}.block_sparse_moe."
+        out[b + "gate.weight"] = src[f"decoder.layers.{i}.mlp.router.weight"]
+        for e, (fc1, fc2) in enumerate(our_experts(src, m, i)):
+            gate, up = torch.chunk(fc1, 2)
+            out.update({b + f"experts.{e}.w1.weight": gate, b + f"experts.{e}.w3.weight": up,
+                        b + f"experts.{e}.w2.weight": fc2})
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = src["output_layer.weight"]
+    return out
+
+
+def _mixtral_from_hf(src: State, m: ModelConfig) -> State:
+    out = {"embedding.word_embeddings.weight": src["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": src["model.norm.weight"]}
+    for i in _layers(m):
+        out.update(_attention_from_hf(src, m, i))
+        router, experts = _hf_experts(src, m, i)
+        out[f"decoder.layers.{i}.mlp.router.weight"] = router
+        out.update(_experts_state(experts, m, i))
+    if not m.tie_embeddings:
+        out["output_layer.weight"] = src["lm_head.weight"]
+    return out
+
+
 # ------------------------------------------------------------------------ MegatronBert
 
 _BERT_LAYER = (("input_layernorm", "attention.ln"), ("pre_mlp_layernorm", "ln"),
@@ -222,9 +325,10 @@ def _bert_from_hf(src: State, m: ModelConfig) -> State:
 
 
 _TO_HF: dict[str, Callable[[State, ModelConfig], State]] = {
-    GPT2: _gpt2_to_hf, LLAMA: _llama_to_hf, BERT: _bert_to_hf}
+    GPT2: _gpt2_to_hf, LLAMA: _llama_to_hf, MIXTRAL: _mixtral_to_hf, BERT: _bert_to_hf}
 _FROM_HF: dict[str, Callable[[State, ModelConfig], State]] = {
-    GPT2: _gpt2_from_hf, LLAMA: _llama_from_hf, BERT: _bert_from_hf}
+    GPT2: _gpt2_from_hf, LLAMA: _llama_from_hf, MIXTRAL: _mixtral_from_hf,
+    BERT: _bert_from_hf}
 
 
 def to_hf(state: State, m: ModelConfig) -> State:
@@ -243,6 +347,7 @@ def from_hf(state: State, m: ModelConfig) -> State:
 
 VOCAB_ROWS = {GPT2: ("transformer.wte.weight", "lm_head.weight"),
               LLAMA: ("model.embed_tokens.weight", "lm_head.weight"),
+              MIXTRAL: ("model.embed_tokens.weight", "lm_head.weight"),
               BERT: ("bert.embeddings.word_embeddings.weight",
                      "cls.predictions.decoder.weight", "cls.predictions.bias")}
 

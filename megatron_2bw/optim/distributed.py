@@ -31,32 +31,53 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..comm.sharding import ShardLayout, all_gather
+from ..comm.sharding import ExpertShards, ShardLayout, all_gather
 from .checkpoint import OptimizerCheckpoint
 from .muon import TensorParallel
 from .updater import MegatronUpdater, OptimizerConfig, ParamInfo, StepGroups
 
 
+class _Part:
+    """One sharded part of the stage: its layout, the group it is sharded over, this
+    rank's place in that group and its pieces."""
+
+    def __init__(self, layout: ShardLayout, group: Optional[dist.ProcessGroup]):
+        self.layout, self.group = layout, group
+        self.rank = comm.rank(group) if group is not None else 0
+        self.pieces = layout.owned(self.rank)
+
+
 class DistributedUpdater:
-    """The `Updater` of a stage whose optimizer state is sharded over data parallelism."""
+    """The `Updater` of a stage whose optimizer state is sharded over data parallelism
+    (and, with `experts`, the routed experts' over the expert-data-parallel group)."""
 
     collective_state = True  # state_dict / per_parameter_state / trained_weights gather
 
     def __init__(self, params: list[nn.Parameter], infos: list[ParamInfo],
                  config: OptimizerConfig, layout: ShardLayout,
                  data_parallel: Optional[dist.ProcessGroup],
-                 groups: StepGroups = StepGroups(), tp: TensorParallel = TensorParallel()):
+                 groups: StepGroups = StepGroups(), tp: TensorParallel = TensorParallel(),
+                 experts: Optional[ExpertShards] = None):
         self.layout, self.group, self.infos = layout, data_parallel, infos
-        self.rank = comm.rank(data_parallel) if data_parallel is not None else 0
-        self.pieces = layout.owned(self.rank)
+        self.parts = [_Part(layout, data_parallel)] + (
+            [_Part(experts.layout, experts.group)] if experts is not None else [])
+        self.rank = self.parts[0].rank
+        self.pieces = [p for part in self.parts for p in part.pieces]
         self.shapes = [p.shape for p in params]
         self.dtypes = [p.dtype for p in params]
         self.device = params[0].device if params else comm.device()
-        groups = StepGroups(model_parallel=groups.model_parallel, data_parallel=data_parallel)
-        self.inner = MegatronUpdater(layout.views(params, self.rank),
+        groups = StepGroups(model_parallel=groups.model_parallel, data_parallel=data_parallel,
+                            expert_model_parallel=groups.expert_model_parallel,
+                            expert_data_parallel=None if experts is None else experts.group)
+        self.inner = MegatronUpdater(self._views(params),
                                      [infos[p.param] for p in self.pieces], config, groups, tp)
-        self._shard = (torch.zeros(layout.chunk, dtype=torch.float32, device=self.device)
+        self._shard = (torch.zeros(sum(part.layout.chunk for part in self.parts),
+                                   dtype=torch.float32, device=self.device)
                        if not layout.contiguous else None)
+
+    def _views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's pieces of per-parameter tensors, every part's, in piece order."""
+        return [v for part in self.parts for v in part.layout.views(tensors, part.rank)]
 
     # --- what the loop and the checkpoint code read: the inner updater's ---------------
     @property
@@ -105,17 +126,23 @@ class DistributedUpdater:
         self.inner.unscale(flat_grad, grad_scale)
 
     def _shard_of(self, flat_grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """This rank's gradient shard (C elements) and its pieces as views of it: a view
-        of the flat gradient, or (whole parameters) a copy of its pieces, re-read each
-        time (a tied gradient may have been summed in meanwhile)."""
+        """This rank's gradient shard (C elements, every part's chunk end to end) and its
+        pieces as views of it: a view of the flat gradient, or (whole parameters, two
+        parts) a copy of its pieces, re-read each time (a tied gradient may have been
+        summed in meanwhile)."""
         layout, lo = self.layout, self.rank * self.layout.chunk
         if layout.contiguous:
             shard = flat_grad[lo:lo + layout.chunk]
-        else:
-            shard = self._shard
-            for p, view in zip(self.pieces, layout.chunk_views(shard, self.rank, self.shapes)):
+            return shard, layout.chunk_views(shard, self.rank, self.shapes)
+        shard, views, start = self._shard, [], 0
+        for part in self.parts:
+            chunk = shard[start:start + part.layout.chunk]
+            start += part.layout.chunk
+            mine = part.layout.chunk_views(chunk, part.rank, self.shapes)
+            for p, view in zip(part.pieces, mine):
                 view.view(-1).copy_(flat_grad[p.flat:p.flat + p.numel])
-        return shard, layout.chunk_views(shard, self.rank, self.shapes)
+            views += mine
+        return shard, views
 
     def start_step(self, minibatch: int, flat_grad: torch.Tensor,
                    grads: list[torch.Tensor]) -> None:
@@ -125,29 +152,34 @@ class DistributedUpdater:
     def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
                     newest: list[torch.Tensor], target: list[torch.Tensor]) -> dict[str, float]:
         shard, views = self._shard_of(flat_grad)
-        info = self.inner.finish_step(minibatch, shard, views,
-                                      self.layout.views(newest, self.rank),
-                                      self.layout.views(target, self.rank))
-        self._gather_into(self.layout.views(target, self.rank), target)
+        own_target = self._views(target)
+        info = self.inner.finish_step(minibatch, shard, views, self._views(newest),
+                                      own_target)
+        self._gather_into(own_target, target)
         return info
 
     # --- gathering the shards -----------------------------------------------------------
     def _gather_into(self, own: Sequence[torch.Tensor], full: Sequence[torch.Tensor]) -> None:
         """Every rank's pieces into the per-parameter tensors `full` (this rank's are
-        `own`, already there or copied in). One all-gather in `full`'s dtype."""
+        `own`, in piece order, already there or copied in). One all-gather per part
+        over its group, in `full`'s dtype."""
         if not full:
             return
         with torch.no_grad():
-            self._gather_no_grad(own, full)
+            start = 0
+            for part in self.parts:
+                self._gather_no_grad(part, own[start:start + len(part.pieces)], full)
+                start += len(part.pieces)
 
-    def _gather_no_grad(self, own: Sequence[torch.Tensor], full: Sequence[torch.Tensor]) -> None:
-        layout = self.layout
+    def _gather_no_grad(self, part: _Part, own: Sequence[torch.Tensor],
+                        full: Sequence[torch.Tensor]) -> None:
+        layout = part.layout
         buffer = torch.zeros(layout.padded, dtype=full[0].dtype, device=self.device)
-        lo = self.rank * layout.chunk
-        for p, piece in zip(self.pieces, own):
+        lo = part.rank * layout.chunk
+        for p, piece in zip(part.pieces, own):
             buffer[lo + p.slot:lo + p.slot + p.numel].copy_(piece.reshape(-1))
-        if comm.runs(self.group):
-            all_gather(buffer, layout, self.group)
+        if comm.runs(part.group):
+            all_gather(buffer, layout, part.group)
         layout.unpack(buffer, full)
 
     def _gathered(self, pieces: dict[int, torch.Tensor]) -> list[torch.Tensor]:
@@ -165,7 +197,7 @@ class DistributedUpdater:
             return None
         full = [torch.empty_like(t) for t in newest]
         self._gather_into([m.detach().to(t.dtype) for m, t in
-                           zip(self.inner.masters, self.layout.views(newest, self.rank))], full)
+                           zip(self.inner.masters, self._views(newest))], full)
         return full
 
     # --- the whole state, as a non-distributed updater has it ----------------------------
@@ -256,14 +288,13 @@ class DistributedUpdater:
         `tensors` given for `params`."""
         by_param = dict(zip(params, tensors))
         empty = torch.empty(0, device=self.device)
-        views = self.layout.views([by_param.get(i, empty) for i in
-                                   range(len(self.infos))], self.rank)
+        views = self._views([by_param.get(i, empty) for i in range(len(self.infos))])
         return [views[j] for j in pieces]
 
     def restore_masters(self, saved: Optional[list[torch.Tensor]],
                         newest: list[torch.Tensor]) -> None:
-        own_newest = self.layout.views(newest, self.rank)
-        own_saved = None if saved is None else self.layout.views(saved, self.rank)
+        own_newest = self._views(newest)
+        own_saved = None if saved is None else self._views(saved)
         self.inner.restore_masters(own_saved, own_newest)
 
     def state_bytes(self) -> int:

@@ -103,6 +103,10 @@ class StepGroups:
     # a mixture of experts: the ranks that together hold each expert once (megatron-core's
     # expert tensor x expert x pipeline group), over which the experts' norm is summed
     expert_model_parallel: Optional[dist.ProcessGroup] = None
+    # --use-distributed-optimizer with the experts in their own groups: the experts'
+    # shards are over the expert-data-parallel group, so their norm and inf flag are summed
+    # over it first (None: over `data_parallel`, as the dense part's)
+    expert_data_parallel: Optional[dist.ProcessGroup] = None
 
 
 class _ParamGroups:
@@ -214,7 +218,9 @@ class MegatronUpdater:
                    grads: list[torch.Tensor]) -> None:
         """Start the sums of the squared gradient norm and of the inf flag: the dense
         parameters' over the model-parallel group, the routed experts' (if any) over the
-        groups that hold each expert once, as megatron-core's optimizers for the two."""
+        groups that hold each expert once, as megatron-core's optimizers for the two. A
+        distributed optimizer's shards are summed over their sharding group first: the
+        data-parallel one, or the experts' over the expert-data-parallel one."""
         local_inf = not bool(torch.isfinite(flat_grad).all())
         device = flat_grad.device
         parts = [(self.groups.model_parallel, self._squares(grads, False, local_inf, device))]
@@ -222,12 +228,15 @@ class MegatronUpdater:
             parts.append((self.groups.expert_model_parallel,
                           self._squares(grads, True, local_inf, device)))
         pending = []
-        for group, sq in parts:
+        for i, (group, sq) in enumerate(parts):
             stats = torch.stack([sq, torch.full_like(sq, float(local_inf))])
-            if comm.runs(self.groups.data_parallel):
+            shards = self.groups.data_parallel  # the experts': their own sharding group
+            if i and self.groups.expert_data_parallel is not None:
+                shards = self.groups.expert_data_parallel
+            if comm.runs(shards):
                 # the replicas reach this step at the same point of the same action list:
                 # waiting for them cannot wait for another stage
-                comm.all_reduce(stats, self.groups.data_parallel)
+                comm.all_reduce(stats, shards)
             work = comm.all_reduce(stats, group, async_op=True) if comm.runs(group) else None
             pending.append((stats, work))
         self._pending[minibatch] = pending

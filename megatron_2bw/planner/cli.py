@@ -216,7 +216,8 @@ def experts_from_args(args: argparse.Namespace) -> Experts | None:
     if args.model != "gpt":
         raise ValueError("--num-experts: a mixture of experts is GPT only (--model gpt)")
     return Experts(args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
-                   args.moe_layer_freq, args.moe_token_dispatcher_type)
+                   args.moe_layer_freq, args.moe_token_dispatcher_type,
+                   moe_grouped_gemm=args.optimizer != "muon")  # the trainer's rule
 
 
 ROUTER_LOSS_FLAGS = ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff",

@@ -92,11 +92,11 @@ from megatron_2bw.schedules import Costs, Schedule, build_schedule, schedule_spe
 from megatron_2bw.schedules.actions import BACKWARD, FORWARD
 
 from .compute import LOSS_ALLREDUCES, LayerModel
-from .experts import DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL, Experts
+from .experts import Experts
 from .hardware import GB, Hardware
 from .placement import (Layout, alltoall_bandwidth, collective_bandwidth, p2p_bandwidth,
                         ring_allgather_s, ring_allreduce_s)
-from .shards import Shard, divide, stage_matrices
+from .shards import Shard, SplitShard, divide, expert_matrices, stage_matrices
 from ..shape import ModelShape
 from .spec import ParallelConfig, Precision, Recompute
 
@@ -283,20 +283,30 @@ class CostModel:
                 "stashed_activations": stage.activation_bytes,
                 "reserved": self.hardware.reserved_memory_gb * GB}
 
-    def shard(self, cfg: ParallelConfig, stage: int, params: int, layers: int) -> Shard | None:
+    def shard(self, cfg: ParallelConfig, stage: int, params: int,
+              layers: int) -> Shard | SplitShard | None:
         """The stage's shard layout under `--use-distributed-optimizer` (None without it):
-        elementwise for Adam, Muon's matrices whole (`Precision.whole_matrices`)."""
+        elementwise for Adam, Muon's matrices whole (`Precision.whole_matrices`). With
+        expert parallelism the routed experts are sharded apart, over the
+        expert-data-parallel ranks (`SplitShard`; the search plans that only where the
+        trainer takes it: `DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL`)."""
         if not cfg.distributed_optimizer:
             return None
-        if cfg.expert_parallel > 1 and not DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL:
-            raise ValueError(f"{cfg.label()}: the trainer does not take "
-                             "--use-distributed-optimizer with --expert-model-parallel-size "
-                             "> 1")
+        t, ep = cfg.tensor_parallel, cfg.expert_parallel
         moe = self.stage_moe_layers(cfg, stage) if self.experts is not None else 0
-        whole = (stage_matrices(self.model, cfg.tensor_parallel, stage, cfg.pipeline_depth,
-                                layers, self.experts, moe, cfg.expert_parallel)
+        whole = (stage_matrices(self.model, t, stage, cfg.pipeline_depth, layers,
+                                self.experts, moe, ep)
                  if self.precision.whole_matrices else ())
-        return divide(params, whole, cfg.gradient_ranks)
+        if ep == 1 or not moe:
+            return divide(params, whole, cfg.gradient_ranks)
+        routed = moe * _expert_params_per_rank(self.model, self.experts, t, ep)
+        mine = (expert_matrices(self.model, t, self.experts, moe, ep)
+                if self.precision.whole_matrices else ())
+        dense = list(whole)
+        for n in mine:
+            dense.remove(n)
+        return SplitShard(divide(params - routed, tuple(dense), cfg.gradient_ranks),
+                          divide(routed, mine, cfg.expert_data_parallel))
 
     # ---- per-stage pieces ----
     def stage_costs(self, cfg: ParallelConfig) -> tuple[tuple[StageCost, ...], float]:
@@ -424,7 +434,8 @@ class CostModel:
         return link.latency_s + size / link.bytes_per_s
 
     def allreduce_s(self, cfg: ParallelConfig, stage: int, params: int,
-                    shard: Shard | None = None, expert_params: int = 0) -> float:
+                    shard: Shard | SplitShard | None = None,
+                    expert_params: int = 0) -> float:
         """Data-parallel gradient all-reduce of one stage (over the DP x CP ranks), plus
         the tied-embedding sync between first and last stage (pp > 1), which Megatron runs
         right after it. With the distributed optimizer (`shard`) a reduce-scatter of the
@@ -445,8 +456,16 @@ class CostModel:
         elif shard is None:
             seconds = ring_allreduce_s(params * grad_bytes, w, dp.bytes_per_s, dp.latency_s)
         else:  # a reduce-scatter moves what an all-gather does
-            seconds = ring_allgather_s(shard.padded * grad_bytes, w, dp.bytes_per_s,
-                                       dp.latency_s)
+            if isinstance(shard, SplitShard):  # each part over its own group
+                edp = net.expert_data_parallel[stage]
+                seconds = (ring_allgather_s(shard.dense.padded * grad_bytes, w,
+                                            dp.bytes_per_s, dp.latency_s)
+                           + ring_allgather_s(shard.experts.padded * grad_bytes,
+                                              shard.experts.ranks, edp.bytes_per_s,
+                                              edp.latency_s))
+            else:
+                seconds = ring_allgather_s(shard.padded * grad_bytes, w, dp.bytes_per_s,
+                                           dp.latency_s)
             if tied:
                 seconds += ring_allreduce_s(embedding * grad_bytes, w, dp.bytes_per_s,
                                             dp.latency_s)
@@ -461,14 +480,21 @@ class CostModel:
         return vocab // cfg.tensor_parallel * self.model.hidden_size
 
     def step_s(self, cfg: ParallelConfig, stage: int, params: int,
-               shard: Shard | None = None) -> float:
+               shard: Shard | SplitShard | None = None) -> float:
         """The optimizer step: memory-bound over the elements it steps (the shard's C with
         the distributed optimizer), plus then the all-gather of the new weights in the
         parameter dtype and the gradient norm's sum over DP (its latency), both blocking."""
         prec = self.precision
         stepped = params if shard is None else shard.chunk
         seconds = stepped * prec.step_bytes_touched / self.hardware.hbm_bytes_per_s
-        if shard is not None and shard.ranks > 1:
+        if isinstance(shard, SplitShard):
+            net = self.network(cfg)
+            dp, edp = net.data_parallel[stage], net.expert_data_parallel[stage]
+            for part, link in ((shard.dense, dp), (shard.experts, edp)):
+                seconds += ring_allgather_s(part.padded * prec.param_bytes, part.ranks,
+                                            link.bytes_per_s, link.latency_s)
+            seconds += dp.latency_s
+        elif shard is not None and shard.ranks > 1:
             dp = self.network(cfg).data_parallel[stage]
             seconds += (ring_allgather_s(shard.padded * prec.param_bytes, shard.ranks,
                                          dp.bytes_per_s, dp.latency_s) + dp.latency_s)
@@ -900,7 +926,8 @@ def _sharding_buffers(cm: CostModel, cfg: ParallelConfig, stage: int, shard: Sha
     """What the runtime's distributed optimizer allocates besides the state:
 
     - in the step: the all-gather's buffer, w C in the parameter dtype, and a copy of the
-      rank's own chunk (C) (`DistributedUpdater._gather_no_grad`, comm.sharding.all_gather);
+      rank's own chunk (C) (`DistributedUpdater._gather_no_grad`, comm.sharding.all_gather;
+      with experts sharded apart, the larger part's);
     - from the reduction's start to its wait, which under 2BW spans the next minibatch's
       compute: on the tied stages (pp > 1) an fp32 copy of the word-embedding gradient
       for its whole all-reduce, and with whole matrices the gradient packed into chunk
@@ -909,7 +936,8 @@ def _sharding_buffers(cm: CostModel, cfg: ParallelConfig, stage: int, shard: Sha
     - with whole matrices, the updater's own fp32 shard of the gradient (C), always.
     """
     prec = cm.precision
-    gather = (shard.padded + shard.chunk) * prec.param_bytes
+    parts = shard.parts if isinstance(shard, SplitShard) else (shard,)
+    gather = max(p.padded + p.chunk for p in parts) * prec.param_bytes  # one part at a time
     reducing = 0
     if cfg.pipeline_depth > 1 and stage in (0, cfg.pipeline_depth - 1):
         reducing += cm.tied_embedding_params(cfg) * prec.grad_bytes

@@ -30,8 +30,10 @@ DISPATCHERS = ("allgather", "alltoall")
 
 DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL = False
 """Whether the trainer takes `--use-distributed-optimizer` together with
-`--expert-model-parallel-size` > 1. It refuses the pair, so the search never plans it (the
-one place to change when the trainer learns it)."""
+`--expert-model-parallel-size` > 1 (training/validation.py's MoE rules). While it refuses
+the pair the search never plans it; the cost model already counts it (the dense part
+sharded over DP x CP, the experts over the expert-data-parallel ranks:
+`shards.SplitShard`), so this is the one place to change when the trainer takes it."""
 
 ROUTER_SCORE_BYTES = 4
 """Bytes per token and expert the router keeps for backward (its fp32 scores)."""
@@ -54,6 +56,11 @@ class Experts:
     """`--moe-token-dispatcher-type`; None: chosen per plan (`dispatcher`): alltoall with
     expert parallelism, as Megatron-LM's Mixtral example, else allgather (the trainer's
     default)."""
+    moe_grouped_gemm: bool = True
+    """`--moe-grouped-gemm` in the launch (a rank's experts as one weight per projection),
+    as the Mixtral example; the planner turns it off for Muon, which the trainer does not
+    run on grouped experts. It changes no cost here, only the matrices Muon keeps whole
+    (`shards.expert_matrices`)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -191,14 +198,14 @@ class Experts:
         """Megatron-LM's flags of the MoE shape, as its Mixtral example gives them:
         `--disable-bias-linear` (grouped GEMM experts have no biases, and megatron-core's
         experts with biases need expert-tensor-parallel size 1), the experts, top-k, the
-        expert width and layer frequency where given, `--moe-grouped-gemm`."""
+        expert width and layer frequency where given, `--moe-grouped-gemm` (`moe_grouped_gemm`)."""
         flags = ["--disable-bias-linear", "--num-experts", str(self.num_experts),
                  "--moe-router-topk", str(self.moe_router_topk)]
         if self.moe_ffn_hidden_size is not None:
             flags += ["--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size)]
         if self.moe_layer_freq != 1:
             flags += ["--moe-layer-freq", str(self.moe_layer_freq)]
-        return flags + ["--moe-grouped-gemm"]
+        return flags + (["--moe-grouped-gemm"] if self.moe_grouped_gemm else [])
 
     def plan_flags(self, expert_parallel: int) -> list[str]:
         """The dispatcher of a plan (`dispatcher`); allgather, the trainer's default, is

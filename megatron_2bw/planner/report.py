@@ -113,7 +113,8 @@ def candidate(cm: CostModel, est: Estimate, detail: bool = False) -> dict:
     timed = est.iteration_time_s != float("inf")
     out = {"schedule": c.schedule, "tensor_parallel": c.tensor_parallel,
            "sequence_parallel": c.sequence_parallel, "context_parallel": c.context_parallel,
-           "expert_parallel": c.expert_parallel, "pipeline_depth": c.pipeline_depth, "virtual_stages": c.virtual_stages,
+           "expert_parallel": c.expert_parallel, "pipeline_depth": c.pipeline_depth,
+           "virtual_stages": c.virtual_stages,
            "data_parallel_width": c.data_parallel_width,
            "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
            "recompute": c.recompute.name,

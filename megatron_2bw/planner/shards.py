@@ -45,6 +45,42 @@ class Shard:
         return self.ranks * self.chunk
 
 
+@dataclass(frozen=True)
+class SplitShard:
+    """A mixture of experts under the distributed optimizer with expert parallelism: the
+    dense parameters sharded over the DP x CP ranks, the routed experts' over the
+    expert-data-parallel ranks that hold the same experts (two layouts, as megatron-core's
+    two chained optimizers and the trainer's `comm.sharding.ExpertShards`). Neither part is
+    contiguous in the stage's flat gradient, so both are packed into chunk order."""
+
+    dense: Shard
+    experts: Shard
+
+    @property
+    def parts(self) -> tuple[Shard, Shard]:
+        return self.dense, self.experts
+
+    @property
+    def ranks(self) -> int:
+        return self.dense.ranks
+
+    @property
+    def params(self) -> int:
+        return self.dense.params + self.experts.params
+
+    @property
+    def chunk(self) -> int:
+        """The optimizer state's elements on a rank: its chunk of each part."""
+        return self.dense.chunk + self.experts.chunk
+
+    @property
+    def padded(self) -> int:
+        """The gradient buffer: each part padded to its group's w C."""
+        return self.dense.padded + self.experts.padded
+
+    contiguous = False
+
+
 def divide(params: int, whole: tuple[int, ...], ranks: int) -> Shard:
     """The layout of `params` elements over `ranks`, `whole` the sizes of the parameters
     that must stay whole (included in `params`)."""
@@ -71,8 +107,7 @@ def stage_matrices(model: ModelShape, t: int, stage: int, depth: int, layers: in
     layer's QKV, projection and the MLP's two matrices, the learned position table (and
     BERT's token types) on the first stage, BERT's LM-head dense, pooler and binary head on
     the last. Of the `layers`, `moe_layers` have, instead of the MLP's matrices, the
-    router's [E, h] and the rank's E / EP experts as the two grouped-GEMM weights the
-    planned launch asks for (`--moe-grouped-gemm`)."""
+    router's [E, h] and the rank's experts (`expert_matrices`)."""
     h, f = model.hidden_size, model.ffn_size
     q = model.num_attention_heads * model.head_dim
     kv = model.query_groups * model.head_dim
@@ -81,12 +116,24 @@ def stage_matrices(model: ModelShape, t: int, stage: int, depth: int, layers: in
     layer = attention + (gates * f * h // t, f * h // t)
     found = layer * (layers - moe_layers)
     if moe_layers:
-        local, fe = experts.num_experts // ep, experts.ffn_size(model)
-        moe = attention + (experts.num_experts * h, local * gates * fe * h // t,
-                           local * fe * h // t)
-        found += moe * moe_layers
+        found += (attention + (experts.num_experts * h,)) * moe_layers
+        found += expert_matrices(model, t, experts, moe_layers, ep)
     if stage == 0:
         found += (model.seq_length * h,) + ((2 * h,) if model.model == "bert" else ())
     if stage == depth - 1 and model.model == "bert":
         found += (h * h, h * h, 2 * h)
     return found
+
+
+def expert_matrices(model: ModelShape, t: int, experts: Experts, moe_layers: int,
+                    ep: int = 1) -> tuple[int, ...]:
+    """The routed experts' matrices of `moe_layers` MoE layers on one rank (E / EP experts,
+    split over ETP = `t`): with `--moe-grouped-gemm` two per layer, all local experts'
+    fc1 and fc2 in one weight each (megatron-core's GroupedMLP), else each expert's fc1
+    and fc2 (SequentialMLP)."""
+    h, fe = model.hidden_size, experts.ffn_size(model)
+    gates = 2 if model.swiglu else 1
+    local = experts.num_experts // ep
+    if experts.moe_grouped_gemm:
+        return (local * gates * fe * h // t, local * fe * h // t) * moe_layers
+    return (gates * fe * h // t, fe * h // t) * (local * moe_layers)

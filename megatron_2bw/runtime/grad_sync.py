@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..comm.sharding import ShardLayout, reduce_scatter
+from ..comm.sharding import ExpertShards, ShardLayout, reduce_scatter
 from .p2p import PeerTimeout, describe_timeout, is_timeout
 
 
@@ -225,6 +225,20 @@ class GradReducer:
                 flat_grad.copy_(flat_grad.to(self.config.dtype))
 
 
+class _Shards:
+    """One reduce-scatter of a `ShardLayout`'s elements over its group, and this rank's
+    place in it."""
+
+    def __init__(self, layout: ShardLayout, group: Optional[dist.ProcessGroup]):
+        self.layout, self.group = layout, group
+        self.rank = comm.rank(group) if group is not None else 0
+        self.active = comm.runs(group)
+
+    def own(self, buffer: torch.Tensor) -> torch.Tensor:
+        lo = self.rank * self.layout.chunk
+        return buffer[lo:lo + self.layout.chunk]
+
+
 class ShardedGradReducer(GradReducer):
     """--use-distributed-optimizer: the gradient reduce-scattered, not all-reduced.
 
@@ -236,6 +250,12 @@ class ShardedGradReducer(GradReducer):
     whole besides, because the sum between the two stages (TiedGradSync) adds whole
     tensors whose shards sit at different places on the two stages.
 
+    With `experts` (a mixture of experts in its own groups) `layout` holds the dense
+    parameters only, and the routed experts' elements are reduce-scattered over the
+    expert-data-parallel group in their own layout: summed over the ranks holding the
+    same experts and divided by the dense data-parallel size, as `GradReducer` does
+    (`ExpertGradients`); a group of one is not called, the division made all the same.
+
     Started after the minibatch's last backward and waited for at the step, as the
     all-reduce is: under 2BW it overlaps the next minibatch's compute.
     """
@@ -243,11 +263,13 @@ class ShardedGradReducer(GradReducer):
     def __init__(self, group: Optional[dist.ProcessGroup], layout: ShardLayout,
                  config: GradReduceConfig = GradReduceConfig(),
                  full: tuple[tuple[int, int], ...] = (),
-                 sp_sum: Optional[SequenceParallelSum] = None):
+                 sp_sum: Optional[SequenceParallelSum] = None,
+                 experts: Optional[ExpertShards] = None):
         super().__init__(group, config, sp_sum)
         self.layout, self.full = layout, full
         self.rank = comm.rank(group) if group is not None else 0
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._shards = [_Shards(layout, group)] + (
+            [_Shards(experts.layout, experts.group)] if experts is not None else [])
         self._whole: dict[int, list] = {}
 
     def start(self, minibatch: int, flat_grad: torch.Tensor,
@@ -257,26 +279,38 @@ class ShardedGradReducer(GradReducer):
         if self.sp_sum is not None:
             self.sp_sum(flat_grad)
         scale = 1.0 if tokens is not None else 1.0 / self.size
-        buffer = self._chunk_order(flat_grad)
-        work, low = None, None
+        launched = [self._launch_shards(shards, flat_grad, scale, expert=i > 0)
+                    for i, shards in enumerate(self._shards)]
         if self.active:
-            if self.config.low_precision:
-                low = (buffer * scale).to(self.config.dtype)
-            work = reduce_scatter(low if low is not None else buffer, self.layout, self.group)
             self._whole[minibatch] = [
                 (comm.all_reduce(t, self.group, async_op=True), offset, t)
                 for offset, t in self._copies(flat_grad, scale)]
-        self._pending[minibatch] = (work, flat_grad, low)
-        self._buffers[minibatch] = buffer
+        self._pending[minibatch] = (flat_grad, launched)
         self._start_count(minibatch, tokens)
 
-    def _chunk_order(self, flat_grad: torch.Tensor) -> torch.Tensor:
+    def _launch_shards(self, shards: _Shards, flat_grad: torch.Tensor, scale: float,
+                       expert: bool) -> tuple:
+        """Start one part's reduce-scatter: (part, work or None, its chunk-order buffer,
+        its bf16 copy or None). The experts' part over a group of one is not called but
+        still scaled (bf16) or divided at the wait (fp32), as `GradReducer` does."""
+        buffer = self._chunk_order(shards.layout, flat_grad)
+        work, low = None, None
+        if self.config.low_precision and (shards.active or expert):
+            low = (buffer * scale).to(self.config.dtype)
+        if shards.active:
+            work = reduce_scatter(low if low is not None else buffer, shards.layout,
+                                  shards.group)
+        return shards, work, buffer, low
+
+    @staticmethod
+    def _chunk_order(layout: ShardLayout, flat_grad: torch.Tensor) -> torch.Tensor:
         """The buffer the reduce-scatter reads: the flat gradient itself (padded to
-        w x C), or its pieces packed in chunk order (whole parameters)."""
-        if self.layout.contiguous:
-            return flat_grad[:self.layout.padded]
-        packed = torch.zeros(self.layout.padded, dtype=torch.float32, device=flat_grad.device)
-        self.layout.pack(flat_grad, packed)
+        w x C), or its pieces packed in chunk order (whole parameters, or one part of a
+        mixture of experts)."""
+        if layout.contiguous:
+            return flat_grad[:layout.padded]
+        packed = torch.zeros(layout.padded, dtype=torch.float32, device=flat_grad.device)
+        layout.pack(flat_grad, packed)
         return packed  # one per minibatch: 2BW may start the next before this one's step
 
     def _copies(self, flat_grad: torch.Tensor, scale: float) -> list[tuple[int, torch.Tensor]]:
@@ -285,32 +319,33 @@ class ShardedGradReducer(GradReducer):
                 for offset, n in self.full]
 
     def wait(self, minibatch: int) -> torch.Tensor:
-        work, flat_grad, low = self._pending.pop(minibatch)
-        buffer = self._buffers.pop(minibatch)
-        if work is not None:
-            wait_collective(work, self.group, f"the data-parallel gradient reduce-scatter "
-                                              f"of minibatch {minibatch}")
-            own = self._own(low if low is not None else buffer)
-            if low is None and minibatch not in self._tokens:
+        flat_grad, launched = self._pending.pop(minibatch)
+        per_token = minibatch in self._tokens
+        for i, (shards, work, buffer, low) in enumerate(launched):
+            if work is not None:
+                what = "expert-data-parallel" if i else "data-parallel"
+                wait_collective(work, shards.group, f"the {what} gradient reduce-scatter "
+                                                    f"of minibatch {minibatch}")
+            elif i == 0:
+                continue  # the dense part over a group of one: nothing reduced
+            own = shards.own(low if low is not None else buffer)
+            if low is None and not per_token:
                 own.div_(self.size)
-            self._write_own(own, flat_grad)
-            for w, offset, t in self._whole.pop(minibatch):
-                wait_collective(w, self.group, f"the data-parallel all-reduce of the tied "
-                                               f"embedding gradient of minibatch {minibatch}")
-                flat_grad[offset:offset + t.numel()].copy_(t)
-        if minibatch in self._tokens:
+            self._write_own(shards, own, flat_grad)
+        for w, offset, t in self._whole.pop(minibatch, ()):
+            wait_collective(w, self.group, f"the data-parallel all-reduce of the tied "
+                                           f"embedding gradient of minibatch {minibatch}")
+            flat_grad[offset:offset + t.numel()].copy_(t)
+        if per_token:
             self._divide_by_tokens(minibatch, flat_grad)
         return flat_grad
 
-    def _own(self, buffer: torch.Tensor) -> torch.Tensor:
-        lo = self.rank * self.layout.chunk
-        return buffer[lo:lo + self.layout.chunk]
-
-    def _write_own(self, own: torch.Tensor, flat_grad: torch.Tensor) -> None:
+    @staticmethod
+    def _write_own(shards: _Shards, own: torch.Tensor, flat_grad: torch.Tensor) -> None:
         """This rank's reduced chunk into the flat gradient, where its elements live."""
-        if self.layout.contiguous and own.dtype == flat_grad.dtype:
+        if shards.layout.contiguous and own.dtype == flat_grad.dtype:
             return  # reduced in place
-        for p in self.layout.owned(self.rank):
+        for p in shards.layout.owned(shards.rank):
             flat_grad[p.flat:p.flat + p.numel].copy_(own[p.slot:p.slot + p.numel])
 
 

@@ -1,12 +1,13 @@
 """Convert a checkpoint between `--ckpt-format torch` and `torch_dist`, and to another
-tensor x pipeline layout (the front end is tools/checkpoint/convert.py).
+tensor x pipeline (x expert) layout (the front end is tools/checkpoint/convert.py).
 
 The conversion is a resume that saves at once: the engine builds the model at the new
 layout from the checkpoint's own flags, loads the checkpoint as a resume would (every
 check included: manifest, shapes, optimizer, versions), and saves it in the asked
 format. So whatever a resume can read, the converter can write; a torch-format source
 keeps its layout's limits (it loads only at the layout it was saved with; convert it to
-torch_dist first, then to any layout).
+torch_dist first, then to any layout). A mixture of experts' expert-parallel sizes are
+layout too: torch_dist maps each expert by its global index to the rank that holds it.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from .watchdog import beat_period
 
 logger = logging.getLogger(__name__)
 # what stays this conversion's own: the layout, the paths, how to load and save
-OWN = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "load", "save",
+OWN = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+       "expert_model_parallel_size", "expert_tensor_parallel_size", "load", "save",
        "ckpt_format", "data_path", "mock_data", "metrics_file", "tensorboard_dir",
        "distributed_timeout_minutes", "exit_signal_handler", "exit_duration_in_mins",
        "exit_interval", "overwrite_checkpoints", "use_checkpoint_args", "finetune",
@@ -39,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tools/checkpoint/convert.py", allow_abbrev=False,
         description="Convert a megatron-2bw checkpoint to another format and/or layout. "
-        "Run under torchrun with TP x PP processes of the target layout.")
+        "Run under torchrun with TP x PP processes of the target layout (a mixture of "
+        "experts: a multiple of ETP x EP x PP too, e.g. TP x PP x EP at ETP = TP).")
     p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--load", required=True, help="checkpoint directory to convert")
     p.add_argument("--save", required=True, help="where the converted checkpoint goes")
@@ -48,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target layout (default the checkpoint's)")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
                    help="target layout (default the checkpoint's)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=None,
+                   help="target layout of a mixture of experts (default the checkpoint's)")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="target layout of a mixture of experts (default the checkpoint's, "
+                        "or the target tensor-parallel size where it was the saved one's)")
     p.add_argument("--overwrite-checkpoints", action="store_true")
     return p
 
@@ -65,6 +73,9 @@ def _training_args(conv: argparse.Namespace, saved: dict) -> argparse.Namespace:
     tp = conv.tensor_model_parallel_size or saved.get("tensor_model_parallel_size", 1)
     pp = conv.pipeline_model_parallel_size or saved.get("pipeline_model_parallel_size", 1)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.expert_model_parallel_size = (conv.expert_model_parallel_size
+                                       or saved.get("expert_model_parallel_size") or 1)
+    args.expert_tensor_parallel_size = conv.expert_tensor_parallel_size or _saved_etp(saved)
     args.load, args.save, args.ckpt_format = conv.load, conv.save, conv.ckpt_format
     args.overwrite_checkpoints = conv.overwrite_checkpoints
     args.mock_data, args.data_path, args.train_iters = True, [], iteration
@@ -73,6 +84,14 @@ def _training_args(conv: argparse.Namespace, saved: dict) -> argparse.Namespace:
         if key in saved:
             setattr(args, key, saved[key])
     return args
+
+
+def _saved_etp(saved: dict) -> Optional[int]:
+    """The checkpoint's expert-tensor-parallel size where it was set apart from its
+    tensor-parallel size; None (megatron-core's default: the tensor-parallel size, the
+    target's) where it was that size, as Megatron-LM records the default resolved."""
+    etp = saved.get("expert_tensor_parallel_size")
+    return None if etp in (None, saved.get("tensor_model_parallel_size")) else etp
 
 
 def convert(argv: Optional[Sequence[str]] = None) -> int:
@@ -103,7 +122,9 @@ def convert(argv: Optional[Sequence[str]] = None) -> int:
             lock.release()
     logger.info(f"converted {conv.load} (iteration {trainer.iteration}) to {conv.save}: "
                 f"--ckpt-format {conv.ckpt_format}, tensor x pipeline parallel "
-                f"{args.tensor_model_parallel_size} x {args.pipeline_model_parallel_size}")
+                f"{args.tensor_model_parallel_size} x {args.pipeline_model_parallel_size}"
+                + (f", expert parallel {args.expert_model_parallel_size}"
+                   if args.expert_model_parallel_size > 1 else ""))
     return 0
 
 

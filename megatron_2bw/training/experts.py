@@ -12,6 +12,10 @@ different experts, and the token dispatcher brings every token to its expert. So
 - the gradient norm sums the experts' squares over the expert tensor x expert x pipeline
   group, where each expert is held once, and the dense squares over the model-parallel
   group (`StepGroups.expert_model_parallel`);
+- with --use-distributed-optimizer the dense parameters are sharded over the data-parallel
+  group and the experts' over the expert-data-parallel group, each part's gradient
+  reduce-scattered, norm summed and weights all-gathered over its own group
+  (`expert_shards`);
 - sequence parallelism's TP sum leaves the experts alone (their tokens are already whole
   per expert), the router and norms in;
 - the router's auxiliary losses take the main loss's scale per backward, and are logged
@@ -24,6 +28,8 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state as ps
 
+from .. import comm
+from ..comm.sharding import ExpertShards, ShardLayout
 from ..models.config import ModelConfig
 from ..models.moe import aux_loss_names, is_expert_parameter, set_aux_loss_scale, take_aux_losses
 from ..runtime.aux_losses import AuxLosses
@@ -63,6 +69,18 @@ def expert_gradients(mask: list[bool], offsets: list[int]) -> Optional[ExpertGra
     dense = tuple((offsets[i], offsets[i + 1] - offsets[i])
                   for i, e in enumerate(mask) if not e)
     return ExpertGradients(ps.get_expert_data_parallel_group(), experts, dense)
+
+
+def expert_shards(numels: list[int], whole: list[bool], mask: list[bool]
+                  ) -> Optional[ExpertShards]:
+    """--use-distributed-optimizer: the experts' shard layout over the expert-data-parallel
+    group (the dense parameters' is over the data-parallel group), as megatron-core's
+    distributed optimizer shards each part over its own group; None when the model has
+    no experts or they share the dense groups (one layout over data parallelism)."""
+    if not any(mask) or not separate_groups():
+        return None
+    group = ps.get_expert_data_parallel_group()
+    return ExpertShards(ShardLayout(numels, whole, comm.size(group), members=mask), group)
 
 
 def expert_norm_group():

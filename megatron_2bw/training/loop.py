@@ -21,7 +21,7 @@ from ..models import build_stage, model_parallel_manual_seed
 from .context_batch import context_parallel_batch
 from ..optim.muon import (MuonParamSpec, TensorParallel, is_megatron_muon_param,
                           is_megatron_qkv_param, qkv_split_rows)
-from ..comm.sharding import ShardLayout
+from ..comm.sharding import ExpertShards, ShardLayout
 from ..optim.distributed import DistributedUpdater
 from ..optim.updater import MegatronUpdater, ParamInfo, StepGroups
 from ..runtime import PipelineExecutor, RunResult
@@ -116,17 +116,24 @@ def _sequence_parallel_sum(params: list, infos: list[ParamInfo],
 
 
 def _sharding(params: list, infos: list[ParamInfo], run: RunConfig, schedule: Schedule,
-              sp_sum: Optional[SequenceParallelSum]) -> tuple[ShardLayout, ShardedGradReducer]:
+              sp_sum: Optional[SequenceParallelSum]
+              ) -> tuple[ShardLayout, Optional[ExpertShards], ShardedGradReducer]:
     """--use-distributed-optimizer: the stage's shard layout over data parallelism (Muon's
-    matrices whole) and the reducer that reduce-scatters into it; on the stages that
-    sum the tied embedding gradient, that gradient is all-reduced whole besides."""
+    matrices whole), with a mixture of experts in their own groups the experts' over the
+    expert-data-parallel group beside it, and the reducer that reduce-scatters into
+    them; on the stages that sum the tied embedding gradient, that gradient is
+    all-reduced whole besides."""
     group = data_parallel_group()
-    layout = ShardLayout([p.numel() for p in params], [i.muon is not None for i in infos],
-                         comm.size(group) if group is not None else 1)
+    numels, whole = [p.numel() for p in params], [i.muon is not None for i in infos]
+    mask = [i.expert for i in infos]
+    shards = experts.expert_shards(numels, whole, mask)
+    layout = ShardLayout(numels, whole, comm.size(group) if group is not None else 1,
+                         members=None if shards is None else [not e for e in mask])
     offsets = _offsets(params)
     full = tuple((offsets[i], params[i].numel()) for i, info in enumerate(infos)
                  if info.tied and ps.get_pipeline_model_parallel_rank() in schedule.tied_stages)
-    return layout, ShardedGradReducer(group, layout, _grad_reduce(run), full, sp_sum)
+    return layout, shards, ShardedGradReducer(group, layout, _grad_reduce(run), full, sp_sum,
+                                              shards)
 
 
 def _tied_sync(schedule: Schedule, stage: int, infos: list[ParamInfo],
@@ -221,9 +228,9 @@ class Trainer:
         # one data-parallel rank has nothing to shard (data_parallel_group() is None
         # where the comm layer says the group does not run)
         if run.parallel.distributed_optimizer and data_parallel_group() is not None:
-            layout, reducer = _sharding(params, infos, run, schedule, sp_sum)
+            layout, shards, reducer = _sharding(params, infos, run, schedule, sp_sum)
             updater = DistributedUpdater(params, infos, run.optimizer, layout,
-                                         data_parallel_group(), groups, tp)
+                                         data_parallel_group(), groups, tp, shards)
         else:
             updater = MegatronUpdater(params, infos, run.optimizer, groups, tp)
         links = stage_links(module.boundary_shape(run.train.micro_batch_size),

@@ -595,13 +595,6 @@ MOE_RULES: tuple[Rule, ...] = (
          "the experts' MLP width {f.moe_ffn} does not split over expert-tensor-parallel "
          "size {f.etp}{f.etp_source}", "give --moe-ffn-hidden-size a multiple of it, or "
          "another --expert-tensor-parallel-size"),
-    Rule("--use-distributed-optimizer, --expert-model-parallel-size",
-         lambda f: (f.experts is None or not f.args.use_distributed_optimizer
-                    or (f.ep == 1 and f.etp == f.args.tensor_model_parallel_size)),
-         "the distributed optimizer does not yet shard experts over their own "
-         "(expert-data-parallel) group, which expert parallelism {f.ep} / expert tensor "
-         "parallelism {f.etp} needs", "leave out --use-distributed-optimizer, or train at "
-         "--expert-model-parallel-size 1 with the default expert-tensor-parallel size"),
     Rule("--optimizer, --moe-grouped-gemm, --expert-tensor-parallel-size",
          lambda f: (f.experts is None or f.args.optimizer != "muon"
                     or (not f.args.moe_grouped_gemm

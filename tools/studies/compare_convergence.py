@@ -1,7 +1,8 @@
 """Convergence study: PipeDream-Flush vs PipeDream-2BW, optimizers and delay compensation.
 
-Trains a small GPT and BERT (PP=2 over two processes, through the real `pretrain_gpt.py` /
-`pretrain_bert.py`, on the embedded default corpus) once per *cell* = (model, peak lr, arm,
+Trains a small GPT and BERT, or the GPT with a mixture of experts (`--models gpt-moe`:
+every MLP 4 experts, top-2), at PP=2 over two processes, through the real `pretrain_gpt.py` /
+`pretrain_bert.py`, on the embedded default corpus, once per *cell* = (model, peak lr, arm,
 seed, dropout), and reports the final validation loss of each arm over the seeds.
 
 Arms (extra flags for the entry point; `--delay-compensation none` is the entry point's
@@ -67,6 +68,13 @@ MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "
          # the kernels the study's published cells ran with (before --bias-gelu-fusion and
          # --attention-backend existed): exact GELU, megatron-core's unfused attention
          "--no-bias-gelu-fusion", "--attention-backend", "unfused"]
+# models beyond the entry points' own: (entry point, its extra flags). gpt-moe is the GPT
+# with every MLP a mixture of 4 experts, top-2, Megatron-LM's load-balancing loss (its
+# Mixtral coefficient) and z-loss, on the same PP=2 (the question is the schedule's, not
+# expert parallelism's)
+VARIANTS = {"gpt-moe": ("gpt", ["--num-experts", "4", "--moe-router-topk", "2",
+                                "--moe-router-load-balancing-type", "aux_loss",
+                                "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"])}
 NPROC = 2
 SPIKE_RATIO = 1.2
 SPIKE_EMA = 0.9
@@ -118,11 +126,20 @@ class Cell:
     dropout: float
     iters: int
 
+    @property
+    def entry(self) -> str:
+        """The entry point: pretrain_<entry>.py."""
+        return VARIANTS[self.model][0] if self.model in VARIANTS else self.model
+
     def params(self) -> dict:
-        """Everything that determines the result, as plain JSON (hashed into the key)."""
-        return {"model": self.model, "lr": self.lr, **asdict(self.arm), "seed": self.seed,
-                "dropout": self.dropout, "iters": self.iters, "base_flags": MODEL,
-                "nproc": NPROC, "study_version": STUDY_VERSION}
+        """Everything that determines the result, as plain JSON (hashed into the key); a
+        variant's flags only where there are some, so the other cells keep their keys."""
+        params = {"model": self.model, "lr": self.lr, **asdict(self.arm), "seed": self.seed,
+                  "dropout": self.dropout, "iters": self.iters, "base_flags": MODEL,
+                  "nproc": NPROC, "study_version": STUDY_VERSION}
+        if self.model in VARIANTS:
+            params["model_flags"] = VARIANTS[self.model][1]
+        return params
 
     def key(self) -> str:
         """Readable prefix for humans, hash of all parameters so no two cells collide."""
@@ -183,8 +200,9 @@ def command(cell: Cell, data_flags: list[str], metrics: str) -> list[str]:
     """The torchrun command of one cell; `--standalone` picks a free port, so a study can
     run beside other jobs on the machine."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(NPROC), os.path.join(ROOT, f"pretrain_{cell.model}.py"),
-            *MODEL, *data_flags, *cell.arm.flags(), "--seed", str(cell.seed),
+            "--nproc-per-node", str(NPROC), os.path.join(ROOT, f"pretrain_{cell.entry}.py"),
+            *MODEL, *VARIANTS.get(cell.model, ("", []))[1], *data_flags, *cell.arm.flags(),
+            "--seed", str(cell.seed),
             "--hidden-dropout", f"{cell.dropout:g}", "--attention-dropout", f"{cell.dropout:g}",
             "--lr", repr(cell.lr), "--min-lr", repr(cell.lr / 10),
             "--train-iters", str(cell.iters), "--eval-interval", str(max(cell.iters // 10, 1)),
@@ -492,7 +510,8 @@ def _list(kind: type) -> Callable[[str], list]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=_list(str), default=["gpt", "bert"], help="gpt,bert")
+    p.add_argument("--models", type=_list(str), default=["gpt", "bert"],
+                   help="gpt,bert,gpt-moe (gpt-moe: the GPT with 4 experts, top-2)")
     p.add_argument("--lrs", "--lr", type=_list(float), default=[1e-3, 2e-3],
                    help="peak learning rates (cosine to lr/10 after 30 warm-up iterations)")
     p.add_argument("--arms", type=_arms, default=list(ARMS), help="arm names (table above)")
@@ -540,7 +559,7 @@ def make_runner(out: str) -> Callable[[Cell], dict]:
 
             data = ensure_default_data(os.path.join(ROOT, "data", "cache"))
             flags.update(gpt=data.gpt_flags(), bert=data.bert_flags())
-        return launch(cell, flags[cell.model], os.path.join(out, "work"))
+        return launch(cell, flags[cell.entry], os.path.join(out, "work"))
     return run
 
 
