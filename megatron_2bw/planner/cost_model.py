@@ -927,7 +927,7 @@ def _sharding_buffers(cm: CostModel, cfg: ParallelConfig, stage: int, shard: Sha
 
     - in the step: the all-gather's buffer, w C in the parameter dtype, and a copy of the
       rank's own chunk (C) (`DistributedUpdater._gather_no_grad`, comm.sharding.all_gather;
-      with experts sharded apart, the larger part's);
+      with experts sharded apart, the larger part's over more than one rank);
     - from the reduction's start to its wait, which under 2BW spans the next minibatch's
       compute: on the tied stages (pp > 1) an fp32 copy of the word-embedding gradient
       for its whole all-reduce, and with whole matrices the gradient packed into chunk
@@ -936,8 +936,11 @@ def _sharding_buffers(cm: CostModel, cfg: ParallelConfig, stage: int, shard: Sha
     - with whole matrices, the updater's own fp32 shard of the gradient (C), always.
     """
     prec = cm.precision
-    parts = shard.parts if isinstance(shard, SplitShard) else (shard,)
-    gather = max(p.padded + p.chunk for p in parts) * prec.param_bytes  # one part at a time
+    if isinstance(shard, SplitShard):  # one part at a time; a part on one rank has none
+        gather = max((p.padded + p.chunk for p in shard.parts if p.ranks > 1),
+                     default=0) * prec.param_bytes
+    else:
+        gather = (shard.padded + shard.chunk) * prec.param_bytes
     reducing = 0
     if cfg.pipeline_depth > 1 and stage in (0, cfg.pipeline_depth - 1):
         reducing += cm.tied_embedding_params(cfg) * prec.grad_bytes
