@@ -17,7 +17,7 @@ from megatron_2bw.planner import (PRESETS, CostModel, FlopsCompute, ModelShape,
                                   ParallelConfig, SearchSpace, enumerate_configs, explain,
                                   search)
 from megatron_2bw.planner.cli import main as cli_main
-from megatron_2bw.planner.experts import (DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL, Experts,
+from megatron_2bw.planner.experts import (Experts,
                                           expert_parallel_sizes)
 from megatron_2bw.planner.explain import format_table
 from megatron_2bw.planner.hardware import GB
@@ -251,8 +251,7 @@ def test_expert_parallel_sizes_divide_the_experts_and_the_data_parallel_ranks():
 def test_search_picks_expert_parallelism_for_mixtral_on_64_a100s():
     """Mixtral 8x7B on 8 p4d.24xlarge servers (64 A100 40 GB): the best plan splits the
     experts (EP > 1), and every plan keeps megatron-core's rules: EP divides the experts
-    and DP x CP, TP > 1 only with sequence parallelism, no distributed optimizer with
-    EP > 1 (the trainer refuses the pair)."""
+    and DP x CP, TP > 1 only with sequence parallelism."""
     cm = cost_model()
     space = SearchSpace(64, 64, schedules=("flush", "2bw"), micro_batch_sizes=(1,),
                         recompute=(SELECTIVE,), virtual_stages=(1,),
@@ -262,8 +261,6 @@ def test_search_picks_expert_parallelism_for_mixtral_on_64_a100s():
     for c in configs:
         assert 8 % c.expert_parallel == 0 and c.gradient_ranks % c.expert_parallel == 0
         assert c.tensor_parallel == 1 or c.sequence_parallel
-        assert not (c.expert_parallel > 1 and c.distributed_optimizer) \
-            or DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL
     result = search(cm, space)
     best = result.best.config
     assert best.expert_parallel > 1 and f" ep{best.expert_parallel} " in best.label()
@@ -289,17 +286,14 @@ def test_without_sequence_parallelism_a_mixture_of_experts_gets_tp_1():
         space, sequence_parallel=True))} > {1}
 
 
-def test_the_distributed_optimizer_is_searched_only_where_the_trainer_takes_it():
-    """While the trainer refuses --use-distributed-optimizer with expert parallelism the
-    search plans neither the pair nor (with the sharded optimizer required) EP > 1; the
-    cost model counts the pair all the same: the dense part sharded over DP x CP, the
-    experts over the DP x CP / EP ranks holding them, each reduce-scattered and gathered
-    over its own group."""
+def test_the_distributed_optimizer_is_searched_with_expert_parallelism():
+    """The pair is planned (the trainer shards both parts), and counted: the dense part
+    sharded over DP x CP, the experts over the DP x CP / EP ranks holding them, each
+    reduce-scattered and gathered over its own group."""
     cm = cost_model(SMALL, Experts(8, 2), P3)
     only_sharded = SearchSpace(16, 32, distributed_optimizer=(True,), recompute=(FULL,))
     configs = list(enumerate_configs(cm, only_sharded))
-    if not DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL:
-        assert configs and all(c.expert_parallel == 1 for c in configs)
+    assert any(c.expert_parallel > 1 and c.distributed_optimizer for c in configs)
     cm = cost_model()
     cfg = ParallelConfig("flush", 1, 8, 8, 1, 32, FULL, expert_parallel=4,
                          distributed_optimizer=True)
@@ -415,7 +409,7 @@ def test_emit_writes_a_mixtral_like_launch_the_trainer_accepts(tmp_path, capsys)
                   "--expert-model-parallel-size 4",
                   "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"):
         assert words in text, words
-    assert "--use-distributed-optimizer" not in text and " ep4 " in err
+    assert " ep4 " in err  # the distributed optimizer where the plan says (both groups)
     best = json.loads(plan.read_text())["best"]
     assert (best["expert_parallel"], best["tensor_parallel"]) == (4, 2)
     words = shlex.split(text)

@@ -190,6 +190,9 @@ CROSS = [  # (extra flags, world size, where, part of the message, base or None)
     (["--num-experts", "4", "--disable-bias-linear", "--expert-tensor-parallel-size", "2",
       "--moe-ffn-hidden-size", "33"], 2, "--moe-ffn-hidden-size", "width 33 does not split",
      None),
+    (["--num-experts", "4", "--optimizer", "muon", "--moe-grouped-gemm",
+      "--disable-bias-linear"], 2, "--optimizer, --moe-grouped-gemm",
+     "muon orthogonalises each expert's matrix", None),
 ]
 
 

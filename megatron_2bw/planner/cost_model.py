@@ -288,8 +288,7 @@ class CostModel:
         """The stage's shard layout under `--use-distributed-optimizer` (None without it):
         elementwise for Adam, Muon's matrices whole (`Precision.whole_matrices`). With
         expert parallelism the routed experts are sharded apart, over the
-        expert-data-parallel ranks (`SplitShard`; the search plans that only where the
-        trainer takes it: `DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL`)."""
+        expert-data-parallel ranks (`SplitShard`), as the trainer shards them."""
         if not cfg.distributed_optimizer:
             return None
         t, ep = cfg.tensor_parallel, cfg.expert_parallel

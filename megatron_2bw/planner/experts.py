@@ -28,13 +28,6 @@ from ..shape import ModelShape
 DISPATCHERS = ("allgather", "alltoall")
 """`--moe-token-dispatcher-type` choices the trainer runs."""
 
-DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL = False
-"""Whether the trainer takes `--use-distributed-optimizer` together with
-`--expert-model-parallel-size` > 1 (training/validation.py's MoE rules). While it refuses
-the pair the search never plans it; the cost model already counts it (the dense part
-sharded over DP x CP, the experts over the expert-data-parallel ranks:
-`shards.SplitShard`), so this is the one place to change when the trainer takes it."""
-
 ROUTER_SCORE_BYTES = 4
 """Bytes per token and expert the router keeps for backward (its fp32 scores)."""
 

@@ -18,7 +18,6 @@ from dataclasses import replace
 
 from ..schedules import SCHEDULES
 from .cost_model import CostModel, Estimate
-from .experts import DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL
 from .hardware import GB
 from .search import (INTERLEAVED, SearchResult, chunks_fit, plan_group,
                      sequence_parallel_option)
@@ -181,9 +180,6 @@ def sharding_sentence(cm: CostModel, est: Estimate) -> str:
     cfg = est.config
     if cfg.gradient_ranks == 1:
         return ""
-    if cfg.expert_parallel > 1 and not DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL:
-        return ("Distributed optimizer: off (the trainer does not take "
-                "--use-distributed-optimizer with expert parallelism).")
     other = cm.evaluate(replace(cfg, distributed_optimizer=not cfg.distributed_optimizer),
                         simulate_time=False)
     mine, theirs = cm.memory_terms(est), cm.memory_terms(other)

@@ -25,9 +25,9 @@ A mixture of experts (`CostModel.experts`) adds the expert-parallel size EP, car
 the DP x CP ranks: 1 and the powers of two dividing the experts and DP x CP
 (`experts.expert_parallel_sizes`); TP also divides the experts' MLP width, and a plan with
 TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without it).
-A plan with EP > 1 is never given the distributed optimizer while the trainer refuses the
-pair (`experts.DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL`). A dense model's search has
-EP = 1 only and is what it was.
+The distributed optimizer is tried with expert parallelism too (the dense part sharded
+over DP x CP, the experts over their expert-data-parallel ranks). A dense model's search
+has EP = 1 only and is what it was.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from typing import Iterator
 from ..schedules import schedule_spec
 from ..shape import ModelShape
 from .cost_model import CostModel, Estimate
-from .experts import DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL, expert_parallel_sizes
+from .experts import expert_parallel_sizes
 from .spec import (DEFAULT_RECOMPUTE_OPTIONS, SCHEDULES, ParallelConfig, Recompute,
                    as_recompute, split_layers)
 
@@ -99,10 +99,8 @@ class SearchSpace:
 def sharding_options(w: int, allowed: tuple[bool, ...], ep: int = 1) -> tuple[bool, ...]:
     """The distributed optimizer settings to try over w ranks holding the same weights
     (DP x CP): at w = 1 only off (with one replica there is nothing to shard; the flag
-    would only add the gather buffer), else `allowed`; with expert parallelism (ep > 1)
-    only off while the trainer refuses the pair (possibly none: `allowed` = (True,))."""
-    if ep > 1 and not DISTRIBUTED_OPTIMIZER_WITH_EXPERT_PARALLEL:
-        return tuple(a for a in allowed if not a)
+    would only add the gather buffer), else `allowed` (with expert parallelism too: the
+    experts shard over their own group)."""
     return (False,) if w == 1 else allowed
 
 

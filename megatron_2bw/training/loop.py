@@ -256,10 +256,13 @@ class Trainer:
             else [self.updater.state_bytes()]
         par = self.run.parallel
         sharded = par.distributed_optimizer and par.data_parallel > 1
+        by_group = self.run.model.is_moe and experts.separate_groups()
         logger.info(f"optimizer state per rank: {max(held) / 2**20:.2f} MiB at most, "
                     f"{min(held) / 2**20:.2f} MiB at least"
-                    + (f" (sharded over {par.data_parallel} data-parallel ranks)" if sharded
-                       else ""))
+                    + (f" (sharded over {par.data_parallel} data-parallel ranks"
+                       + (f", the experts' over {par.expert_data_parallel} "
+                          f"expert-data-parallel ranks" if by_group else "") + ")"
+                       if sharded else ""))
         self.sink.note({"split": "memory", "iteration": self.iteration,
                         "optimizer_state_bytes": held, "data_parallel": par.data_parallel,
                         "distributed_optimizer": par.distributed_optimizer})
