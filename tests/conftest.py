@@ -4,6 +4,7 @@ modules; and the session's small real corpus.
 tests/devices.py, imported first, keeps every test process on the CPU unless the test
 asks for CUDA (so the suite runs alike on a GPU machine)."""
 import os
+import signal
 import sys
 
 import pytest
@@ -24,3 +25,27 @@ def small_corpus(tmp_path_factory):
     from megatron_2bw.data.default_data import CorpusSpec, ensure_default_data
     spec = CorpusSpec(max_chars=300_000, gpt_vocab_size=512, bert_vocab_size=512)
     return ensure_default_data(str(tmp_path_factory.mktemp("data")), spec, workers=1)
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_as_it_was():
+    """A test that trains in-process leaves SIGTERM ignored, as the trainer does after a
+    run (a late SLURM signal must not end a rank that saved); put back what the next test
+    in this worker expects."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    if signal.getsignal(signal.SIGTERM) != before:
+        signal.signal(signal.SIGTERM, before)
+
+
+# the longest files first: with `--dist loadfile` each worker takes whole files in this
+# order, so these start at once rather than end the run alone on one worker
+FIRST = ("test_slurm.py", "test_benchmarks.py", "test_validate_planner.py",
+         "test_reliability_stop.py", "test_moe_training.py", "test_examples.py",
+         "test_sharded_checkpoint.py", "test_hf_export.py", "test_moe_checkpoints.py",
+         "test_delay_compensation.py", "test_megatron_numerics.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(FIRST)))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -16,7 +17,30 @@ import torch.multiprocessing as mp
 from megatron_2bw.runtime.process import exit_now
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port nobody listens on, drawn at random below the kernel's ephemeral range.
+
+    Why not bind(0): that hands out ephemeral ports, which the kernel also gives every
+    outgoing connection as its source port; with two test workers running side by side
+    (`make test`), a port released here could be another process's by the time a rank
+    listens or connects there. Below the range only another draw can take it."""
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(20000, _ephemeral_low())
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

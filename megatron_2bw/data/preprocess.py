@@ -222,9 +222,13 @@ _WORKER: Optional[_Encoder] = None
 
 def _init_worker(config: PreprocessConfig) -> None:
     """A pool worker: Ctrl-C, which the terminal sends to every process of the job, is its
-    parent's to act on (the parent ends the pool); each worker would print a traceback."""
+    parent's to act on (the parent ends the pool); each worker would print a traceback.
+    SIGTERM is how the parent ends the pool (`Pool.terminate`): a parent that ignores it
+    (a trainer after its run ignores late SIGTERMs; some launchers start jobs so) would
+    hand that on to the workers, and the pool's end would wait for them forever."""
     global _WORKER
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER = _Encoder(config)
 
 
