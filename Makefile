@@ -27,7 +27,7 @@ test: install
 test-matrix: install
 	$(PY) -m pytest -q -ra -m matrix tests
 
-# the developer's loop (about 3 min here): every module's unit tests and one end-to-end
+# the developer's loop (about 2 min here): every module's unit tests and one end-to-end
 # run per entry point; the slow rest (multi-process equality matrices, launchers, the
 # GPU scripts' dry runs) is in `make test` only
 test-fast: install

@@ -261,7 +261,9 @@ class Trainer:
                     f"{min(held) / 2**20:.2f} MiB at least"
                     + (f" (sharded over {par.data_parallel} data-parallel ranks"
                        + (f", the experts' over {par.expert_data_parallel} "
-                          f"expert-data-parallel ranks" if by_group else "") + ")"
+                          f"expert-data-parallel rank"
+                          f"{'s' if par.expert_data_parallel > 1 else ''}" if by_group
+                          else "") + ")"
                        if sharded else ""))
         self.sink.note({"split": "memory", "iteration": self.iteration,
                         "optimizer_state_bytes": held, "data_parallel": par.data_parallel,
