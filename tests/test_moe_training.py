@@ -26,8 +26,8 @@ import torch
 import math
 
 from tests.dist_harness import run_distributed
-from tests.entry_harness import (TINY, complete_records, launch, losses, max_rel,
-                                 minibatch_loss)
+from tests.entry_harness import TINY, complete_records, launch, losses, max_rel
+from tests.test_2bw_oracle import delayed_oracle
 
 pytestmark = pytest.mark.slow
 
@@ -71,37 +71,17 @@ def test_expert_parallel_equals_one_rank(tmp_path, reference, nproc, flags) -> N
 
 
 def _moe_oracle(rank: int, world: int, argv: list[str]) -> list[float]:
-    """The delayed update on the whole model in one process: minibatch k's gradient is
-    taken on the weights before step k - 1 and applied to the current ones (AdamW, clip
-    1.0); the router losses' gradient is scaled by 1 / m, as megatron-core's schedules
-    set MoEAuxLossAutoScaler for a mean loss over m microbatches."""
-    from megatron.core import parallel_state as ps
+    """The dense oracle's delayed update (tests/test_2bw_oracle.py) on the MoE model, with
+    the router losses' gradient scaled by 1 / m, as megatron-core's schedules set
+    MoEAuxLossAutoScaler for a mean loss over m microbatches."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from megatron_2bw.training.reference import single_process_model
+    from megatron_2bw.training.arguments import parse_args
 
-    ref = single_process_model("gpt", argv)
-    args, current, previous, sample = ref.args, ref.model, ref.build(), ref.sample
-    previous.load_state_dict(current.state_dict())
-    named = list(current.named_parameters())
-    decay = [p for n, p in named if p.dim() > 1 and not n.endswith(".bias")]
-    no_decay = [p for n, p in named if not (p.dim() > 1 and not n.endswith(".bias"))]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, weight_decay=args.weight_decay, foreach=True)
-    gbs, mbs = args.global_batch_size, args.micro_batch_size
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(mbs / gbs))
-    out = []
-    for k in range(args.train_iters):
-        out.append(minibatch_loss(previous, sample, k, gbs, mbs))
-        snapshot = {n: t.clone() if torch.is_tensor(t) else t
-                    for n, t in current.state_dict().items()}
-        for (_, p), q in zip(named, previous.parameters()):
-            p.grad = q.grad.clone()
-        torch.nn.utils.clip_grad_norm_(current.parameters(), args.clip_grad)
-        opt.step()
-        previous.load_state_dict(snapshot)
-    ps.destroy_model_parallel()
-    return out
+    args = parse_args("gpt", argv)
+    MoEAuxLossAutoScaler.set_loss_scale(
+        torch.tensor(args.micro_batch_size / args.global_batch_size))
+    return delayed_oracle(argv)
 
 
 def test_2bw_equals_delayed_oracle(tmp_path) -> None:
