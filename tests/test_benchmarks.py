@@ -329,18 +329,21 @@ def test_gpu_check_summary_against_the_reference_cut_short(tmp_path) -> None:
 
 def test_reference_counts_megatrons_flops_and_parameters() -> None:
     """The reference GPT is Megatron's default GPT: its FLOP count per step is the one
-    pretrain_gpt.py reports (ModelShape.training_flops) at the 1.3B shape, and its
+    pretrain_gpt.py logs (training.flops.megatron_flops) at the 1.3B shape, and its
     parameters are 12Lh^2 + 13Lh + Vh + sh + 2h (biases, a 4h MLP, learned positions,
     the output layer tied to the embedding)."""
     from benchmarks.gpu_reference import GPT, Shape, padded_vocab
 
-    from megatron_2bw.shape import ModelShape
+    from megatron_2bw.models.config import ModelConfig
+    from megatron_2bw.training.flops import megatron_flops
 
     vocab = padded_vocab(50257 + 1, 128)  # the NullTokenizer's ids and EOD
     assert vocab == 50304
     shape = Shape(layers=24, hidden=2048, heads=16, seq=2048, vocab=vocab, micro=2,
                   microbatches=4)
-    megatron = ModelShape("gpt", 24, 2048, 16, 2048, 50257).training_flops(2 * 4)
+    megatron = megatron_flops(ModelConfig(model="gpt", num_layers=24, hidden_size=2048,
+                                          num_attention_heads=16, seq_length=2048,
+                                          vocab_size=vocab), 2 * 4)
     assert shape.flops_per_iteration() == pytest.approx(megatron, rel=1e-12)
     tiny = Shape(layers=3, hidden=32, heads=4, seq=16, vocab=96, micro=1, microbatches=1)
     count = sum(p.numel() for p in GPT(tiny, dropout=0.0).parameters())

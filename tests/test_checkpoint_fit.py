@@ -74,7 +74,7 @@ ARGS = {"vocab_size": 127, "padded_vocab_size": 128, "make_vocab_size_divisible_
 
 @pytest.mark.parametrize("reshardable", [False, True])
 def test_another_vocabulary_is_refused(reshardable) -> None:
-    with pytest.raises(CheckpointError, match=r"--vocab-size 200 here, 127 in the checkpoint, "
+    with pytest.raises(CheckpointError, match=r"--vocab-size 127 in the checkpoint, 200 in this run, "
                                               r"so its embedding and output layer have 128 "
                                               r"rows and this model's 256 \(ck\)"):
         check_vocabulary(ARGS, {**ARGS, "vocab_size": 200}, 256, "ck", reshardable)
@@ -82,8 +82,8 @@ def test_another_vocabulary_is_refused(reshardable) -> None:
 
 def test_padding_alone_reshards_from_torch_dist_only(caplog) -> None:
     flags = {**ARGS, "make_vocab_size_divisible_by": 256}
-    with pytest.raises(CheckpointError, match=r"--make-vocab-size-divisible-by 256 here, 64 in "
-                                              r"the checkpoint.*convert it to torch_dist"):
+    with pytest.raises(CheckpointError, match=r"--make-vocab-size-divisible-by 64 in the checkpoint, "
+                                              r"256 in this run.*convert it to torch_dist"):
         check_vocabulary(ARGS, flags, 256, "ck", reshardable=False)
     with caplog.at_level(logging.WARNING):
         assert check_vocabulary(ARGS, flags, 256, "ck", reshardable=True) is True
@@ -93,7 +93,7 @@ def test_padding_alone_reshards_from_torch_dist_only(caplog) -> None:
 def test_same_rows_other_tokenizer_is_a_note(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         assert check_vocabulary(ARGS, {**ARGS, "vocab_size": 100}, 128, "ck", True) is False
-    assert "--vocab-size 100 here, 127 in the checkpoint" in caplog.text
+    assert "--vocab-size 127 in the checkpoint, 100 in this run" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         check_vocabulary(ARGS, dict(ARGS), 128, "ck", True)
@@ -103,7 +103,8 @@ def test_same_rows_other_tokenizer_is_a_note(caplog) -> None:
 def test_data_order_note(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         note_data_order(ARGS, {**ARGS, "seed": 7, "data_path": ["a", "b"]}, 2)
-    assert ("--seed 7 here, 1234 in the checkpoint; --data-path a b here, (unset) in the checkpoint"
+    assert ("--seed 1234 in the checkpoint, 7 in this run; --data-path (unset) in the checkpoint, a b "
+            "in this run"
             in caplog.text) and "after iteration 2" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):

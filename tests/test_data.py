@@ -131,7 +131,9 @@ def test_tokenizer_interfaces(tokenizer_files):
     assert hf.eod == gpt2.eod and hf.tokenize("plain words") == gpt2.tokenize("plain words")
     sp = tokenizer_files["sentencepiece"].build()
     assert sp.vocab_size == 400 + 4 + 1  # <CLS> <SEP> <EOD> <MASK>, <PAD> (model has none)
-    assert sp.tokenize("a <EOD> b").count(sp.eod) == 1
+    legacy = build_tokenizer("SentencePieceTokenizer", legacy_tokenizer=True,
+                             tokenizer_model=tokenizer_files["sentencepiece"].tokenizer_model)
+    assert legacy.tokenize("a <EOD> b").count(legacy.eod) == 1
     bert = tokenizer_files["bert"].build()
     assert bert.vocab_size == 700 and bert.eod == bert.vocab["[EOS]"] and bert.pad == 0
     assert bert.detokenize(bert.tokenize("The Tuple Type.")) == "the tuple type ."

@@ -5,12 +5,14 @@ Megatron-LM's train_gpt3_175b_distributed.sh, train_bert_340m_distributed.sh,
 train_llama3_8b_h100_fp8.sh and train_mixtral_8x7b_distributed.sh at core_v0.16.1
 (--attention-backend, --rampup-batch-size, --fp16, --lr-warmup-fraction, --split,
 --save/--load, --tensorboard-dir, ...), each run as is and with --pipeline-schedule 2bw
-for a few iterations through torchrun, on the embedded corpus.
+for a few iterations through torchrun, on the embedded corpus. Outside any virtual
+environment the scripts find the checkout's .venv, or say in one line what to do.
 """
 from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -90,3 +92,27 @@ def test_mixtral_example_runs_under_2bw(tmp_path) -> None:
     assert "lm loss value:" in out
     with open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert f.read().strip() == "4"
+
+
+def test_examples_find_the_projects_python(tmp_path) -> None:
+    """From a shell that never activated an environment (a bare PATH, no $PYTHON): the
+    checkout's .venv; in a checkout without one, where python3 lacks torch, one `error:`
+    line saying what to do, before torchrun starts (exit 2)."""
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    venv = os.path.join(ROOT, ".venv", "bin", "python")
+    if os.path.exists(venv):
+        found = subprocess.run(["bash", "-c", 'source examples/python.sh && echo "$PY"'],
+                               cwd=ROOT, env=bare, capture_output=True, text=True, timeout=60)
+        assert found.stdout.strip() == venv, found.stderr
+    checkout = tmp_path / "checkout"
+    shutil.copytree(os.path.join(ROOT, "examples"), checkout / "examples")
+    (tmp_path / "bin").mkdir()
+    stand_in = tmp_path / "bin" / "python3"  # a python3 without torch, whatever the host has
+    stand_in.write_text("#!/bin/sh\nexit 1\n")
+    stand_in.chmod(0o755)
+    proc = subprocess.run(["bash", "examples/mixtral/train_mixtral_8x7b_distributed.sh"],
+                          cwd=checkout, env={**bare, "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc
+    assert "make" in lines[0] and "PYTHON=" in lines[0] and proc.stdout == ""

@@ -34,7 +34,7 @@ ALLOWED = {
     # Megatron-LM's checkpoint layouts: beside training, which writes them
     "checkpointing": {"models", "shape", "comm", "runtime", "optim"},
     "training": {"runtime", "models", "shape", "data", "optim", "schedules", "vocab", "comm",
-                 "checkpointing"},
+                 "checkpointing", "planner"},
     # the optional transformers tools
     "hf": {"training", "models", "shape", "data", "vocab", "checkpointing"},
     # tools/evaluate.py: a checkpoint (through hf's loader) or an HF directory, scored
@@ -43,7 +43,9 @@ ALLOWED = {
     "finetune": {"training", "models", "shape", "data", "vocab", "checkpointing"},
 }
 # finer rules: (importing module, imported layer) pairs allowed only in these files
-ONLY_IN = {("planner", "models"): {"planner/profile.py"}}
+ONLY_IN = {("planner", "models"): {"planner/profile.py"},
+           # the planner's memory model, asked before the model is built
+           ("training", "planner"): {"training/memory_check.py"}}
 # (importing layer, imported layer) pairs allowed only through these modules
 ONLY_THROUGH = {("checkpointing", "runtime"): {"megatron_2bw.runtime.checkpoint"},
                 ("checkpointing", "optim"): {"megatron_2bw.optim.checkpoint"}}

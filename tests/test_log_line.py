@@ -13,9 +13,11 @@ import os
 import re
 import subprocess
 import sys
+import time
 from typing import Optional
 
 import pytest
+import torch
 
 from megatron_2bw.training.arguments import config_from_args, parse_args
 from megatron_2bw.training.config import TrainConfig
@@ -195,6 +197,20 @@ def test_resume_drops_tensorboard_events_past_the_checkpoint(tmp_path) -> None:
     assert got["lm loss vs samples"] == [(8, 9.0), (16, 9.0), (24, 1.0), (32, 1.0)]
 
 
+def test_fresh_run_keeps_an_earlier_runs_tensorboard_events(tmp_path) -> None:
+    """A run from iteration 0 into a folder with another run's events adds its own beside
+    them (as the metrics file appends); only a resume drops what it writes again."""
+    tb = str(tmp_path / "tb")
+    earlier = sink(tmp_path, train_iters=2, tensorboard_dir=tb)
+    for it in (1, 2):
+        earlier.record(record(it, loss=9.0))
+    earlier.close()
+    fresh = sink(tmp_path, train_iters=2, tensorboard_dir=tb)
+    fresh.record(record(1, loss=1.0))
+    fresh.close()
+    assert sorted(_scalars(tb)["lm loss"]) == [(1, 1.0), (1, 9.0), (2, 9.0)]
+
+
 def test_missing_tensorboard_is_a_warning(tmp_path, caplog, monkeypatch) -> None:
     """As in Megatron-LM: no tensorboard package, no TensorBoard logs, the run goes on."""
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` fails
@@ -252,61 +268,269 @@ def test_logging_flags_reach_train_config() -> None:
     t = config_from_args(parse_args("gpt", base + [
         "--log-throughput", "--timing-log-level", "2", "--log-timers-to-tensorboard",
         "--no-log-loss-scale-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-        "--tensorboard-log-interval", "5", "--wandb-project", "p"]), "gpt", 1, 127).train
+        "--tensorboard-log-interval", "5", "--wandb-project", "p", "--log-params-norm",
+        "--log-num-zeros-in-grad", "--log-memory-to-tensorboard", "--timing-log-option",
+        "all"]), "gpt", 1, 127)
+    o, t = t.optimizer, t.train
     assert (t.log_throughput, t.log_timers_to_tensorboard, t.log_loss_scale_to_tensorboard,
             t.log_validation_ppl_to_tensorboard, t.tensorboard_log_interval,
             t.wandb_project) == (True, True, False, True, 5, "p")
+    assert (t.log_params_norm, t.log_num_zeros_in_grad, o.log_num_zeros_in_grad,
+            t.log_memory_to_tensorboard, t.timing_log_level, t.timing_log_option) == (
+        True, True, True, True, 2, "all")
     with pytest.raises(UserError, match="--timing-log-level"):
         parse_args("gpt", base + ["--timing-log-level", "3"])
 
 
 def test_tiny_bert_run_prints_megatron_lines(tmp_path) -> None:
-    """A real run (one process): the line, the validation block with each BERT loss, the
-    TensorBoard tags read back, and the metrics file's keys."""
+    """A real run (one process): the arguments block and parameter count at start, the
+    line (with num zeros and params norm), the memory report after the first two lines,
+    the timers after each, the validation block with each BERT loss, the test set after
+    training, the TensorBoard tags read back, and the metrics file's keys."""
     tb, metrics = tmp_path / "tb", tmp_path / "m.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_bert.py"), *TINY, "--num-layers", "2",
            "--train-iters", "3", "--log-interval", "2", "--eval-interval", "2",
-           "--tensorboard-dir", str(tb), "--metrics-file", str(metrics)]
+           "--tensorboard-dir", str(tb), "--metrics-file", str(metrics),
+           "--log-params-norm", "--log-num-zeros-in-grad", "--timing-log-level", "1",
+           "--log-timers-to-tensorboard", "--log-memory-to-tensorboard"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stderr.splitlines()
+    start = out.index("------------------------ arguments ------------------------")
+    end = out.index("-------------------- end of arguments ---------------------")
+    names = [ln.split()[0] for ln in out[start + 1:end]]
+    assert names == sorted(names, key=str.lower) and "world_size" in names
+    assert f"  log_params_norm {'.' * 33} True" in out[start:end]
+    assert any(re.fullmatch(r" > number of parameters on \(tensor, pipeline\) model parallel "
+                            r"rank \(0, 0\): \d+", ln) for ln in out)
     printed = [ln for ln in out if re.match(STAMP + " iteration", ln)]
     assert [int(re.search(r"iteration +(\d+)/", ln).group(1)) for ln in printed] == [1, 2, 3]
-    assert list(fields(printed[0])) == FIELDS[:5] + ["sop loss"] + FIELDS[5:]
+    assert list(fields(printed[0])) == (FIELDS[:5] + ["sop loss"] + FIELDS[5:7]
+                                        + ["num zeros", "params norm"] + FIELDS[7:])
+    assert [ln.split(" | ")[0] for ln in out if ln.startswith("[Rank ")] == [
+        "[Rank 0] (after 1 iterations) memory (MB)", "[Rank 0] (after 2 iterations) memory (MB)"]
+    assert sum(ln.startswith("Theoretical memory footprints: ") for ln in out) == 2
+    assert sum(ln == "(min, max) time across ranks (ms):" for ln in out) == 3
+    assert any(re.fullmatch(r"    forward-backward \.+: \(\d+\.\d\d, \d+\.\d\d\)", ln)
+               for ln in out)
     valid = [i for i, ln in enumerate(out) if ln.startswith(" validation loss at iteration")]
-    assert len(valid) == 2 and "on validation set" in out[valid[1]]
+    assert len(valid) == 3 and "on validation set" in out[valid[1]]
+    assert out[valid[2]].startswith(" validation loss at iteration 3 on test set | lm loss value")
     assert re.match(r" validation loss at iteration 2 \| lm loss value: \S+ \| lm loss PPL: \S+ \|"
                     r" sop loss value: \S+ \| sop loss PPL: \S+ \| $", out[valid[0]])
     assert out[valid[0] - 1] == out[valid[0] + 1] == "-" * (len(out[valid[0]]) + 1)
     tags = set(_scalars(str(tb)))
     for tag in ("learning-rate", "batch-size", "lm loss", "sop loss", "loss-scale", "grad-norm",
-                "lm loss validation", "sop loss validation"):
+                "num-zeros", "params-norm", "lm loss validation", "sop loss validation"):
         assert {tag, tag + " vs samples"} <= tags, tag
+    assert {"mem-rss-bytes", "mem-max-rss-bytes", "forward-backward-time", "optimizer-time",
+            "all-grads-sync-time", "iteration-time"} <= tags
     rows = [json.loads(x) for x in open(metrics)]
     memory = [r for r in rows if r["split"] == "memory"]
     assert len(memory) == 2 and len(memory[0]["optimizer_state_bytes"]) == 1
     assert memory[1]["iteration"] == 1 and memory[1]["activation_bytes_per_microbatch"][0] > 0
     rows = [r for r in rows if r["split"] != "memory"]
-    assert KEYS | {"sop_loss", "global_batch_size", "weight_version"} <= set(rows[0])
+    assert KEYS | {"sop_loss", "global_batch_size", "weight_version", "num_zeros",
+                   "params_norm"} <= set(rows[0])
     assert [r["iteration"] for r in rows if r["split"] == "train"] == [1, 2, 3]
+    assert [r["iteration"] for r in rows if r["split"] == "test"] == [3]
 
 
-def test_flops_count_the_architecture() -> None:
-    """SC21 eq. 3 for a standard GPT; grouped-query attention and SwiGLU change the count
-    by exactly their projections' FLOPs."""
-    import dataclasses
+def _megatron_num_floating_point_operations(a: dict, batch_size: int) -> float:
+    """Megatron-LM's num_floating_point_operations (training.py at core_v0.16.1, the
+    standard-transformer branch without MLA, MTP, linear attention or shared experts),
+    transcribed here from its text over Megatron-LM's argument names, independently of
+    the package's count."""
+    h, s, layers = a["hidden_size"], a["seq_length"], a["num_layers"]
+    heads = a["num_attention_heads"]
+    groups = a["num_query_groups"] if a["group_query_attention"] else heads
+    if a["num_experts"] is None:
+        dense, moe, routed_to = layers, 0, 0
+    else:
+        pattern = [1 if i % a["moe_layer_freq"] == 0 else 0 for i in range(layers)]
+        moe, routed_to = sum(pattern), a["moe_router_topk"]
+        dense = layers - moe
+    moe_ffn = a["moe_ffn_hidden_size"] if a["moe_ffn_hidden_size"] is not None \
+        else a["ffn_hidden_size"]
+    ffn_expansion = 3 if a["swiglu"] else 2
+    query, key, value = (a["kv_channels"] * heads, a["kv_channels"] * groups,
+                         a["kv_channels"] * groups)
+    self_attn = 3 * 2 * (h * (query + key + value) + query * s / 2 * 2 + query * h)
+    return batch_size * s * (
+        3 * 2 * h * (a["ffn_hidden_size"] * ffn_expansion * dense
+                     + moe_ffn * routed_to * ffn_expansion * moe)
+        + self_attn * layers + 3 * 2 * h * a["padded_vocab_size"])
 
-    from megatron_2bw.models.config import ModelConfig
+
+def _megatron_args(args, vocab: int) -> dict:
+    """The values Megatron-LM's validate_args derives (kv-channels, the MLP width,
+    the padded vocabulary), from the parsed flags."""
+    a = dict(vars(args))
+    h = a["hidden_size"]
+    a["kv_channels"] = a["kv_channels"] or h // a["num_attention_heads"]
+    if a["ffn_hidden_size"] is None:
+        a["ffn_hidden_size"] = int((4 * h * 2 / 3) / 64) * 64 if a["swiglu"] else 4 * h
+    multiple = a["make_vocab_size_divisible_by"] * a["tensor_model_parallel_size"]
+    a["padded_vocab_size"] = -(-vocab // multiple) * multiple
+    return a
+
+
+FLOP_SHAPES = {  # name: (model, flags, tokenizer vocabulary)
+    "gpt 345m": ("gpt", "--num-layers 24 --hidden-size 1024 --num-attention-heads 16 "
+                 "--seq-length 1024 --max-position-embeddings 1024", 50257),
+    "gpt, full recomputation": (
+        "gpt", "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --recompute-granularity full --recompute-method "
+        "uniform --recompute-num-layers 1", 127),
+    "llama-3-8b, seq 8192": (
+        "gpt", "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 --swiglu "
+        "--normalization RMSNorm --position-embedding-type rope "
+        "--untie-embeddings-and-output-weights --disable-bias-linear --seq-length 8192 "
+        "--max-position-embeddings 8192", 128256),
+    "bert large": ("bert", "--num-layers 24 --hidden-size 1024 --num-attention-heads 16 "
+                   "--seq-length 512 --max-position-embeddings 512", 30522),
+    "mixtral 8x7b": (
+        "gpt", "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 --swiglu "
+        "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+        "--untie-embeddings-and-output-weights --num-experts 8 --moe-router-topk 2 "
+        "--seq-length 4096 --max-position-embeddings 4096", 32000),
+    "moe every 2nd layer, kv-channels, own expert width": (
+        "gpt", "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --kv-channels 32 "
+        "--seq-length 128 --max-position-embeddings 128 --num-experts 4 --moe-router-topk 2 "
+        "--moe-ffn-hidden-size 96 --moe-layer-freq 2", 1000),
+}
+
+
+@pytest.mark.parametrize("name", list(FLOP_SHAPES))
+def test_flops_equal_megatrons_formula(name: str) -> None:
+    """The logged FLOPs per iteration are Megatron-LM's num_floating_point_operations (to
+    1e-6) for GPT, Llama-3-8B-like (GQA, SwiGLU, seq 8192), BERT and MoE shapes; full
+    recomputation changes nothing, as there."""
     from megatron_2bw.training.metrics import transformer_flops
 
-    b, s, l, h, v = 8, 2048, 24, 2048, 51200
-    gpt = ModelConfig(model="gpt", num_layers=l, hidden_size=h, num_attention_heads=16,
-                      seq_length=s, vocab_size=v)
-    eq3 = 72 * b * s * l * h ** 2 * (1 + s / (6 * h) + v / (12 * l * h))
-    assert abs(transformer_flops(b, gpt) / eq3 - 1) < 1e-12
-    gqa = dataclasses.replace(gpt, num_query_groups=4)  # k and v: 4 of 16 heads
-    assert transformer_flops(b, gpt) - transformer_flops(b, gqa) == 3 * b * s * l * 2 * h * (
-        2 * h - 2 * h // 4)
-    glu = dataclasses.replace(gpt, swiglu=True, ffn_hidden_size=4 * h)  # one more input half
-    assert transformer_flops(b, glu) - transformer_flops(b, gpt) == 3 * b * s * l * 2 * h * 4 * h
+    model, flags, vocab = FLOP_SHAPES[name]
+    args = parse_args(model, flags.split() + ["--micro-batch-size", "2", "--global-batch-size",
+                                              "8", "--train-iters", "1", "--lr", "1e-4",
+                                              "--mock-data"])
+    run = config_from_args(args, model, 1, vocab)
+    expected = _megatron_num_floating_point_operations(_megatron_args(args, vocab), 8)
+    assert transformer_flops(8, run.model) == pytest.approx(expected, rel=1e-6)
+
+
+def test_num_zeros_and_params_norm_fields(tmp_path, caplog) -> None:
+    """Megatron-LM's `num zeros` (its float) and `params norm` come after `grad norm`; a
+    skipped step has neither grad norm nor num zeros."""
+    s = sink(tmp_path, train_iters=2, log_interval=1)
+    s.record({**record(1), "num_zeros": 19.0, "params_norm": 17.5466})
+    s.record({**record(2, skipped=1), "num_zeros": None, "params_norm": 17.5466})
+    first, second = [fields(ln) for ln in lines(caplog) if "iteration" in ln]
+    names = list(first)
+    assert names[names.index("grad norm") + 1:names.index("grad norm") + 3] == [
+        "num zeros", "params norm"]
+    assert first["num zeros"] == "19.0" and first["params norm"] == "17.547"
+    assert "num zeros" not in second and second["params norm"] == "17.547"
+
+
+def test_updater_counts_zero_gradients_once() -> None:
+    """--log-num-zeros-in-grad: zero entries of the gradients that count in the norm (not
+    a tensor-parallel duplicate), none for a skipped step."""
+    from megatron_2bw.optim.updater import MegatronUpdater, OptimizerConfig, ParamInfo
+
+    params = [torch.nn.Parameter(torch.ones(6)), torch.nn.Parameter(torch.ones(4))]
+    infos = [ParamInfo("a", True, True, False), ParamInfo("b", True, False, False)]
+    updater = MegatronUpdater(params, infos, OptimizerConfig(log_num_zeros_in_grad=True))
+    flat = torch.tensor([0.0, 1.0, 0.0, 2.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0])
+    views = [flat[:6], flat[6:]]
+    updater.start_step(0, flat, views)
+    assert updater.finish_step(0, flat, views, params, params)["num_zeros"] == 3.0
+    flat[1] = float("inf")
+    updater.start_step(1, flat, views)
+    assert updater.finish_step(1, flat, views, params, params)["num_zeros"] is None
+    plain = MegatronUpdater(params, infos, OptimizerConfig())
+    plain.start_step(0, flat.nan_to_num(posinf=1.0), views)
+    assert "num_zeros" not in plain.finish_step(0, flat, views, params, params)
+
+
+def test_params_norm_counts_each_parameter_once() -> None:
+    """Each rank's share: replicas by 1 / (DP x CP), experts by 1 / EDP, duplicates not."""
+    from megatron_2bw.training.rank_reports import weighted_squares
+
+    dense, dup, expert = torch.full((4,), 2.0), torch.full((9,), 5.0), torch.full((2,), 3.0)
+    got = weighted_squares([dense, dup, expert], [True, False, True], [False, False, True],
+                           1 / 4, 1 / 2)
+    assert got == pytest.approx(16 / 4 + 18 / 2)
+
+
+def test_timers_block_formats(caplog) -> None:
+    """Megatron-LM's block: ms per iteration, ranks that did not run a phase left out."""
+    from megatron_2bw.training.timers import timers_block
+
+    names = ("forward-backward", "optimizer")
+    seconds = torch.tensor([[0.2, 0.0], [0.4, 0.02]])  # two ranks, 2 iterations
+    assert timers_block(names, seconds, 2, "minmax").splitlines() == [
+        "(min, max) time across ranks (ms):",
+        "    forward-backward ...............................: (100.00, 200.00)",
+        "    optimizer ......................................: (10.00, 10.00)"]
+    assert timers_block(names, seconds, 2, "max").splitlines()[1:] == [
+        "    forward-backward ...............................: 200.00",
+        "    optimizer ......................................: 10.00"]
+    assert timers_block(names, seconds, 2, "all").splitlines() == [
+        "times across ranks (ms):", "  forward-backward:", "     rank  0: 100.00",
+        "     rank  1: 200.00", "  optimizer:", "     rank  1: 10.00"]
+    assert timers_block(names, torch.zeros(2, 2), 1, "minmax") is None
+
+
+def test_timers_time_actions_and_the_step_under_way() -> None:
+    """Each action's time goes to its phases; the step callback, which runs inside the
+    optimizer step, counts that step up to the callback in the interval it ends."""
+    from megatron_2bw.schedules.actions import ActionKind as K
+    from megatron_2bw.training.timers import Timers
+
+    timers = Timers(2, torch.device("cpu"))
+    seen = []
+
+    def step(action):
+        time.sleep(0.02)
+        seen.append(timers.take())
+    handlers = {K.FORWARD: lambda a: time.sleep(0.01), K.OPTIMIZER_STEP: step}
+    timers.instrument(handlers)
+    handlers[K.FORWARD](None)
+    handlers[K.OPTIMIZER_STEP](None)
+    taken = dict(zip(timers.names, seen[0]))
+    assert taken["forward-compute"] >= 0.01 and taken["forward-backward"] >= 0.01
+    assert taken["optimizer"] >= 0.02 and taken["backward-compute"] == 0.0
+    assert dict(zip(timers.names, timers.take()))["optimizer"] < 0.02  # the step's tail
+
+
+def test_theoretical_memory_is_megatrons_estimate() -> None:
+    """For a plain GPT, Megatron-LM's closed form: (12h² + 4h) per layer + 2h, hV for the
+    embedding, 18 bytes per parameter of the most loaded shard, and the activations of
+    compute_activation_memory_without_sp."""
+    from megatron_2bw.models.config import ModelConfig
+    from megatron_2bw.training.config import ParallelConfig
+    from megatron_2bw.training.theoretical_memory import MemoryInputs, theoretical_memory_lines
+
+    l, h, s, v, b = 24, 1024, 1024, 50304, 4
+    m = ModelConfig(model="gpt", num_layers=l, hidden_size=h, num_attention_heads=16,
+                    seq_length=s, vocab_size=v)
+    got = theoretical_memory_lines(m, MemoryInputs(ParallelConfig(world_size=2,
+                                                                  pipeline_parallel=2), b, 8))
+    block = l * (12 * h * h + 4 * h) + 2 * h
+    assert got[0] == f"Number of parameters in transformer block in billions: {block / 1e9: .2f}"
+    assert got[2] == f"Total number of parameters in billions: {(block + h * v) / 1e9:.2f}"
+    weights = (block / 2 + h * v) * 18 / 2**20
+    activations = (s * b * h * 34 * l + 8 * s * b * 2 + s * b * h * 2) * 1.05 / 2**20
+    assert got[-2] == (f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
+                       f"activation={activations:.2f} MB, total={weights + activations:.2f} MB")
+
+
+def test_arguments_block_is_megatrons() -> None:
+    from megatron_2bw.training.args_dump import arguments_block
+
+    assert arguments_block({"seq_length": 16, "Bf16": False}) == [
+        "------------------------ arguments ------------------------",
+        f"  Bf16 {'.' * 44} False", f"  seq_length {'.' * 38} 16",
+        "-------------------- end of arguments ---------------------"]

@@ -278,8 +278,8 @@ def test_decoupled_rates_resume_as_the_scheduler_flags_say() -> None:
     saved = updater(5e-2).state_dict()
     assert saved["lr_groups"] == [{"max_lr": 5e-2, "min_lr": 0.0}] * 2
     assert group_mismatches(saved["lr_groups"], updater(3e-2).param_groups.limits()) == [
-        "--decoupled-lr/--decoupled-min-lr give max 0.03, min 0 here, max 0.05, min 0 in "
-        "the checkpoint"]
+        "--decoupled-lr/--decoupled-min-lr give max 0.05 and min 0 in the checkpoint, max 0.03 "
+        "and min 0 in this run"]
     for source, rate in (("checkpoint", 5e-2), ("flags", 3e-2)):
         resumed = updater(3e-2)
         resumed.load_state_dict(saved, scheduler_from=source)

@@ -267,11 +267,15 @@ def test_corpus_tells_the_splitters_apart(tmp_path, parity_corpus, hf_with_bos, 
 
 
 def test_hf_special_tokens_flag(hf_with_bos):
-    """Default: no template tokens (Megatron-LM's default tokenizer); with the flag, the BOS."""
+    """Default: no template tokens (Megatron-LM's default tokenizer); with the flag, or with
+    --legacy-tokenizer, the BOS. (SentencePiece types: tests/test_sentencepiece.py.)"""
     plain = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_with_bos))
     with_bos = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_with_bos),
                                hf_include_special_tokens=True)
     assert with_bos.tokenize("Yes.") == [plain.bos] + plain.tokenize("Yes.")
+    legacy = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(hf_with_bos),
+                             legacy_tokenizer=True)  # Megatron-LM's legacy class: the template
+    assert legacy.tokenize("Yes.") == with_bos.tokenize("Yes.")
     assert plain.eod == plain.vocab["</s>"]
     spec = TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=str(hf_with_bos),
                          hf_include_special_tokens=True)

@@ -231,10 +231,171 @@ def test_missing_tracker_with_checkpoints_refuses_to_start_fresh(tmp_path) -> No
     with pytest.raises(cf.CheckpointError) as err:
         read_checkpoint(root, rel=REL)
     msg = str(err.value)
-    assert "no latest_checkpointed_iteration.txt" in msg and "newest: 4" in msg
+    assert "no latest_checkpointed_iteration.txt" in msg and "write 4 (the newest" in msg
     assert "--overwrite-checkpoints" in msg
     assert read_checkpoint(root, rel=REL, overwrite=True) is None
     assert read_checkpoint(str(tmp_path / "empty"), rel=REL) is None
+    cf.write_tracker(root, 4)  # the advice, followed
+    assert read_checkpoint(root, rel=REL).iteration == 4
+
+
+# ------------------------------------------------------------------ saves killed at any moment
+
+
+def _save_steps(root: str, iteration: int) -> list:
+    """save_checkpoint's steps on rank 0 of a one-rank job, in order (saving.py)."""
+    path = os.path.join(cf.iteration_dir(root, iteration), REL)
+    entries = {}
+
+    def write_tmp() -> None:  # killed inside write_state: the .tmp, not yet renamed
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"w": torch.full((256,), float(iteration)), "iteration": iteration},
+                   path + ".tmp")
+
+    def rename() -> None:
+        os.replace(path + ".tmp", path)
+        with open(path, "rb") as f:
+            data = f.read()
+        import hashlib
+        entries[REL] = cf.FileEntry(hashlib.sha256(data).hexdigest(), len(data))
+    return [lambda: os.makedirs(root, exist_ok=True) or cf.settle_late_commit(root),
+            lambda: cf.clear_for_save(root, iteration, False),
+            lambda: cf.begin_save(root, iteration), write_tmp, rename,
+            lambda: cf.write_manifest(root, iteration, entries),
+            lambda: cf.write_tracker(root, iteration), lambda: cf.end_save(root, iteration)]
+
+
+@pytest.mark.parametrize("previous", [None, 2], ids=["first-save", "later-save"])
+def test_a_kill_after_any_step_of_a_save_resumes_without_hand_work(tmp_path, previous,
+                                                                   caplog) -> None:
+    """Cut the save of iteration 4 after each of its steps (what a SIGKILL leaves): the
+    next start loads the previous checkpoint (or none, at the first save) until the
+    manifest is written, then iteration 4; the start-up checks pass, the save after it
+    clears what was left, and no complete iteration is ever removed."""
+    for cut in range(len(_save_steps("", 4)) + 1):
+        root = str(tmp_path / f"cut{cut}")
+        if previous:
+            _save(root, previous)
+        for step in _save_steps(root, 4)[:cut]:
+            step()
+        committed = cut >= 6  # the manifest is written
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            loaded = read_checkpoint(root, rel=REL)
+        start = loaded.iteration if loaded else 0
+        assert start == (4 if committed else previous or 0), (cut, start)
+        assert not loaded or loaded.state["iteration"] == start
+        if 3 < cut < 6:  # an unfinished save's directory: ignored in one line
+            assert caplog.text.count("a save that did not finish") == 1, (cut, caplog.text)
+        cf.check_save_dir(root, start, overwrite=False)
+        for step in _save_steps(root, 6):  # the resumed run's next save
+            step()
+        assert cf.list_iterations(root) == sorted({previous or 6, start or 6, 6}), cut
+        assert cf.read_tracker(root) == 6 and not os.path.exists(
+            os.path.join(root, cf.SAVING))
+
+
+def test_a_leftover_without_the_marker_is_ignored_when_its_files_show_it(tmp_path) -> None:
+    """Before the marker existed (or from a Megatron-LM run), an iteration directory cut
+    short holds `.tmp` files or a torch file without its zip end record: ignored too. One
+    with whole files and no manifest may be Megatron-LM's: refused, with advice that
+    works."""
+    root = str(tmp_path)
+    path = _save(root, 2)
+    os.remove(os.path.join(root, cf.TRACKER))
+    os.remove(os.path.join(cf.iteration_dir(root, 2), cf.MANIFEST))
+    os.truncate(path, os.path.getsize(path) - 30)
+    assert cf.interrupted_saves(root) == [2] and read_checkpoint(root, rel=REL) is None
+    cf.check_save_dir(root, 0, overwrite=False)
+    _save(root, 3)
+    os.remove(os.path.join(root, cf.TRACKER))
+    os.remove(os.path.join(cf.iteration_dir(root, 3), cf.MANIFEST))
+    with pytest.raises(cf.CheckpointError, match=r"write 3 \(the newest; it has no manifest"):
+        read_checkpoint(root, rel=REL)
+    cf.write_tracker(root, 3)
+    assert read_checkpoint(root, rel=REL).iteration == 3
+
+
+def test_advice_after_a_corrupt_newest_checkpoint_works(tmp_path) -> None:
+    """'write 1 into the tracker and add --overwrite-checkpoints': followed, the run loads
+    iteration 1 and passes the --save checks (without the flag it would be refused)."""
+    root = str(tmp_path)
+    _save(root, 1)
+    path = _save(root, 2)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\0\1\2\3")
+    with pytest.raises(cf.CheckpointError, match="write 1 into .* add --overwrite-checkpoints"):
+        read_checkpoint(root, rel=REL)
+    cf.write_tracker(root, 1)
+    assert read_checkpoint(root, rel=REL).iteration == 1
+    with pytest.raises(cf.CheckpointError, match="newer than the resumed iteration 1"):
+        cf.check_save_dir(root, 1, overwrite=False)
+    cf.check_save_dir(root, 1, overwrite=True)
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+def test_a_missing_iteration_is_named_missing_with_the_complete_ones(tmp_path) -> None:
+    root = str(tmp_path)
+    _save(root, 2)
+    _save(root, 4)
+    with pytest.raises(cf.CheckpointError, match=r"--ckpt-step 3: iteration 3 is missing .*"
+                       r"complete iterations of --load .*: 2, 4; give one of those"):
+        read_checkpoint(root, rel=REL, step=3)
+    cf.write_tracker(root, 6)
+    with pytest.raises(cf.CheckpointError) as err:
+        read_checkpoint(root, rel=REL)
+    msg = str(err.value)
+    assert "tracker names iteration 6, which is missing" in msg and "layout" not in msg
+    assert "write 4 into" in msg
+    cf.write_tracker(root, 4)  # the advice, followed
+    assert read_checkpoint(root, rel=REL).iteration == 4
+    with open(os.path.join(root, cf.TRACKER), "w") as f:
+        f.write("abc")
+    with pytest.raises(cf.CheckpointError, match="write 4 into it, the newest complete"):
+        read_checkpoint(root, rel=REL)
+    cf.write_tracker(root, 4)
+    os.makedirs(os.path.join(cf.iteration_dir(root, 5), "mp_rank_00"))  # cut short at once
+    with pytest.raises(cf.CheckpointError, match="iteration 5 is an interrupted save"):
+        read_checkpoint(root, rel=REL, step=5)
+
+
+def test_another_model_type_is_named_with_its_entry_point() -> None:
+    from megatron_2bw.checkpointing.fit import Misfit, misfit_line
+
+    bert = ["encoder.layers.0.mlp.linear_fc1.weight", "binary_head.weight"]
+    gpt = ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.final_layernorm.weight"]
+    found = [Misfit(n, None, (4,)) for n in gpt] + [Misfit(n, (4,), None) for n in bert]
+    line = misfit_line(found, "ck/iter_0000002")
+    assert line.startswith("the checkpoint is a BERT checkpoint, this run trains GPT")
+    assert "resume it with pretrain_bert.py" in line
+    found = [Misfit(n, None, (4,)) for n in bert] + [Misfit(n, (4,), None) for n in gpt]
+    assert "is a GPT checkpoint, this run trains BERT" in misfit_line(found, "ck")
+    assert "pretrain_gpt.py" in misfit_line(found, "ck")
+    same = [Misfit(gpt[0], (4,), (8,))]  # one model type: the tensor, as before
+    assert misfit_line(same, "ck").startswith(f"the checkpoint does not fit this model: {gpt[0]}")
+
+
+def test_every_mismatch_names_the_checkpoints_value_first() -> None:
+    from megatron_2bw.checkpointing.restoring import check_optimizer_kind
+    from megatron_2bw.checkpointing.save_load import (check_shapes, group_mismatches,
+                                                     schedule_mismatches)
+
+    with pytest.raises(cf.CheckpointError, match="saved with --hidden-size 32, this run has 64"):
+        check_shapes({"hidden_size": 32}, {"hidden_size": 64}, "ck")
+    assert schedule_mismatches({"max_lr": 0.01}, {"max_lr": 0.02, "lr_decay_style": "cosine"},
+                               8, "") == [
+        "--lr gives 0.01 in the checkpoint, 0.02 in this run"]
+    assert group_mismatches([], [{"max_lr": 0.03, "min_lr": 0.0}]) == [
+        "--decoupled-lr/--decoupled-min-lr give no decoupled rate in the checkpoint, max 0.03 "
+        "and min 0 in this run"]
+    run = _run("--optimizer", "muon")
+    loaded = LoadedCheckpoint(2, {"args": {"optimizer": "adam"}, "optimizer": {}}, "ck/x.pt")
+    with pytest.raises(cf.CheckpointError, match="saved with --optimizer adam, this run has "
+                       "--optimizer muon"):
+        check_optimizer_kind(loaded, _updater(run).checkpoint_state())
 
 
 # ---------------------------------------------------------------------------- resume checks
@@ -260,11 +421,11 @@ def _checkpoint_of(run, iteration: int = 2) -> LoadedCheckpoint:
 
 
 @pytest.mark.parametrize("flags,names", [
-    (["--lr", "1e-3"], "--lr gives 0.001 here, 0.01 in the checkpoint"),
-    (["--min-lr", "1e-3", "--lr-decay-style", "linear"], "--lr-decay-style gives linear here, "
-                                                          "constant in the checkpoint"),
-    (["--lr-warmup-iters", "2"], "--lr-warmup-iters/--lr-warmup-fraction gives 2 iterations "
-                                 "here, 0 iterations in the checkpoint"),
+    (["--lr", "1e-3"], "--lr gives 0.01 in the checkpoint, 0.001 in this run"),
+    (["--min-lr", "1e-3", "--lr-decay-style", "linear"], "--lr-decay-style gives constant in the "
+                                                          "checkpoint, linear in this run"),
+    (["--lr-warmup-iters", "2"], "--lr-warmup-iters/--lr-warmup-fraction gives 0 iterations "
+                                 "in the checkpoint, 2 iterations in this run"),
 ], ids=["lr", "decay-style", "warmup"])
 def test_schedule_change_on_resume_is_one_clear_error(flags, names) -> None:
     saved = _checkpoint_of(_run())
@@ -282,7 +443,8 @@ def test_longer_train_iters_changes_the_decay_length_and_names_train_iters() -> 
     saved = _checkpoint_of(_run(*linear))
     new = _run(*linear, "--train-iters", "8")
     with pytest.raises(cf.CheckpointError, match=r"--train-iters \(the decay length while "
-                       r"--lr-decay-iters is unset\) gives 8 iterations here, 4 iterations"):
+                       r"--lr-decay-iters is unset\) gives 4 iterations in the checkpoint, "
+                       r"8 iterations in this run"):
         scheduler_source(saved, _updater(new), new)
     # an explicit --lr-decay-iters keeps the schedule: no error
     fixed = ["--lr-decay-iters", "4"]
@@ -426,7 +588,8 @@ def test_resume_bf16_under_flush_after_a_crash(trained, tmp_path) -> None:
     log = proc.stdout + proc.stderr
     assert log.count("resuming a 2bw checkpoint with --pipeline-schedule flush: continuing "
                      "from its newest weight version 2") == 1
-    assert log.count("learning-rate schedule from the flags: --lr gives 0 here, 0.01") == 1
+    assert log.count("learning-rate schedule from the flags: --lr gives 0.01 in the checkpoint, "
+                     "0 in this run") == 1
     with open(metrics) as f:
         rows = [json.loads(line) for line in f]
     train = [r for r in rows if r["split"] == "train"]

@@ -1,7 +1,9 @@
 """Bad data found at start-up (issue 11, item 7): corrupt or truncated .idx/.bin pairs, token ids
 outside the vocabulary, ids the preprocessing tool cannot store, and data in a read-only
 directory with --data-cache-path. Every corruption must give one line naming the file, what is
-wrong and what would work, before megatron-core memory-maps anything.
+wrong and what would work, before megatron-core memory-maps anything. Requests that cannot be
+honoured are said, not dropped: bytes that are not UTF-8 (--invalid-utf8), a split shorter than
+one sequence, validation asked of a --split without it, preprocessing flags that do nothing.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import struct
 import subprocess
@@ -435,3 +438,102 @@ def test_pretrain_gpt_refuses_truncated_bin_before_training(prefix, tmp_path):
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "data file truncated" in errors[0] and copy in errors[0], errors
+
+
+# ------------------------------------------------------- requests not dropped in silence
+
+# line 2 holds 2 bytes that are not UTF-8 (a Latin-1 e-acute, then 0xff) in a key not converted
+NOT_UTF8 = b'{"text": "1 2"}\n{"text": "3", "by": "Andr\xe9 \xff"}\n{"text": "4 5"}\n'
+
+
+def _preprocess_bytes(tmp: Path, raw: bytes, invalid_utf8: str = "error"):
+    source = tmp / "in.jsonl"
+    source.write_bytes(raw)
+    return preprocess(PreprocessConfig(input=str(source), output_prefix=str(tmp / "out"),
+                                       tokenizer=TokenizerSpec("NullTokenizer", vocab_size=10),
+                                       invalid_utf8=invalid_utf8))
+
+
+def test_preprocess_names_a_line_that_is_not_utf8(tmp_path):
+    """By default (Megatron-LM's tool stops with a UnicodeDecodeError traceback), not U+FFFD
+    written without a word."""
+    with pytest.raises(PreprocessError, match=r"in.jsonl:2: 2 bytes that are not UTF-8 \(the "
+                       r"first at column 26\); .*--invalid-utf8 replace .*--invalid-utf8 skip"):
+        _preprocess_bytes(tmp_path, NOT_UTF8)
+    assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("mode,documents", [("replace", 3), ("skip", 2)])
+def test_preprocess_invalid_utf8_replace_or_skip_names_the_lines(tmp_path, caplog, mode,
+                                                                documents):
+    result = _preprocess_bytes(tmp_path, NOT_UTF8, mode)
+    assert result.documents == documents and result.not_utf8 == [(2, 2)]
+    assert any("in.jsonl:2: 2 bytes that are not UTF-8" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_preprocess_says_which_flags_do_nothing(tmp_path, caplog):
+    source = _write_jsonl(tmp_path / "in.jsonl", ["1 2"])
+    assert _tool_main()(["--input", str(source), "--output-prefix", str(tmp_path / "out"),
+                         "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+                         "--keep-newlines", "--sentence-splitter", "simple"]) == 0
+    notes = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert [n.split(" has no effect without --split-sentences")[0] for n in notes] == [
+        "--keep-newlines", "--sentence-splitter simple"]
+
+
+def test_split_shorter_than_one_sequence_is_refused(tmp_path):
+    """megatron-core would fill every sample by repeating the 9 tokens; 8 + 1 is enough."""
+    from megatron_2bw.data.datasets import build_datasets
+
+    short = _preprocess(tmp_path, ["1 2 3 4", "5 6 7"])  # 9 tokens with the EODs
+    config = _gpt_config(short, tmp_path / "cache", split="100,0,0", valid_samples=0)
+    with pytest.raises(ValueError, match=r"the train split of --split 100,0,0 holds 9 tokens, "
+                       r"fewer than the 17 tokens one sample of --seq-length 16 takes .*"
+                       r"--seq-length 8 at most"):
+        build_datasets(config, NullTokenizer(VOCAB))
+    built = build_datasets(_gpt_config(short, tmp_path / "cache", split="100,0,0",
+                                       valid_samples=0, seq_length=8), NullTokenizer(VOCAB))
+    assert len(built.train) == 32
+
+
+def test_validation_split_shorter_than_one_sequence_is_said_when_read(prefix, tmp_path,
+                                                                       caplog):
+    """A warning, not a refusal: the evaluation is still a number, over repeated tokens."""
+    from megatron_2bw.data.datasets import build_datasets
+
+    def warnings(valid_samples: int) -> List[str]:
+        caplog.clear()
+        build_datasets(_gpt_config(prefix, tmp_path / "cache", split="99,1,0", seq_length=200,
+                                   valid_samples=valid_samples), NullTokenizer(VOCAB))
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+                and r.name.startswith("megatron_2bw")]
+
+    said = warnings(8)
+    assert len(said) == 1 and re.search(r"the valid split of --split 99,1,0 holds \d+ tokens, "
+                                        r"fewer than the 201 tokens .*--eval-iters 0", said[0])
+    assert warnings(0) == []
+
+
+def test_split_without_validation_documents_says_the_run_does_not_validate(prefix, tmp_path,
+                                                                            caplog):
+    from megatron_2bw.training.arguments import config_from_args, parse_args
+    from megatron_2bw.training.data_sources import data_sources
+
+    def warnings(eval_iters: str) -> List[str]:
+        caplog.clear()
+        args = parse_args("gpt", [
+            "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4", "--lr",
+            "1e-3", "--data-path", prefix, "--split", "100,0,0", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", str(VOCAB), "--data-cache-path",
+            str(tmp_path / "cache"), "--eval-iters", eval_iters, "--eval-interval", "2"])
+        data_sources(config_from_args(args, "gpt", 1, VOCAB + 1), NullTokenizer(VOCAB))
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+                and r.name.startswith("megatron_2bw")]
+
+    assert warnings("3") == [
+        "WARNING: --split 100,0,0 gives validation no documents, so this run does not "
+        "validate (--eval-iters 3, --eval-interval 2); give validation a weight (e.g. "
+        "--split 99,1,0), or pass --eval-iters 0 to train without it"]
+    assert warnings("0") == []

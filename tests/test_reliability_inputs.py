@@ -2,8 +2,8 @@
 
 Fast: every numeric flag's range (generated from validation.RANGES, so a new flag is
 tested as soon as it has a row), every cross-flag rule, argparse's own refusals, the
-output-path checks, the error path in one process, and the datasets' sizes under data
-parallelism. Slow (three real multi-process jobs): an error found after the process
+output-path checks, the error path in one process, the datasets' sizes under data
+parallelism, and the metrics file appended to as --help says. Slow (three real multi-process jobs): an error found after the process
 group started, on every rank or on one rank while the others are blocked, ends all ranks
 with exit status 2, one `error:` line and no traceback.
 """
@@ -385,7 +385,7 @@ def test_datasets_hold_the_samples_every_data_parallel_rank_consumes(monkeypatch
 
 
 class _NoData:
-    train = valid = None
+    train = valid = test = None
 
 
 # ------------------------------------------------------------------ real multi-process jobs
@@ -446,3 +446,60 @@ def test_one_rank_error_ends_blocked_peers(tmp_path, bad: int) -> None:
     codes, stderr, spread = _launch([worker, str(bad)], 3, tmp_path)
     _assert_one_line_exit(codes, stderr, spread)
     assert f"error: injected on rank {bad} (--test-flag); nothing to fix" in stderr
+
+
+# ------------------------------------------------------------ the metrics file appends
+
+EARLIER = [{"split": "train", "iteration": i, "loss": 9.0} for i in range(1, 7)]
+
+
+def _rows(path) -> list:
+    import json
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_fresh_run_appends_to_an_existing_metrics_file(tmp_path, caplog) -> None:
+    """As --help says; the earlier run's torn last line goes, so the new rows parse."""
+    import json
+    from megatron_2bw.training.config import TrainConfig
+    from megatron_2bw.training.metrics import MetricsSink
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in EARLIER) + '{"spl')
+    train = TrainConfig(micro_batch_size=1, global_batch_size=1, train_iters=2,
+                        metrics_file=str(path))
+    sink = MetricsSink(True, train, start_iteration=0)
+    sink.note({"split": "memory", "iteration": 0})
+    sink.close()
+    assert _rows(path) == EARLIER + [{"split": "memory", "iteration": 0}]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"WARNING: --metrics-file {path} already holds 6 rows of an earlier run (up to "
+        "iteration 6); this run starts at iteration 1 and appends its rows after them")
+
+
+def test_resume_drops_only_its_own_rows_past_the_checkpoint(tmp_path) -> None:
+    """An earlier run's rows 3..6 stay; this job's rows past its checkpoint (2) go."""
+    import json
+    from megatron_2bw.training.metrics import drop_rows_after
+
+    path = tmp_path / "m.jsonl"
+    own = [{"split": "memory", "iteration": 0}] + [{"split": "train", "iteration": i}
+                                                   for i in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in EARLIER + own) + '{"spl')
+    assert drop_rows_after(str(path), 2) == 2
+    assert _rows(path) == EARLIER + own[:3]
+
+
+def test_split_with_mock_data_is_said_to_be_unused(caplog) -> None:
+    """megatron-core splits mock data 1,1,1 whatever --split says (Megatron-LM too)."""
+    from megatron_2bw.data.datasets import mock_tokenizer
+    from megatron_2bw.training.data_sources import data_sources
+
+    sources = data_sources(_config(["--split", "100,0,0"], world=1),
+                           mock_tokenizer("gpt", VOCAB))
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelname == "WARNING" and r.name.startswith("megatron_2bw")]
+    assert sources.valid is not None and len(warned) == 1
+    assert warned[0].startswith("WARNING: --split 100,0,0 is not used with --mock-data")

@@ -16,9 +16,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def gpt_reference(tmp_path_factory):
+def gpt_reference_records(tmp_path_factory):
     path = tmp_path_factory.mktemp("ref") / "m.jsonl"
-    return losses(launch("gpt", 1, ITERS, str(path)))
+    return launch("gpt", 1, ITERS + ["--log-params-norm"], str(path))
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(gpt_reference_records):
+    return losses(gpt_reference_records)
 
 
 @pytest.mark.parametrize("nproc,flags", [
@@ -32,13 +37,18 @@ def gpt_reference(tmp_path_factory):
     (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     (4, ["--pipeline-model-parallel-size", "2"]),  # DP = 2
 ], ids=["pp2-flush-recompute", "pp2-gpipe-unfused", "pp4-flush-flash", "tp2-pp2", "dp2-pp2"])
-def test_gpt_pipelined_equals_pp1(tmp_path, gpt_reference, nproc, flags) -> None:
+def test_gpt_pipelined_equals_pp1(tmp_path, gpt_reference_records, nproc, flags) -> None:
     """Flush and GPipe are vanilla training: any TP x PP x DP gives PP=1's losses, and
-    so does every attention backend (the reference runs the default, auto: SDPA)."""
-    got = losses(launch("gpt", nproc, ITERS + flags, str(tmp_path / "m.jsonl")))
-    err = max_rel(got, gpt_reference)
+    so does every attention backend (the reference runs the default, auto: SDPA). The
+    logged params norm counts every parameter once at every layout (TP duplicates, the
+    tied copy, data-parallel replicas)."""
+    records = launch("gpt", nproc, ITERS + flags + ["--log-params-norm"],
+                     str(tmp_path / "m.jsonl"))
+    err = max_rel(losses(records), losses(gpt_reference_records))
     print(f"{' '.join(flags)}: max relative loss error {err:.2e}")
     assert err < 1e-5
+    assert max_rel([r["params_norm"] for r in records],
+                   [r["params_norm"] for r in gpt_reference_records]) < 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +108,16 @@ def _tied_pair(path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("schedule,precision", [("flush", []), ("2bw", ["--bf16"])])
 def test_tied_embeddings_stay_equal(tmp_path, schedule, precision) -> None:
     ckpt = str(tmp_path / "ckpt")
+    # the log's per-rank values (params norm, timers) ride along: the last stage waits for
+    # every stage's after its step, which must not stall 2BW's pipeline (exchange.py)
     records = launch("gpt", 2, ITERS + precision + ["--pipeline-model-parallel-size", "2",
                                                     "--pipeline-schedule", schedule, "--save",
-                                                    ckpt, "--ckpt-format", "torch"],
+                                                    ckpt, "--ckpt-format", "torch",
+                                                    "--log-params-norm", "--timing-log-level",
+                                                    "2"],
                      str(tmp_path / "m.jsonl"))
     assert all(r["skipped"] == 0 and r["loss"] < 10 for r in records)
+    assert all(10 < r["params_norm"] < 30 for r in records)
     pairs = _tied_pair(ckpt)
     assert len(pairs) == (2 if schedule == "2bw" else 1)
     for emb, out in pairs:

@@ -10,7 +10,17 @@ Classes: 1 resume semantics, 2 checkpoints, 3 late failures / output paths, 4 gr
 does not fit the model (shapes, vocabulary; a note for another seed or data flag), 12 data
 the tokenizer cannot have produced, or that changes under a run, 13 data set
 specifications (blend weights, splits, BERT sentences, stale index caches), 14 output that
-cannot be written, 15 stopping a job by hand, 16 no rank outlives its job.
+cannot be written, 15 stopping a job by hand, 16 no rank outlives its job, 17 saves killed
+at any moment (a SIGKILL at an exact step of a save, then the same command again), 21
+messages that are right (the checkpoint's value first, the model type, a missing iteration),
+18 peers dying at any moment (a rank SIGKILLed inside a save of either format, a validation,
+the start-up; a store that never answers), 19 resources (memory past the planner's estimate,
+an address-space or open-file limit, a validation that takes long).
+
+Class 20, requests dropped in silence: a flag or an input the run cannot honour must be an
+`error:` line or a `WARNING:` line naming it (validation asked of a --split without it, a
+corpus shorter than one sequence, input bytes that are not UTF-8, a --metrics-file that a
+new run appends to, flags that do nothing where they are given).
 
 Classes 14-16 fill filesystems with a small tmpfs mounted in the probe's directory where this
 process may mount one (root), else with a file size limit (RLIMIT_FSIZE, EFBIG) or /proc for
@@ -63,7 +73,9 @@ CLASSES = {1: "resume semantics", 2: "checkpoints", 3: "late failures / output p
            11: "a checkpoint that does not fit", 12: "data the tokenizer cannot have made",
            13: "data set specifications",
            14: "output that cannot be written", 15: "stopping a job by hand",
-           16: "no rank outlives its job"}
+           16: "no rank outlives its job", 17: "saves killed at any moment",
+           21: "messages that are right", 20: "requests dropped in silence",
+           18: "peers dying at any moment", 19: "resources"}
 TB = "Traceback (most recent call last)"
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -1071,19 +1083,19 @@ def class11() -> list:
         return resume(extra, base=DIST, src="ckptdist")
     return [
         Probe("torch_dist resume with a larger --vocab-size", 11, "error",
-              dist(["--vocab-size", "200"]), "--vocab-size 200 here, 127 in the checkpoint"),
+              dist(["--vocab-size", "200"]), "--vocab-size 127 in the checkpoint, 200 in this run"),
         Probe("torch_dist resume with a smaller --vocab-size", 11, "error",
-              dist(["--vocab-size", "60"]), "--vocab-size 60 here, 127 in the checkpoint"),
+              dist(["--vocab-size", "60"]), "--vocab-size 127 in the checkpoint, 60 in this run"),
         Probe("torch resume with another --vocab-size names the flag", 11, "error",
-              resume(["--vocab-size", "200"]), "--vocab-size 200 here, 127 in the checkpoint"),
+              resume(["--vocab-size", "200"]), "--vocab-size 127 in the checkpoint, 200 in this run"),
         Probe("torch_dist resume with another tokenizer of the same padded size: a note", 11,
               "ok", dist(["--vocab-size", "100"]), "the tokenizer differs from the checkpoint's",
               check=tracker_is(4)),
         Probe("resume with another --seed: a note on the data order", 11, "ok",
-              resume(["--seed", "7"]), "--seed 7 here, 1234 in the checkpoint",
+              resume(["--seed", "7"]), "--seed 1234 in the checkpoint, 7 in this run",
               check=tracker_is(4)),
         Probe("resume with another --seq-length: a note on the data order", 11, "ok",
-              resume(["--seq-length", "8"]), "--seq-length 8 here, 16 in the checkpoint",
+              resume(["--seq-length", "8"]), "--seq-length 16 in the checkpoint, 8 in this run",
               check=tracker_is(4)),
     ]
 
@@ -2027,10 +2039,468 @@ def class16() -> list:
     ]
 
 
+# ---------------------------------------------- 20: requests dropped in silence
+
+
+def _corpus(ctx: Ctx, lengths: list) -> str:
+    """A corpus of documents of these token counts (EOD included), made in the probe's
+    folder by the project's preprocessing; returns its --data-path prefix."""
+    from megatron_2bw.data.preprocess import PreprocessConfig, preprocess
+    from megatron_2bw.data.tokenizers import TokenizerSpec
+
+    src = os.path.join(ctx.work, "in.jsonl")
+    with open(src, "w") as f:
+        for i, n in enumerate(lengths):
+            words = " ".join(str((7 * i + k) % VOCAB) for k in range(n - 1))
+            f.write(json.dumps({"text": words}) + "\n")
+    preprocess(PreprocessConfig(input=src, output_prefix=os.path.join(ctx.work, "c"),
+                                tokenizer=TokenizerSpec("NullTokenizer", vocab_size=VOCAB),
+                                append_eod=True))
+    return os.path.join(ctx.work, "c_text_document")
+
+
+def _small_corpus(lengths: list, split: str) -> Callable[[Ctx], Run]:
+    """Train 2 iterations of --seq-length 16 (17 tokens a sample) on such a corpus."""
+    def act(ctx: Ctx) -> Run:
+        flags = _replace(data_flags(_corpus(ctx, lengths), ctx.work), "--train-iters", "2")
+        return gpt1(_replace(flags, "--split", split), ctx.work)
+    return act
+
+
+NOT_UTF8 = b'{"text": "1 2"}\n{"text": "3", "by": "Andr\xe9"}\n{"text": "4 5"}\n'
+
+
+def prep_bytes(raw: bytes, extra: list = ()) -> Callable[[Ctx], Run]:
+    """tools/preprocess_data.py on an input of these bytes (NullTokenizer, 10 ids)."""
+    def act(ctx: Ctx) -> Run:
+        src = os.path.join(ctx.work, "in.jsonl")
+        with open(src, "wb") as f:
+            f.write(raw)
+        flags = ["--input", src, "--output-prefix", os.path.join(ctx.work, "out"),
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", *extra]
+        return run1([PY, PREP, *flags], ctx.work, env=_clean_env(PYTHONPATH=ROOT))
+    return act
+
+
+def _says(*texts: str) -> Callable[[Ctx, Run], str]:
+    def check(ctx: Ctx, r: Run) -> str:
+        missing = [t for t in texts if t not in r.out]
+        return f"output lacks {missing}" if missing else ""
+    return check
+
+
+EARLIER = [{"split": "train", "iteration": i, "loss": 99.0, "run": "earlier"}
+           for i in range(1, 7)]
+
+
+def _earlier_rows(path: str, torn: bool = True) -> None:
+    """An earlier run's rows (and the torn line of its crash) in a metrics file."""
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in EARLIER)
+        if torn:
+            f.write('{"spl')
+
+
+def _fresh_over_metrics(ctx: Ctx) -> Run:
+    _earlier_rows(os.path.join(ctx.work, "m.jsonl"))
+    return gpt1([*TINY, "--train-iters", "2", "--metrics-file", "m.jsonl"], ctx.work)
+
+
+def _resume_after_earlier(ctx: Ctx) -> Run:
+    """The shared checkpoint's run (rows 1, 2, then a crash row 3) wrote after an earlier
+    run's rows 1..6 in the same file; resume it at iteration 2."""
+    ck = _ck(ctx)
+    _mark(ctx)
+    path = os.path.join(ctx.work, "m.jsonl")
+    with open(path) as f:
+        own = f.read()
+    with open(path, "w") as f:
+        f.write("")
+    _earlier_rows(path, torn=False)
+    with open(path, "a") as f:
+        f.write(own)
+    _append_rows(ck)
+    return gpt1([*LIN, "--load", ck, "--save", ck, "--metrics-file", "m.jsonl"], ctx.work)
+
+
+def _rows_after_earlier(new: int) -> Callable[[Ctx, Run], str]:
+    """The earlier run's rows stay as they were, and this run's iterations follow once."""
+    def check(ctx: Ctx, r: Run) -> str:
+        rows = metrics_rows(os.path.join(ctx.work, "m.jsonl"))
+        earlier = [row for row in rows if row.get("run") == "earlier"]
+        its = [row["iteration"] for row in rows if row.get("run") != "earlier"]
+        if earlier != EARLIER or rows[:len(EARLIER)] != EARLIER:
+            return f"the earlier run's rows are {[row['iteration'] for row in earlier]}"
+        return "" if its == list(range(1, new + 1)) else f"this run's iterations {its}"
+    return check
+
+
+def class20() -> list:
+    replaced = "1 byte that is not UTF-8"
+    return [
+        Probe("--split 100,0,0 with --eval-iters: the run says it will not validate", 20,
+              "ok", _data_spec(lambda p: [p], "100,0,0"), "gives validation no documents"),
+        Probe("--split with --mock-data says it is not used", 20, "ok",
+              lambda c: gpt1([*TINY, "--train-iters", "2", "--split", "100,0,0"], c.work),
+              "--split 100,0,0 is not used with --mock-data"),
+        Probe("corpus shorter than one sequence (--seq-length 16: 17 tokens)", 20, "error",
+              _small_corpus([6, 4], "100,0,0"), "fewer than the 17 tokens"),
+        Probe("validation split shorter than one sequence: a warning", 20, "ok",
+              _small_corpus([30] * 9 + [5], "90,10,0"), "WARNING: --data-path",
+              check=_says("the valid split of --split 90,10,0 holds 5 tokens")),
+        Probe("preprocess: a line that is not UTF-8 is named, not replaced", 20, "error",
+              prep_bytes(NOT_UTF8), "--invalid-utf8", code=1,
+              check=_says("in.jsonl:2", replaced)),
+        Probe("preprocess --invalid-utf8 replace says which line it changed", 20, "ok",
+              prep_bytes(NOT_UTF8, ["--invalid-utf8", "replace"]), "in.jsonl:2",
+              check=_says(" 3 documents,", replaced)),
+        Probe("preprocess --invalid-utf8 skip says which line it skipped", 20, "ok",
+              prep_bytes(NOT_UTF8, ["--invalid-utf8", "skip"]), "in.jsonl:2",
+              check=_says(" 2 documents,", replaced)),
+        Probe("preprocess --keep-newlines without --split-sentences says it does nothing", 20,
+              "ok", prep(['{"text": "1 2"}'], ["--keep-newlines"]),
+              "--keep-newlines has no effect"),
+        Probe("fresh run appends to an existing --metrics-file, as --help says", 20, "ok",
+              _fresh_over_metrics, "appends its rows after them", check=_rows_after_earlier(2)),
+        Probe("resume keeps an earlier run's rows in the same --metrics-file", 20, "ok",
+              _resume_after_earlier, check=_rows_after_earlier(4)),
+    ]
+
+
+# ---------------------------------------------- 17: saves killed at any moment
+
+# Run the entry point with one function replaced by a SIGKILL of this process: the kill
+# lands at an exact step of a save (before or after a call of `module.function`, the
+# n-th call, on one rank), the same way on any version of the code that has the step.
+KILL_AT = "M2BW_PROBE_KILL_AT"  # "module.function:before|after:rank:n"
+_KILL_HOOK = r"""
+import importlib, os, runpy, signal, sys
+where, when, rank, nth = os.environ["M2BW_PROBE_KILL_AT"].split(":")
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+if os.environ.get("RANK", "0") == rank:
+    module, name = where.rsplit(".", 1)
+    original = getattr(importlib.import_module(module), name)
+    calls = [0]
+    def killer(*a, **k):
+        calls[0] += 1
+        if calls[0] < int(nth):
+            return original(*a, **k)
+        if when == "after":
+            original(*a, **k)
+        os.kill(os.getpid(), signal.SIGKILL)
+    for m in list(sys.modules.values()):
+        if getattr(m, name, None) is original:
+            setattr(m, name, killer)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+FILES = "megatron_2bw.checkpointing.files"
+DIST_SAVE = "megatron.core.dist_checkpointing.save"
+DP2 = ["--global-batch-size", "8", "--use-distributed-optimizer"]
+
+
+def _killed_save(base: list, at: str, nproc: int = 1, every: str = "2",
+                 iters: str = "4") -> Callable[[Ctx], Run]:
+    """Train with --save every `every` iterations; `at` (KILL_AT) SIGKILLs a rank inside a
+    save, then the rest of the job goes (as its launcher would end it); then the same
+    command again, which must resume without hand work."""
+    def act(ctx: Ctx) -> Run:
+        ctx.ckpt = os.path.join(ctx.work, "ckpt")
+        flags = [*base, "--train-iters", iters, "--save", ctx.ckpt, "--load", ctx.ckpt,
+                 "--save-interval", every, "--metrics-file", "m.jsonl"]
+        first = Ranks([PY, "-c", _KILL_HOOK, GPT, *flags], nproc, ctx.work,
+                      {KILL_AT: at, TIMEOUT_ENV: "20"})
+        while first.alive() and time.monotonic() - first.start < 120:
+            time.sleep(0.05)
+        time.sleep(0.5)  # a peer may still be leaving on its own
+        killed = first.wait(0)
+        ctx.notes["killed"] = killed.codes
+        _mark(ctx)
+        again = Ranks([PY, GPT, *flags], nproc, ctx.work).wait(150)
+        again.seconds += killed.seconds
+        return again
+    return act
+
+
+def _resumed(iters: int, saying: str) -> Callable[[Ctx, Run], str]:
+    """The kill happened, the rerun said `saying`, its tracker is `iters` and the newest
+    run's metrics rows are 1..iters once each."""
+    def check(ctx: Ctx, r: Run) -> str:
+        if -signal.SIGKILL not in (ctx.notes.get("killed") or []):
+            return f"the first run was not killed (exit {ctx.notes.get('killed')})"
+        if saying not in r.out:
+            return f"output lacks {saying!r}"
+        rows = [row["iteration"] for row in metrics_rows(os.path.join(ctx.work, "m.jsonl"))]
+        newest = max((i for i in range(1, len(rows)) if rows[i] < rows[i - 1]), default=0)
+        if rows[newest:] != list(range(1, iters + 1)):
+            return f"metrics iterations {rows}"
+        return tracker_is(iters)(ctx, r)
+    return check
+
+
+def class17() -> list:
+    started_over = "a save that did not finish"
+    return [
+        Probe("first save killed after its file, before the manifest: the rerun starts over",
+              17, "ok", _killed_save(LIN, f"{FILES}.write_manifest:before:0:1"),
+              check=_resumed(4, started_over)),
+        Probe("first save killed after its manifest, before the tracker: the rerun resumes "
+              "from it", 17, "ok", _killed_save(LIN, f"{FILES}.write_tracker:before:0:1"),
+              check=_resumed(4, "resuming from iteration 2")),
+        Probe("later save killed between manifest and tracker: the rerun resumes from it",
+              17, "ok", _killed_save(LIN, f"{FILES}.write_tracker:before:0:2", every="1"),
+              check=_resumed(4, "resuming from iteration 2")),
+        Probe("first torch_dist save killed after its files, before the manifest", 17, "ok",
+              _killed_save(DIST, f"{DIST_SAVE}:after:0:1"), check=_resumed(4, started_over)),
+        Probe("first torch_dist save of 2bw PP2: rank 1 killed as it starts writing", 17,
+              "ok", _killed_save([*TINY[:-1], "torch_dist", *PP2, "--pipeline-schedule",
+                                  "2bw"], f"{DIST_SAVE}:before:1:1", nproc=2),
+              check=_resumed(4, started_over), slow=True),
+        Probe("first save of the distributed optimizer (DP2, torch_dist) killed before the "
+              "manifest", 17, "ok",
+              _killed_save([*TINY[:-1], "torch_dist", *DP2], f"{FILES}.write_manifest:before:0:1",
+                           nproc=2), check=_resumed(4, started_over), slow=True),
+    ]
+
+
+# ---------------------------------------------- 21: messages that are right
+
+def _other_model(save_with: str, flags: list) -> Callable[[Ctx], Run]:
+    """A checkpoint of one model type (`save_with`: pretrain_bert.py or pretrain_gpt.py)
+    resumed by the other entry point."""
+    def act(ctx: Ctx) -> Run:
+        ctx.ckpt = os.path.join(ctx.work, "ckpt")
+        first = run1([PY, os.path.join(ROOT, save_with), *flags, "--train-iters", "1",
+                      "--save", ctx.ckpt], ctx.work, timeout=120)
+        if first.codes != [0]:
+            return first
+        _mark(ctx)
+        other = "pretrain_gpt.py" if save_with == "pretrain_bert.py" else "pretrain_bert.py"
+        return run1([PY, os.path.join(ROOT, other), *flags, "--train-iters", "2", "--load",
+                     ctx.ckpt], ctx.work, timeout=120)
+    return act
+
+
+def _interrupted_iteration(ck: str) -> None:
+    """What a save of iteration 3 killed while writing its file leaves."""
+    folder = os.path.join(ck, "iter_0000003", "mp_rank_00")
+    os.makedirs(folder)
+    with open(os.path.join(folder, "model_optim_rng.pt.tmp"), "wb") as f:
+        f.write(b"PK\x03\x04" + bytes(100))
+
+
+def _output_has(text: str) -> Callable[[Ctx, Run], str]:
+    return lambda ctx, r: "" if text in r.out else f"output lacks {text!r}"
+
+
+def class21() -> list:
+    return [
+        Probe("a BERT checkpoint into pretrain_gpt.py says it is BERT's", 21, "error",
+              _other_model("pretrain_bert.py", TINY), "pretrain_bert.py",
+              check=_output_has("is a BERT checkpoint")),
+        Probe("a GPT checkpoint (torch_dist) into pretrain_bert.py says it is GPT's", 21,
+              "error", _other_model("pretrain_gpt.py", [*TINY[:-1], "torch_dist"]),
+              "pretrain_gpt.py", check=_output_has("is a GPT checkpoint")),
+        Probe("tracker naming a missing iteration says it is missing", 21, "error",
+              resume([], _write("latest_checkpointed_iteration.txt", "7")),
+              "names iteration 7, which is missing", check=_output_has("complete iterations")),
+        Probe("--ckpt-step of an interrupted save says so, not another layout", 21, "error",
+              resume(["--ckpt-step", "3"], _interrupted_iteration),
+              "iteration 3 is an interrupted save"),
+        Probe("a flag mismatch gives the checkpoint's value first", 21, "error",
+              resume(["--vocab-size", "200"]), "--vocab-size 127 in the checkpoint, 200 in "
+              "this run"),
+        Probe("resume with another --optimizer (torch format) names both", 21, "error",
+              resume(["--optimizer", "muon"]),
+              "saved with --optimizer adam, this run has --optimizer muon"),
+    ]
+
+
+# ---------------------------------------------- 18: peers dying at any moment
+
+# rank 1 (or 0) SIGKILLed at an exact step (KILL_AT, class 17's hook): inside a save of
+# either format, a validation, the start-up after the rendezvous
+EVAL = "megatron_2bw.training.loop.build_eval_schedule"
+ENTRY = "megatron_2bw.training.entry"
+DP2_TORCH = [*TINY, "--global-batch-size", "4"]
+
+
+def _peer_dies(base: list, at: str, nproc: int = 2, save: bool = True,
+               extra: tuple = ()) -> Callable[[Ctx], Run]:
+    """`nproc` ranks started directly, one SIGKILLed where `at` says; each rank's own
+    output kept apart (r.parts) for the survivors' lines."""
+    def act(ctx: Ctx) -> Run:
+        flags = [*base, "--train-iters", "20", *extra]
+        if save:
+            ctx.ckpt = os.path.join(ctx.work, "ckpt")
+            flags += ["--save", ctx.ckpt, "--save-interval", "2"]
+        r = Ranks([PY, "-c", _KILL_HOOK, GPT, *flags], nproc, ctx.work,
+                  {KILL_AT: at, TIMEOUT_ENV: "20"}).wait(120)
+        r.parts = _rank_logs(ctx.work, nproc)
+        return r
+    return act
+
+
+def _survivors_say(dead: int, checkpoint: bool = True) -> Callable[[Ctx, Run], str]:
+    """The killed rank was killed; every other rank printed exactly one `error:` line that
+    names the dead rank and where the last checkpoint is (or that nothing is saved), and
+    no traceback: neither Python's nor torch's `[rankN]:` lines nor a C++ stack."""
+    def check(ctx: Ctx, r: Run) -> str:
+        if r.codes[dead] != -signal.SIGKILL:
+            return f"rank {dead} was not killed (exit {r.codes})"
+        for rank, out in enumerate(r.parts):
+            if rank == dead:
+                continue
+            if TB in out or re.search(r"^\[rank\d+\]:", out, re.M) or "frame #" in out:
+                return f"rank {rank}: a traceback or a C++ stack"
+            lines = [ln for ln in out.splitlines() if ln.startswith("error:")]
+            if len(lines) != 1:
+                return f"rank {rank}: {len(lines)} error lines"
+            if f"rank {dead}" not in lines[0]:
+                return f"rank {rank} does not name rank {dead}: {lines[0][:120]}"
+            said = ("--load" in lines[0] if checkpoint else
+                    any(w in lines[0] for w in ("no --save", "no checkpoint", "--load")))
+            if not said:
+                return f"rank {rank} does not say where the last checkpoint is"
+        return ""
+    return check
+
+
+def _silent_store(ctx: Ctx) -> Run:
+    """Rank 1 pointed at a server that accepts connections and never answers (another
+    program on MASTER_PORT, a frozen store host), with a 4 s timeout."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list = []
+    done = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not done.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+    threading.Thread(target=accept, daemon=True).start()
+    ctx.cleanups.append(lambda: (done.set(), server.close(), [c.close() for c in held]))
+    env = _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.getsockname()[1]),
+                     WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", **{TIMEOUT_ENV: "4"})
+    return run1([PY, GPT, *TINY, *PP2, "--train-iters", "3"], ctx.work, timeout=60, env=env)
+
+
+def _within(seconds: float) -> Callable[[Ctx, Run], str]:
+    return lambda ctx, r: "" if r.seconds < seconds else f"took {r.seconds:.0f} s"
+
+
+def class18() -> list:
+    ends = "has ended"
+    dist_pp2 = [*TINY[:-1], "torch_dist", *PP2]
+    return [
+        Probe("rank 1 SIGKILLed mid torch save (PP2): rank 0 says so in one line", 18,
+              "fault", _peer_dies([*TINY, *PP2], f"{FILES}.write_state:before:1:2"), ends,
+              check=_survivors_say(1), slow=True),
+        Probe("rank 0, the store's host, SIGKILLed mid torch save: rank 1 says so", 18,
+              "fault", _peer_dies([*TINY, *PP2], f"{FILES}.write_state:before:0:2"), ends,
+              check=_survivors_say(0), slow=True),
+        Probe("rank 1 SIGKILLed mid torch_dist save (PP2): rank 0 says so in one line", 18,
+              "fault", _peer_dies(dist_pp2, f"{DIST_SAVE}:before:1:2"), ends,
+              check=_survivors_say(1), slow=True),
+        Probe("rank 1 SIGKILLed as the validation starts (DP2): rank 0 says so", 18, "fault",
+              _peer_dies(DP2_TORCH, f"{EVAL}:before:1:1", save=False,
+                         extra=("--eval-interval", "3")), ends,
+              check=_survivors_say(1, checkpoint=False), slow=True),
+        Probe("rank 1 SIGKILLed while the data sets and groups are built: rank 0 says so",
+              18, "fault", _peer_dies([*TINY, *PP2], f"{ENTRY}.data_sources:before:1:1",
+                                      save=False),
+              ends, check=_survivors_say(1, checkpoint=False), slow=True),
+        Probe("rank 1 SIGKILLed right after the rendezvous: rank 0 says so", 18, "fault",
+              _peer_dies([*TINY, *PP2], f"{ENTRY}.check_ranks_agree:before:1:1", save=False),
+              ends, check=_survivors_say(1, checkpoint=False), slow=True),
+        Probe("a store that accepts connections and never answers: one line in time", 18,
+              "fault", _silent_store, "did not answer", check=_within(45)),
+    ]
+
+
+# ---------------------------------------------- 19: resources
+
+GIB = 2 ** 30
+HUGE_MB = ["--micro-batch-size", "20000", "--global-batch-size", "20000"]
+
+
+def _limits(**limits: tuple) -> Callable[[], None]:
+    """A preexec that sets resource limits (name: (soft, hard)), as `ulimit` would."""
+    def preexec() -> None:
+        for name, value in limits.items():
+            resource.setrlimit(getattr(resource, name), value)
+    return preexec
+
+
+def _limited(flags: list, env: Optional[dict] = None, **limits: tuple) -> Callable[[Ctx], Run]:
+    return lambda c: gpt1([*TINY, *flags], c.work, env=_clean_env(**(env or {})),
+                          preexec=_limits(**limits))
+
+
+def _hard_nofile() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+def _says(*words: str) -> Callable[[Ctx, Run], str]:
+    def check(ctx: Ctx, r: Run) -> str:
+        lines = [ln for ln in r.out.splitlines() if ln.startswith("error:")]
+        if len(lines) != 1:
+            return f"{len(lines)} error lines"
+        missing = [w for w in words if w not in lines[0]]
+        return f"the line lacks {missing}" if missing else ""
+    return check
+
+
+def _progress_then_loss(ctx: Ctx, r: Run) -> str:
+    """A progress line before the validation's loss after training."""
+    at = r.out.find("Evaluating iter")
+    loss = r.out.find("validation loss at iteration 2")
+    return "" if 0 <= at < loss else "no progress line before the validation's loss"
+
+
+def class19() -> list:
+    three = (3 * GIB, 3 * GIB)
+    big_eval = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "256",
+                "--max-position-embeddings", "256", "--micro-batch-size", "256",
+                "--global-batch-size", "256", "--eval-iters", "20", "--train-iters", "2"]
+    return [
+        Probe("--micro-batch-size far past memory (ulimit -v 3 GiB): refused before the "
+              "model is built", 19, "error",
+              _limited([*HUGE_MB, "--train-iters", "2"], RLIMIT_AS=three),
+              "--micro-batch-size", check=_says("planner", "--micro-batch-size")),
+        Probe("out of memory in the first step (the check off): one line naming the flag", 19,
+              "error", _limited([*HUGE_MB, "--train-iters", "2"],
+                                {"MEGATRON_2BW_MEMORY_CHECK": "0"}, RLIMIT_AS=three),
+              "out of memory", check=_says("--micro-batch-size"), code=1),
+        Probe("ulimit -v too small for the threads: one line, not a SIGABRT", 19, "error",
+              _limited(["--train-iters", "2"], RLIMIT_AS=(int(1.4 * GIB), int(1.4 * GIB))),
+              "ulimit -v", check=_says("ulimit -v")),
+        Probe("ulimit -n 64: one line naming the open-file limit", 19, "error",
+              _limited(["--train-iters", "2"], RLIMIT_NOFILE=(64, 64)), "ulimit -n",
+              check=_says("ulimit -n")),
+        Probe("open files run out past the start-up check (ulimit -n 90): one line", 19,
+              "error", _limited(["--train-iters", "2"], RLIMIT_NOFILE=(90, 90)),
+              "too many open files", check=_says("ulimit -n"), code=1),
+        Probe("a soft ulimit -n 64 under a higher hard limit is raised: the run trains", 19,
+              "ok", _limited(["--train-iters", "2"],
+                             RLIMIT_NOFILE=(64, max(64, _hard_nofile()))),
+              "iteration        2/"),
+        Probe("the validation after training with large batches shows its progress", 19,
+              "ok", lambda c: gpt1([*TINY, *big_eval], c.work, timeout=300),
+              "Evaluating iter", check=_progress_then_loss, slow=True),
+    ]
+
+
 def all_probes() -> list:
     probes = class1() + class2() + class3() + class4() + class5() + class6() + class7() + \
         class8() + class9() + class10() + class11() + class12() + class13() + class14() + \
-        class15() + class16()
+        class15() + class16() + class17() + class21() + class20() + class18() + class19()
     # the 'another pipeline layout' probe resumes a PP2 checkpoint in one process
     for p in probes:
         if p.name == "checkpoint of another pipeline layout":

@@ -7,7 +7,9 @@
 writes data/owt_text_document.bin/.idx (``--data-path data/owt_text_document``). Exit status 1
 with a one-line message on stderr for bad flags, a missing/empty input, a vocabulary too large
 for the output dtype, or a malformed line (which includes a token id outside the tokenizer's
-vocabulary or the output dtype: ``FILE:LINE: malformed line, key 'text': token id ...``), and
+vocabulary or the output dtype: ``FILE:LINE: malformed line, key 'text': token id ...``), a
+line with bytes that are not UTF-8 (``FILE:LINE: 2 bytes that are not UTF-8 ...``; or
+``--invalid-utf8 replace|skip``, this project's flag), and
 for output that cannot be written (a read-only or full filesystem): nothing is left behind,
 and an earlier output at the prefix stays as it was.
 """
@@ -21,8 +23,9 @@ import signal
 import sys
 from typing import List, Optional
 
-from megatron_2bw.data.preprocess import (ON_ERROR_CHOICES, PreprocessConfig, PreprocessError,
-                                          check_input, preprocess)
+from megatron_2bw.data.preprocess import (INVALID_UTF8_CHOICES, ON_ERROR_CHOICES,
+                                          PreprocessConfig, PreprocessError, check_input,
+                                          preprocess)
 from megatron_2bw.data.sentences import SPLITTERS
 from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, TokenizerError, TokenizerSpec
 
@@ -37,7 +40,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                        help="one sequence per sentence (for BERT)")
     group.add_argument("--keep-newlines", action="store_true",
                        help="keep newlines between sentences when splitting")
-    group.add_argument("--sentence-splitter", choices=SPLITTERS, default="auto",
+    group.add_argument("--sentence-splitter", choices=SPLITTERS,
                        help="nltk: punkt, English (Megatron-LM's sentences); auto (default): "
                        "punkt, else rule-based with a warning; simple: rule-based")
     group = parser.add_argument_group("tokenizer")
@@ -46,7 +49,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--merge-file", help="GPT-2 merges.txt")
     group.add_argument("--tokenizer-model", help="SentencePiece .model or HF tokenizer.json/dir")
     group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
-    group.add_argument("--vocab-extra-ids", type=int, default=0)
+    group.add_argument("--vocab-extra-ids", type=int, default=0,
+                       help="accepted and not used: Megatron-LM's tool sets it to 0")
+    group.add_argument("--legacy-tokenizer", action="store_true",
+                       help="Megatron-LM's legacy tokenizer classes: SentencePieceTokenizer "
+                       "with <CLS>/<SEP>/<EOD>/<MASK> (EOD <EOD>), Llama2Tokenizer with a BOS "
+                       "before every text, HuggingFaceTokenizer with its template's tokens; "
+                       "off by default, as there")
     group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
                        help="HuggingFaceTokenizer: add the template's special tokens (e.g. BOS) "
                        "to every text, as Megatron-LM with this flag; off by default, as there")
@@ -61,19 +70,30 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                        help="documents between progress lines")
     group.add_argument("--on-error", choices=ON_ERROR_CHOICES, default="fail",
                        help="malformed line: fail (default) or skip and report it")
+    group.add_argument("--invalid-utf8", choices=INVALID_UTF8_CHOICES, default="error",
+                       help="a line with bytes that are not UTF-8: error (default: stop, "
+                       "naming FILE:LINE), replace (U+FFFD for each such byte) or skip (leave "
+                       "the line out); the lines are reported. This project's flag: "
+                       "Megatron-LM's tool has none and stops with a UnicodeDecodeError")
     return parser.parse_args(argv)
 
 
 def to_config(args: argparse.Namespace) -> PreprocessConfig:
+    if args.vocab_extra_ids:
+        # Megatron-LM's tool overrides the flag with 0: <extra_id_N> in a text stays text
+        logging.getLogger(__name__).warning(
+            "--vocab-extra-ids %d is not used for preprocessing (Megatron-LM's "
+            "tools/preprocess_data.py sets it to 0); give it to training", args.vocab_extra_ids)
     tokenizer = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file,
-                              args.tokenizer_model, args.vocab_size, args.vocab_extra_ids,
-                              args.tokenizer_hf_include_special_tokens)
+                              args.tokenizer_model, args.vocab_size, 0,
+                              args.tokenizer_hf_include_special_tokens, args.legacy_tokenizer)
     return PreprocessConfig(
         input=args.input, output_prefix=args.output_prefix, tokenizer=tokenizer,
         json_keys=tuple(args.json_keys), append_eod=args.append_eod,
         split_sentences=args.split_sentences, keep_newlines=args.keep_newlines,
-        sentence_splitter=args.sentence_splitter, workers=args.workers,
-        log_interval=args.log_interval, on_error=args.on_error)
+        sentence_splitter=args.sentence_splitter or "auto", workers=args.workers,
+        log_interval=args.log_interval, on_error=args.on_error,
+        invalid_utf8=args.invalid_utf8)
 
 
 class Stopped(KeyboardInterrupt):
@@ -108,6 +128,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _run(args) -> int:
     try:
         config = to_config(args)
+        for note in unused_flags(args):
+            logging.getLogger(__name__).warning(note)
         check_input(config.input)  # before megatron-core is imported: fast, clear failure
         result = preprocess(config)
     except (PreprocessError, TokenizerError, ValueError) as err:
@@ -131,7 +153,24 @@ def _run(args) -> int:
               f"{result.tokens[key]} tokens, {result.sequences[key]} sequences")
     if result.bad_lines:
         print(f"skipped {len(result.bad_lines)} malformed lines", file=sys.stderr)
+    if result.not_utf8:
+        lines = f"{len(result.not_utf8)} line{'s' if len(result.not_utf8) > 1 else ''}"
+        done = (f"replaced the bytes that are not UTF-8 with U+FFFD on {lines}"
+                if args.invalid_utf8 == "replace" else f"skipped {lines} that are not UTF-8")
+        print(f"{done} (--invalid-utf8 {args.invalid_utf8})", file=sys.stderr)
     return 0
+
+
+def unused_flags(args: argparse.Namespace) -> List[str]:
+    """A line for each flag given where it does nothing (accepted, so that Megatron-LM's
+    command lines run, but not dropped without a word)."""
+    if args.split_sentences:
+        return []
+    given = [flag for flag, on in (("--keep-newlines", args.keep_newlines),
+                                   (f"--sentence-splitter {args.sentence_splitter}",
+                                    args.sentence_splitter)) if on]
+    return [f"{flag} has no effect without --split-sentences: each document is tokenized "
+            "whole, its newlines included" for flag in given]
 
 
 def output_error(err: OSError, prefix: str) -> str:

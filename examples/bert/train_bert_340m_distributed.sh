@@ -8,7 +8,7 @@
 #   bash examples/bert/train_bert_340m_distributed.sh [CKPT] [TB] [VOCAB] [DATA]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python}
+source examples/python.sh  # PY: $PYTHON, the active environment's or .venv's python
 
 NPROC_PER_NODE=${NPROC_PER_NODE:-2}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
@@ -19,7 +19,7 @@ NODE_RANK=${NODE_RANK:-0}
 CHECKPOINT_PATH=${1:-checkpoints/bert}
 TENSORBOARD_LOGS_PATH=${2:-tensorboard/bert}
 if [ -z "${3:-}" ]; then
-    CORPUS=$($PY tools/build_default_corpus.py --print-dir)
+    CORPUS=$("$PY" tools/build_default_corpus.py --print-dir)
 fi
 VOCAB_FILE=${3:-$CORPUS/bert-vocab.txt}
 DATA_PATH=${4:-$CORPUS/bert_text_sentence}
@@ -79,7 +79,7 @@ EVAL_AND_LOGGING_ARGS=(
 )
 
 # shellcheck disable=SC2086
-$PY -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_bert.py \
+"$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_bert.py \
     "${BERT_MODEL_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" \
     "${MODEL_PARALLEL_ARGS[@]}" \

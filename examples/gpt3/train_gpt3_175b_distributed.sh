@@ -10,7 +10,7 @@
 #   bash examples/gpt3/train_gpt3_175b_distributed.sh [CKPT] [TB] [VOCAB] [MERGES] [DATA]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python}
+source examples/python.sh  # PY: $PYTHON, the active environment's or .venv's python
 
 NPROC_PER_NODE=${NPROC_PER_NODE:-2}   # GPUs per node on a GPU cluster
 MASTER_ADDR=${MASTER_ADDR:-localhost}
@@ -21,7 +21,7 @@ NODE_RANK=${NODE_RANK:-0}
 CHECKPOINT_PATH=${1:-checkpoints/gpt3}
 TENSORBOARD_LOGS_PATH=${2:-tensorboard/gpt3}
 if [ -z "${3:-}" ]; then   # the embedded corpus and its GPT-2-format BPE
-    CORPUS=$($PY tools/build_default_corpus.py --print-dir)
+    CORPUS=$("$PY" tools/build_default_corpus.py --print-dir)
 fi
 VOCAB_FILE=${3:-$CORPUS/gpt2-vocab.json}
 MERGE_FILE=${4:-$CORPUS/gpt2-merges.txt}
@@ -85,7 +85,7 @@ EVAL_AND_LOGGING_ARGS=(
 )
 
 # shellcheck disable=SC2086  # EXTRA_ARGS splits into flags on purpose
-$PY -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
+"$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
     "${GPT_MODEL_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" \
     "${MODEL_PARALLEL_ARGS[@]}" \

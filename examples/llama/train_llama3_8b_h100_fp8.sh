@@ -21,7 +21,7 @@
 #   bash examples/llama/train_llama3_8b_h100_fp8.sh [CKPT] [TB] [TOKENIZER|MOCK] [DATA|MOCK]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python}
+source examples/python.sh  # PY: $PYTHON, the active environment's or .venv's python
 
 CHECKPOINT_PATH=${1:-"checkpoints/llama3_8b_fp8"}
 TENSORBOARD_LOGS_PATH=${2:-"tensorboard_logs/llama3_8b_fp8"}
@@ -168,7 +168,7 @@ EVAL_AND_LOGGING_ARGS=(
 )
 
 # shellcheck disable=SC2086
-$PY -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
+"$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
     "${MODEL_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" \
     "${DTYPE_ARGS[@]}" \

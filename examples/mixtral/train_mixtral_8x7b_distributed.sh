@@ -17,7 +17,7 @@
 #   bash examples/mixtral/train_mixtral_8x7b_distributed.sh [CKPT] [TB] [TOKENIZER|MOCK] [DATA|MOCK]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python}
+source examples/python.sh  # PY: $PYTHON, the active environment's or .venv's python
 
 CHECKPOINT_PATH=${1:-"checkpoints/mixtral_8x7b"}
 TENSORBOARD_LOGS_PATH=${2:-"tensorboard_logs/mixtral_8x7b"}
@@ -135,7 +135,7 @@ LOGGING_ARGS=(
 )
 
 # shellcheck disable=SC2086
-$PY -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
+"$PY" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
     "${MODEL_ARGS[@]}" \
     "${MOE_ARGS[@]}" \
     "${DATA_ARGS[@]}" \

@@ -10,6 +10,19 @@ tracker: an iteration directory with a manifest is complete, one without is eith
 interrupted save (newer than the tracker) or a checkpoint written by Megatron-LM.
 Nothing here knows about process groups, so all of it is testable in one process.
 
+    {root}/save_in_progress.json                   the save under way: {"iteration": N,
+                                                   "after": the tracker's value then}
+
+A save is committed when its manifest is on disk. Rank 0 writes `save_in_progress.json`
+before any rank writes and removes it after the tracker, so a kill at any moment leaves
+one of: the marker and a directory without a manifest (an interrupted save: a resume
+ignores it with one line, the next save removes it); the marker and a complete directory
+the tracker does not name yet (`read_tracker` counts it as the newest: the kill came
+between the manifest and the tracker); or the save finished. Without the marker, a
+manifest-less directory without a tracker could be a Megatron-LM checkpoint, so it is
+refused rather than ignored, unless its files show it is unfinished (`.tmp` files, a
+torch file cut short, torch_dist without its last-written `metadata.json`).
+
     {root}/save.lock                               the job that writes here (SaveLock)
 
 One job writes a --save directory at a time: its rank 0 holds `save.lock` and refreshes it
@@ -34,6 +47,7 @@ import sys
 import threading
 import time
 import uuid
+import zipfile
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional
 
@@ -42,6 +56,10 @@ import torch
 logger = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
+SAVING = "save_in_progress.json"
+# seconds to sleep at each step of a save: lets tools/chaos.py and the tests land a kill
+# inside a save of a tiny model (never set in a real run)
+SAVE_DELAY_ENV = "MEGATRON_2BW_SAVE_DELAY_FOR_TESTS"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -87,21 +105,127 @@ def _fsync_write(path: str, text: str) -> None:
 
 
 def read_tracker(root: str) -> Optional[int]:
-    """The tracker's iteration, or None without a tracker file."""
+    """The newest committed iteration, None before the first: the tracker's, or the one
+    whose save was killed after its manifest and before the tracker (`committed_late`)."""
+    tracked = tracker_file(root)
+    late = committed_late(root, tracked)
+    return tracked if late is None else late
+
+
+def tracker_file(root: str) -> Optional[int]:
+    """What the tracker file says, None without one (`read_tracker`: the iteration a
+    resume loads)."""
     try:
         with open(os.path.join(root, TRACKER)) as f:
             text = f.read().strip()
     except FileNotFoundError:
         return None
     if not text.isdigit():
+        good = [i for i in list_iterations(root) if is_complete(root, i)]
+        fix = (f"write {good[-1]} into it, the newest complete iteration" if good else
+               "remove it to start from scratch (no iteration there is complete)")
         raise CheckpointError(f"the checkpoint tracker holds {text!r}, not an iteration number "
-                              f"({os.path.join(root, TRACKER)}); write the iteration to load "
-                              f"into it (present: {_names(list_iterations(root))})")
+                              f"({os.path.join(root, TRACKER)}); {fix}")
     return int(text)
 
 
 def write_tracker(root: str, iteration: int) -> None:
     _fsync_write(os.path.join(root, TRACKER), str(iteration))
+    pause_for_tests()
+
+
+# ---------------------------------------------------------------------------- a save under way
+
+
+def pause_for_tests() -> None:
+    """Sleep $MEGATRON_2BW_SAVE_DELAY_FOR_TESTS seconds (unset: no pause)."""
+    delay = os.environ.get(SAVE_DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
+
+
+def begin_save(root: str, iteration: int) -> None:
+    """Rank 0, before any rank writes `iteration`: record the save under way and the
+    tracker it started from (`committed_late` trusts the marker only while the tracker
+    still says that)."""
+    doc = {"iteration": iteration, "after": tracker_file(root)}
+    _fsync_write(os.path.join(root, SAVING), json.dumps(doc) + "\n")
+    pause_for_tests()
+
+
+def end_save(root: str, iteration: int) -> None:
+    """Rank 0, after the tracker (or a failed save's cleanup): the save of `iteration` is
+    no longer under way (a marker of another save stays: it may carry a late commit)."""
+    marker = _save_under_way(root)
+    if marker is not None and marker[0] == iteration:
+        _remove_quietly(os.path.join(root, SAVING))
+
+
+def _save_under_way(root: str) -> Optional[tuple[int, Optional[int]]]:
+    """(iteration, tracker then) of the marker, None without one (or an unreadable one:
+    its save had not begun to write)."""
+    try:
+        with open(os.path.join(root, SAVING)) as f:
+            doc = json.load(f)
+        after = doc["after"]
+        return int(doc["iteration"]), None if after is None else int(after)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def committed_late(root: str, tracked: Optional[int]) -> Optional[int]:
+    """The iteration a save committed (manifest written, every file its size) but was
+    killed before writing the tracker, which still says `tracked`; else None."""
+    marker = _save_under_way(root)
+    if marker is None or marker[1] != tracked or marker[0] == tracked:
+        return None
+    return marker[0] if is_complete(root, marker[0]) else None
+
+
+def interrupted_saves(root: str) -> list[int]:
+    """Iteration directories that hold a save that never finished: no manifest, and
+    either the marker names them or their files show it (`_unfinished`). Ignored by a
+    resume, removed by the next save."""
+    marker = _save_under_way(root)
+    try:
+        committed = read_tracker(root)
+    except CheckpointError:  # a tracker that is no number: named where it is read
+        committed = None
+    found = []
+    for i in list_iterations(root):
+        if i == committed or _has_manifest(root, i):
+            continue
+        if (marker is not None and marker[0] == i) or _unfinished(iteration_dir(root, i)):
+            found.append(i)
+    return found
+
+
+def loadable_iterations(root: str) -> list[int]:
+    """Iterations a resume could load: complete by their manifest, or without one
+    (Megatron-LM's) but with finished files; ascending."""
+    skip = set(interrupted_saves(root))
+    return [i for i in list_iterations(root) if i not in skip and (
+        is_complete(root, i) or not _has_manifest(root, i))]
+
+
+def _has_manifest(root: str, iteration: int) -> bool:
+    return os.path.exists(os.path.join(iteration_dir(root, iteration), MANIFEST))
+
+
+def _unfinished(base: str) -> bool:
+    """Whether a manifest-less directory's files show an unfinished save: nothing in it,
+    a `.tmp` file, a torch file cut short (a zip without its end record), or torch_dist
+    files without `metadata.json`, which dist_checkpointing writes last."""
+    names = []
+    for folder, _, files in os.walk(base):
+        names += [os.path.join(folder, n) for n in files]
+    if not names or any(n.endswith(".tmp") for n in names):
+        return True
+    if any(os.path.basename(n) in ("common.pt", ".metadata") or n.endswith(".distcp")
+           for n in names):
+        return not os.path.exists(os.path.join(base, "metadata.json"))
+    rank_files = [n for n in names if os.path.basename(n) == "model_optim_rng.pt"]
+    return not rank_files or not all(zipfile.is_zipfile(n) for n in rank_files)
 
 
 # ---------------------------------------------------------------------------- writing
@@ -148,6 +272,7 @@ def write_state(path: str, state: dict) -> FileEntry:
             torch.save(state, writer)
             f.flush()
             os.fsync(f.fileno())
+        pause_for_tests()
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:
         _remove_quietly(tmp)
@@ -203,6 +328,7 @@ def write_manifest(root: str, iteration: int, entries: dict[str, FileEntry]) -> 
            "files": {rel: asdict(e) for rel, e in sorted(entries.items())}}
     _fsync_write(os.path.join(iteration_dir(root, iteration), MANIFEST),
                  json.dumps(doc, indent=1) + "\n")
+    pause_for_tests()
 
 
 def _remove_quietly(path: str) -> None:
@@ -290,6 +416,11 @@ def load_state(root: str, iteration: int, rel: str,
     verified = verify(root, iteration, rel)
     if not os.path.exists(path):
         present = _rank_dirs(iteration_dir(root, iteration))
+        if not present:
+            raise CheckpointError(f"checkpoint iteration {iteration} is incomplete: "
+                                  f"{iteration_dir(root, iteration)} holds no rank files "
+                                  f"(a save that did not finish); "
+                                  f"{previous_hint(root, iteration)}")
         raise CheckpointError(
             f"checkpoint file missing: iteration {iteration} holds "
             f"{', '.join(present) or 'no rank directories'}, saved with another tensor x "
@@ -325,22 +456,50 @@ def _names(iterations: list[int]) -> str:
 
 
 def refuse_unread_checkpoints(root: str) -> None:
-    """--load without a tracker but with `iter_*` directories: starting fresh would ignore
-    (and with --save there, overwrite) them."""
-    present = list_iterations(root)
+    """--load without a tracker but with checkpoints that may be whole: starting fresh
+    would ignore (and with --save there, overwrite) them. Interrupted saves do not count."""
+    present = loadable_iterations(root)
     if present:
+        newest = present[-1]
+        what = ("the newest, complete by its manifest" if is_complete(root, newest) else
+                "the newest; it has no manifest, as Megatron-LM writes none")
         raise CheckpointError(
             f"--load {root} holds {_names(present)} but no {TRACKER} "
-            f"({os.path.join(root, TRACKER)}); to resume, write the iteration to load "
-            f"(newest: {present[-1]}) into it; to start fresh, drop --load or pass "
-            "--overwrite-checkpoints")
+            f"({os.path.join(root, TRACKER)}); to resume, write {newest} ({what}) into "
+            "it; to start fresh over them, pass --overwrite-checkpoints")
+
+
+def missing_iteration(root: str, iteration: int, step: bool) -> Optional[CheckpointError]:
+    """The error for an iteration --ckpt-step (`step`) or the tracker names that is not
+    there (no directory) or never finished (an interrupted save); None when it is there."""
+    base = iteration_dir(root, iteration)
+    interrupted = iteration in interrupted_saves(root)
+    if os.path.isdir(base) and not interrupted:
+        return None
+    state = "an interrupted save (no manifest)" if interrupted else "missing"
+    good = [i for i in loadable_iterations(root) if i != iteration]
+    held = ", ".join(map(str, good)) or "none"
+    tracker = os.path.join(root, TRACKER)
+    if step:
+        fix = ("give one of those, or leave --ckpt-step out for the newest" if good else
+               "leave --ckpt-step out")
+        return CheckpointError(f"--ckpt-step {iteration}: iteration {iteration} is {state} "
+                               f"({base}); the complete iterations of --load {root}: {held}; "
+                               f"{fix}")
+    fix = (f"to resume from iteration {good[-1]}, the newest complete one, write "
+           f"{good[-1]} into {tracker}" if good else
+           f"to start from scratch, remove {tracker}")
+    return CheckpointError(f"the checkpoint tracker names iteration {iteration}, which is "
+                           f"{state} ({base}); the complete iterations of --load {root}: "
+                           f"{held}; {fix}")
 
 
 def check_save_dir(root: str, start: int, overwrite: bool) -> None:
     """Refuse before the first iteration when this run would overwrite a checkpoint:
     any `iter_*` directory when it starts from scratch, a complete one newer than the
-    iteration it resumes from otherwise (incomplete ones are interrupted saves)."""
-    present = list_iterations(root)
+    iteration it resumes from otherwise (interrupted saves do not count)."""
+    skip = set(interrupted_saves(root))
+    present = [i for i in list_iterations(root) if i not in skip]
     if overwrite or not present:
         return
     if start == 0:
@@ -358,15 +517,26 @@ def check_save_dir(root: str, start: int, overwrite: bool) -> None:
             "from here, give another --save, or pass --overwrite-checkpoints")
 
 
+def settle_late_commit(root: str) -> Optional[int]:
+    """Rank 0 before a save: a save killed between its manifest and the tracker gets its
+    tracker now (before the next marker replaces the evidence); returns that iteration."""
+    tracked = tracker_file(root)
+    late = committed_late(root, tracked)
+    if late is not None:
+        write_tracker(root, late)
+    return late
+
+
 def clear_for_save(root: str, iteration: int, overwrite: bool) -> list[str]:
     """Before saving `iteration`: remove the `.tmp` files and the manifest-less directories
-    newer than the tracker that failed saves left, and the target directory itself when
-    --overwrite-checkpoints allows it. Returns what was removed."""
+    newer than the newest committed iteration that failed or interrupted saves left, and
+    the target directory itself when --overwrite-checkpoints allows it. Returns what was
+    removed."""
     removed = _remove_tmp_files(root)
     committed = read_tracker(root) or 0
     for i in list_iterations(root):
         base = iteration_dir(root, i)
-        if i > committed and i != iteration and read_manifest(root, i) is None:
+        if i > committed and i != iteration and not _has_manifest(root, i):
             shutil.rmtree(base)
             removed.append(base)
     target = iteration_dir(root, iteration)

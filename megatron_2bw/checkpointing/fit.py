@@ -67,7 +67,8 @@ class Misfit:
             return (f"the checkpoint has {self.saved[0]} transformer layers on this stage, "
                     f"this model {self.model[0]}")
         if self.saved is None:
-            return f"this model has {self.name} {list(self.model)}, the checkpoint does not"
+            return (f"the checkpoint has no {self.name}, this model has it "
+                    f"{list(self.model)}")
         if self.model is None:
             return f"the checkpoint has {self.name} {list(self.saved)}, this model does not"
         return (f"{self.name} is {list(self.saved)} in the checkpoint, {list(self.model)} "
@@ -107,9 +108,14 @@ def misfits(saved: dict[str, tuple], model: dict[str, tuple], *, missing_ok: Ite
 
 
 def misfit_line(found: list[Misfit], path: str) -> Optional[str]:
-    """The error for the first misfit (and how many more), or None when all fit."""
+    """The error for the first misfit (and how many more), or None when all fit; a
+    checkpoint of the other model type (BERT into GPT) says so instead."""
     if not found:
         return None
+    other = kind_line([m.name for m in found if m.saved is not None],
+                      [m.name for m in found if m.model is not None], path)
+    if other:
+        return other
     first, more = found[0], len(found) - 1
     extra = f"; {more} more tensor{'s' * (more != 1)} differ" if more else ""
     return (f"the checkpoint does not fit this model: {first.describe()}{extra} ({path}); "
@@ -122,3 +128,30 @@ def tensor_shapes(state: dict) -> dict[str, tuple]:
     return {name: tuple(value.shape) for name, value in state.items()
             if hasattr(value, "shape") and not name.endswith("_extra_state")}
 
+
+# megatron-core's tensor names of each model type: GPTModel's layers sit under `decoder.`,
+# BertModel's under `encoder.` beside its heads (Megatron-LM's checkpoints name them so)
+_KINDS = (("BERT", re.compile(r"^(encoder\.|lm_head\.|binary_head\.|pooler\.|"
+                              r"embedding\.tokentype_embeddings)")),
+          ("GPT", re.compile(r"^decoder\.")))
+ENTRY = {"GPT": "pretrain_gpt.py", "BERT": "pretrain_bert.py"}
+
+
+def model_kind(names: Iterable[str]) -> Optional[str]:
+    """"GPT" or "BERT" by megatron-core's tensor names, None when they do not tell (a
+    stage holding only embeddings)."""
+    names = list(names)
+    for kind, pattern in _KINDS:
+        if any(pattern.search(n) for n in names):
+            return kind
+    return None
+
+
+def kind_line(saved: Iterable[str], model: Iterable[str], path: str) -> Optional[str]:
+    """The error for a checkpoint of the other model type, or None: a BERT checkpoint
+    given to pretrain_gpt.py would otherwise read as dozens of tensors that do not fit."""
+    old, new = model_kind(saved), model_kind(model)
+    if old is None or new is None or old == new:
+        return None
+    return (f"the checkpoint is a {old} checkpoint, this run trains {new} ({path}); "
+            f"resume it with {ENTRY[old]}, or give {ENTRY[new]} a {new} checkpoint")

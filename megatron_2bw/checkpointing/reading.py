@@ -22,9 +22,10 @@ from megatron.core import parallel_state as ps
 from ..optim.checkpoint import CheckpointedOptimizer
 from ..runtime.checkpoint import CheckpointedRuntime
 from .contents import complete_megatron_state, saved_args, to_megatron_names
-from .files import (TRACKER, CheckpointError, iteration_dir, list_iterations, load_state,
-                    read_tracker, refuse_unread_checkpoints)
-from .fit import misfit_line, misfits, tensor_shapes
+from .files import (TRACKER, CheckpointError, committed_late, interrupted_saves,
+                    iteration_dir, load_state, missing_iteration, read_tracker,
+                    refuse_unread_checkpoints, tracker_file)
+from .fit import kind_line, misfit_line, misfits, tensor_shapes
 from .ranks import agree, attempt, raise_error, rank_file, warn_once
 from .sharded import (is_sharded, load_sharded, read_common, sharded_fit_error,
                       verify_sharded)
@@ -81,6 +82,9 @@ class LoadedCheckpoint:
         mine = tensor_shapes(to_megatron_names(module.state_dict()))
         for weights in [self.state["model"], *self.state.get("weight_versions", {}).values()]:
             saved = tensor_shapes(to_megatron_names(weights))
+            other = kind_line(saved, mine, self.path)  # BERT into GPT, or the reverse
+            if other:
+                return other
             fresh = module.fresh_keys(set(saved)) if finetune else []
             found = misfits(saved, mine, missing_ok=fresh, unexpected=not finetune)
             if found:
@@ -98,14 +102,14 @@ def read_checkpoint(root: str, rel: Optional[str] = None, overwrite: bool = Fals
     without any checkpoint."""
     _refuse_misplaced_load(root)
     iteration = step or read_tracker(root)
-    if step and not os.path.isdir(iteration_dir(root, step)):
-        held = ", ".join(str(i) for i in list_iterations(root)) or "none"
-        raise CheckpointError(f"--ckpt-step {step}: {root} has no checkpoint of iteration "
-                              f"{step} (it holds: {held}) (--load); give one of those, or "
-                              "leave --ckpt-step out for the newest")
+    if not step:
+        _note_interrupted(root, iteration)
     if iteration is None:
         _no_checkpoint(root, overwrite, required)
         return None
+    missing = missing_iteration(root, iteration, step=bool(step))
+    if missing:
+        raise missing
     if is_sharded(root, iteration):
         return _read_sharded(root, iteration)
     rel = rel or rank_file()
@@ -139,6 +143,22 @@ def _refuse_other_layout(root: str, iteration: int, rel: str) -> None:
                 f"with ({path} does not exist); resume with {flag} {old}, or convert it to "
                 "torch_dist (tools/checkpoint/convert.py --ckpt-format torch_dist), which "
                 "loads at any layout")
+
+
+def _note_interrupted(root: str, iteration: Optional[int]) -> None:
+    """One line each for what a kill during a save left: a save committed but not yet
+    tracked (resumed from), and saves that never finished (ignored)."""
+    tracked = tracker_file(root)
+    if iteration is not None and committed_late(root, tracked) == iteration:
+        before = f"it still says {tracked}" if tracked is not None else "there is none"
+        warn_once(f"resuming from iteration {iteration} of {root}: its save was stopped after "
+                  f"every file and the manifest were written, before {TRACKER} ({before})")
+    unfinished = [i for i in interrupted_saves(root) if iteration is None or i > iteration]
+    if unfinished:
+        names = ", ".join(iteration_dir(root, i) for i in unfinished)
+        start = f"iteration {iteration}" if iteration else "scratch"
+        warn_once(f"ignoring {names}: a save that did not finish (no manifest); resuming "
+                  f"from {start}, and the next save into {root} removes it")
 
 
 def _no_checkpoint(root: str, overwrite: bool, required: bool) -> None:

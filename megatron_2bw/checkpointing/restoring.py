@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from ..optim.checkpoint import CheckpointedOptimizer
+from ..optim.checkpoint import CheckpointedOptimizer, OptimizerCheckpoint
 from ..runtime.checkpoint import CheckpointedRuntime, WeightsCheckpoint
 from .contents import MODULE_PREFIX, from_megatron_names, restore_rng
 from .files import CheckpointError
@@ -39,6 +39,8 @@ def restore(loaded: LoadedCheckpoint, executor: CheckpointedRuntime,
         return
     newest = state["newest_version"]
     optim = _loads_optimizer(loaded, t.no_load_optim)
+    if optim and not loaded.sharded:
+        check_optimizer_kind(loaded, updater.checkpoint_state())
     source = scheduler_source(loaded, updater, run) if optim else "checkpoint"
     line = continuation_line(state.get("pipeline_schedule"), run.parallel.schedule, newest,
                              len(state["weight_versions"]), weights.num_buffers)
@@ -79,6 +81,24 @@ def _loads_optimizer(loaded: LoadedCheckpoint, no_load_optim: bool) -> bool:
                               f"--no-save-optim?) ({loaded.path}); pass --no-load-optim to "
                               "start the optimizer fresh, or --finetune")
     return True
+
+
+def check_optimizer_kind(loaded: LoadedCheckpoint, record: OptimizerCheckpoint) -> None:
+    """A torch-format checkpoint of another --optimizer or --delay-compensation is one line
+    (torch_dist: sharded.py), not a shape error deep in the optimizer's state."""
+    state = loaded.state["optimizer"]
+    saved = loaded.args.get("optimizer")
+    if saved is not None and saved != record.optimizer:
+        raise CheckpointError(f"the checkpoint was saved with --optimizer {saved}, this run "
+                              f"has --optimizer {record.optimizer} ({loaded.path}); resume "
+                              f"with --optimizer {saved}, or pass --no-load-optim to start "
+                              "this optimizer's state afresh from the weights")
+    kind = (state.get("compensation") or {}).get("kind")
+    if kind is not None and kind != record.compensation:
+        raise CheckpointError(f"the checkpoint was trained with --delay-compensation {kind}, "
+                              f"this run has --delay-compensation {record.compensation} "
+                              f"({loaded.path}); resume with --delay-compensation {kind}, or "
+                              "pass --no-load-optim to start the optimizer state afresh")
 
 
 def _restore_weights(loaded: LoadedCheckpoint, weights: WeightsCheckpoint, versions: dict,

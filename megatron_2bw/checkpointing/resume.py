@@ -110,14 +110,15 @@ def _flag(key: str) -> str:
 
 
 def _changes(saved: dict, flags: dict, keys: tuple) -> list[str]:
-    """`--flag NEW here, OLD in the checkpoint` for each of `keys` that differs (and
-    that the checkpoint's args hold: a Megatron-LM checkpoint may lack some)."""
+    """`--flag OLD in the checkpoint, NEW in this run` for each of `keys` that differs
+    (and that the checkpoint's args hold: a Megatron-LM checkpoint may lack some). Every
+    mismatch names the checkpoint's value first, as "saved with X, this run has Y" does."""
     def shown(value: object) -> str:
         if value is None or value == [] or value == ():
             return "(unset)"
         return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-    return [f"{_flag(k)} {shown(flags.get(k))} here, {shown(saved[k])} in the checkpoint"
-            for k in keys if k in saved and saved[k] != flags.get(k)]
+    return [f"{_flag(k)} {shown(saved[k])} in the checkpoint, {shown(flags.get(k))} in this "
+            "run" for k in keys if k in saved and saved[k] != flags.get(k)]
 
 
 def check_vocabulary(saved: dict, flags: dict, padded: int, path: str,
@@ -257,8 +258,8 @@ def schedule_mismatches(saved: dict, current: dict, gbs: int, decay_flag: str) -
             continue
         if saved[key] != current[key]:
             flag = decay_flag if key == "lr_decay_steps" else flag
-            found.append(f"{flag} gives {_fmt(key, current[key], gbs)} here, "
-                         f"{_fmt(key, saved[key], gbs)} in the checkpoint")
+            found.append(f"{flag} gives {_fmt(key, saved[key], gbs)} in the checkpoint, "
+                         f"{_fmt(key, current[key], gbs)} in this run")
     return found
 
 
@@ -272,9 +273,9 @@ def group_mismatches(saved: Optional[list[dict]], current: list[dict]) -> list[s
     def decoupled(groups: list[dict]) -> str:
         if not groups:
             return "no decoupled rate"
-        return f"max {groups[0]['max_lr']:g}, min {groups[0]['min_lr']:g}"
-    return [f"--decoupled-lr/--decoupled-min-lr give {decoupled(current)} here, "
-            f"{decoupled(saved)} in the checkpoint"]
+        return f"max {groups[0]['max_lr']:g} and min {groups[0]['min_lr']:g}"
+    return [f"--decoupled-lr/--decoupled-min-lr give {decoupled(saved)} in the checkpoint, "
+            f"{decoupled(current)} in this run"]
 
 
 def scheduler_source(loaded: LoadedCheckpoint, updater: CheckpointedOptimizer, run) -> str:

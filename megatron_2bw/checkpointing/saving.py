@@ -33,9 +33,9 @@ from .. import comm
 from ..optim.checkpoint import CheckpointedOptimizer
 from ..runtime.checkpoint import CheckpointedRuntime, WeightsCheckpoint
 from .contents import rng_state, to_megatron_names
-from .files import (CheckpointError, FileEntry, check_save_lock, clear_for_save,
-                    discard_partial, iteration_dir, write_manifest, write_state,
-                    write_tracker)
+from .files import (CheckpointError, FileEntry, begin_save, check_save_lock,
+                    clear_for_save, discard_partial, end_save, iteration_dir, read_tracker,
+                    settle_late_commit, write_manifest, write_state, write_tracker)
 from .ranks import agree, attempt, is_file_writer, rank_file
 from .sharded import commit_sharded, save_sharded
 
@@ -59,8 +59,10 @@ def save_checkpoint(root: str, iteration: int, executor: CheckpointedRuntime,
     of each (tp, pp), with expert parallelism expert-DP rank 0 of each (tp, pp, ep)
     (torch_dist: dist_checkpointing spreads the writing over the ranks).
 
-    Rank 0 first removes what failed saves left; the manifest (all ranks' checksums)
-    and then the tracker are written only after every rank file is complete.
+    Rank 0 first removes what failed saves left and records the save under way
+    (files.begin_save); the manifest (all ranks' checksums), which commits the save, and
+    then the tracker are written only after every rank file is complete. A kill at any
+    moment leaves the previous checkpoint or this one as the newest (files.read_tracker).
     """
     agree(attempt(lambda: _clear(root, iteration, overwrite)) if dist.get_rank() == 0
           else None)
@@ -70,20 +72,38 @@ def save_checkpoint(root: str, iteration: int, executor: CheckpointedRuntime,
         else:
             _write(root, iteration, executor, updater, args, schedule, options)
     except CheckpointError:  # agreed: every rank has stopped writing
-        if dist.get_rank() == 0 and discard_partial(root, iteration):
-            logger.info(f"removed the partial checkpoint {iteration_dir(root, iteration)}")
+        if dist.get_rank() == 0:
+            _abandon(root, iteration)
         raise
 
 
 def _clear(root: str, iteration: int, overwrite: bool) -> None:
-    """Rank 0 before a save: what interrupted saves left goes (and, with
-    --overwrite-checkpoints, an earlier save of this iteration)."""
+    """Rank 0 before a save: a save killed between its manifest and tracker gets its
+    tracker, what interrupted saves left goes (and, with --overwrite-checkpoints, an
+    earlier save of this iteration); then the marker of this save."""
     check_save_lock(root)  # no other job took --save over meanwhile
     os.makedirs(root, exist_ok=True)
+    late = settle_late_commit(root)
+    if late is not None:
+        logger.warning(f"{root}: iteration {late}'s save was stopped after its manifest, "
+                       f"before the tracker; the tracker now names it")
     target = iteration_dir(root, iteration)
     for path in clear_for_save(root, iteration, overwrite):
         logger.warning(f"replacing {path}" if path == target and overwrite else
                        f"removed {path}: left by an interrupted save")
+    begin_save(root, iteration)
+
+
+def _abandon(root: str, iteration: int) -> None:
+    """Rank 0 after a failed save: what it wrote goes, unless it committed (its manifest
+    is there: read_tracker names it, and the marker keeps saying so until the next save)."""
+    try:
+        if discard_partial(root, iteration):
+            logger.info(f"removed the partial checkpoint {iteration_dir(root, iteration)}")
+        if read_tracker(root) != iteration:
+            end_save(root, iteration)
+    except (OSError, CheckpointError):
+        pass  # the failure itself is reported; the next save clears what is left
 
 
 # ---------------------------------------------------------------------------- torch
@@ -132,9 +152,11 @@ def _write_rank_file(root: str, iteration: int, state: dict) -> dict[str, FileEn
 
 
 def _commit(root: str, iteration: int, entries: dict[str, FileEntry]) -> None:
-    """The manifest, then the tracker: from here on the iteration is the one to load."""
+    """The manifest (from here on the iteration is the one to load), the tracker, and the
+    end of the save under way."""
     write_manifest(root, iteration, entries)
     write_tracker(root, iteration)
+    end_save(root, iteration)
 
 
 def _write(root: str, iteration: int, executor: CheckpointedRuntime,
@@ -179,4 +201,6 @@ def _save_sharded(root: str, iteration: int, executor: CheckpointedRuntime,
                                        options.optim)))
     agree(attempt(lambda: commit_sharded(root, iteration)) if dist.get_rank() == 0
           else None)
+    if dist.get_rank() == 0:
+        end_save(root, iteration)
     logger.info(f"saved checkpoint at iteration {iteration} to {root} (torch_dist)")

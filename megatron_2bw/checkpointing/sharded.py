@@ -27,13 +27,20 @@ them:
 - `optimizer.state.{exp_avg,exp_avg_sq,momentum_buffer,fp32_param,delay_compensation}.*`:
   each optimizer tensor sharded like its parameter (the last stage's tied output-layer
   copy is a replica of the word embedding, saved once);
+- with --optimizer adam, Adam's state also in the layout Megatron-LM's optimizer writes
+  with the run's flags (megatron_optimizer.py: the non-distributed nesting, or with
+  --use-distributed-optimizer dp_reshardable / fully_reshardable), its `optimizer`
+  common state and `content_metadata`, so Megatron-LM's `load_checkpoint` resumes Adam;
+  where a layout's keys are the per-parameter ones above they are written once;
 - `rng_state`: per (pipeline, tensor) rank, with expert parallelism per (pipeline,
   tensor, data-parallel) rank, as Megatron-LM; restored only at the layout it was saved
   at (another layout has other ranks; Megatron-LM does the same);
 - common (rank 0's `common.pt`): args, iteration, checkpoint_version 3.0,
   opt_param_scheduler, and this engine's scalars (versions, loss scales, Adam's step).
 
-A load fills the same nested state a `--ckpt-format torch` checkpoint gives, so
+A load reads this engine's per-parameter keys, or a checkpoint Megatron-LM wrote in any of
+its three optimizer layouts (a dp_reshardable one at its own TP x PP only). It fills the
+same nested state a `--ckpt-format torch` checkpoint gives, so
 `checkpointing.restoring.restore` applies both alike (schedule checks, 2BW's versions,
 masters). What is saved and what a load asks for come from the runtime's and the
 optimizer's checkpoint contracts (runtime/checkpoint.py, optim/checkpoint.py).
@@ -61,6 +68,7 @@ from .. import comm
 from ..models.compat import cpu_dist_checkpointing
 from ..optim.checkpoint import CheckpointedOptimizer, OptimizerCheckpoint
 from ..runtime.checkpoint import CheckpointedRuntime, WeightsCheckpoint
+from . import megatron_optimizer as mlo
 from .contents import megatron_engine_state
 from .fit import misfit_line, misfits
 from .files import (MANIFEST, CheckpointError, FileEntry, iteration_dir, previous_hint,
@@ -72,8 +80,9 @@ MODEL_PREFIX = "model."  # PipelineStage holds megatron-core's model as `.model`
 SHADOW = "pipedream_2bw.shadow_model."
 PREDICTED = "pipedream_2bw.predicted_model"  # make_sharded_optimizer_tensor adds the dot
 COMMON_FILE = "common.pt"
-# checkpoint tensors beside the model's own: optimizer state, 2BW's extra weight versions
-NOT_MODEL = ("optimizer.", "pipedream_2bw.")
+# checkpoint tensors beside the model's own: optimizer state (Megatron-LM's chained
+# optimizers prefix theirs), 2BW's extra weight versions
+NOT_MODEL = ("optimizer.", "chained_", "pipedream_2bw.")
 # the optimizer's per-parameter tensors: {kind: [(parameter index, tensor)]}
 PerParameter = dict[str, list[tuple[int, torch.Tensor]]]
 
@@ -95,15 +104,17 @@ def _model_shards(module: torch.nn.Module, prefix: str = "") -> dict:
 
 
 def _optimizer_shards(tensors: PerParameter, names: Sequence[str], model: dict,
-                      kinds: Optional[set[str]] = None) -> dict:
-    """{kind: {param name: ShardedTensor}} beside each parameter's own shard."""
+                      kinds: Optional[set[str]] = None,
+                      fmt: Optional[mlo.OptimizerFormat] = None) -> dict:
+    """{kind: {param name: ShardedTensor}} beside each parameter's own shard (`fmt`: the
+    checkpoint's layout, which names the fp32 main weights)."""
     out: dict = {}
     for kind, pairs in tensors.items():
         if kinds is not None and kind not in kinds:
             continue
+        prefix = f"optimizer.state.{kind}" if fmt is None else mlo.key_of(kind, fmt)
         out[kind] = {names[i]: make_sharded_optimizer_tensor(
-            model[names[i][len(MODEL_PREFIX):]], tensor, f"optimizer.state.{kind}")
-            for i, tensor in pairs}
+            model[names[i][len(MODEL_PREFIX):]], tensor, prefix) for i, tensor in pairs}
     return out
 
 
@@ -161,7 +172,8 @@ def _common(iteration: int, weights: WeightsCheckpoint, record: OptimizerCheckpo
     """`common.pt`: Megatron-LM's scalars and this engine's (`kinds` None: no optimizer
     state saved); the scalars only, so no optimizer tensor is copied for them."""
     return {"args": args, "checkpoint_version": 3.0,
-            "iteration": iteration, "opt_param_scheduler": record.scheduler,
+            "iteration": iteration,
+            "opt_param_scheduler": mlo.megatron_scheduler(record.scheduler, args),
             "pipedream_2bw": {
                 "pipeline_schedule": schedule, "newest_version": weights.newest,
                 "versions": weights.versions,
@@ -186,17 +198,38 @@ def _sharded_state(iteration: int, executor: CheckpointedRuntime,
     trained = updater.trained_weights(newest_params)
     tensors = updater.per_parameter_state() if optim else None
     kinds = sorted(tensors) if tensors is not None else None
+    fmt = mlo.save_format(args)
     state = {**_common(iteration, weights, record, args, schedule, kinds, rng is not None),
+             "content_metadata": fmt.content_metadata(),
              "model": model if trained is None else _trained(model, names, trained)}
     if trained is not None:
         state["predicted_model"] = _prediction_shards(model, names, newest_params)
-    if tensors is not None:
-        state["optimizer"] = _optimizer_shards(tensors, names, model)
+    if tensors is not None and record.optimizer == "adam":
+        state["optimizer"], covered = mlo.megatron_optimizer_state(_save_inputs(
+            fmt, args, weights, record, model, tensors, trained or newest_params))
+        tensors = {k: v for k, v in tensors.items() if k not in covered}
+    if tensors:
+        state["optimizer_tensors"] = _optimizer_shards(tensors, names, model)
     if rng is not None:
         state["rng_state"] = _rng_shard(rng)
     if weights.shadow is not None:
         state["shadow_model"] = _model_shards(weights.module(weights.shadow), SHADOW)
     return state
+
+
+def _save_inputs(fmt: mlo.OptimizerFormat, args: argparse.Namespace,
+                 weights: WeightsCheckpoint, record: OptimizerCheckpoint, model: dict,
+                 tensors: PerParameter, trained: list[torch.Tensor]) -> mlo.SaveInputs:
+    """What Megatron-LM's layout is made of: Adam's moments, the fp32 main weights
+    (the masters, or the fp32 weights the optimizer trained where they are the masters)."""
+    state = {kind: dict(tensors.get(kind, [])) for kind in mlo.ADAM_KINDS}
+    state["param"] = (dict(tensors["fp32_param"]) if "fp32_param" in tensors
+                      else {i: t.float() for i, t in enumerate(trained)})
+    newest = weights.newest
+    return mlo.SaveInputs(
+        fmt, args, mlo.param_specs(weights.module(newest), weights.params(newest)), model,
+        record.param_names, state, record.step, record.scheduler,
+        mlo.scaler_to_megatron(record.scaler, fmt, vars(args).get("loss_scale") is not None))
 
 
 # ---------------------------------------------------------------------------- saving
@@ -283,7 +316,8 @@ def read_common(root: str, iteration: int) -> dict:
         raise CheckpointError(f"checkpoint unreadable ({path}: {str(err).splitlines()[0]}); "
                               f"{previous_hint(root, iteration)}") from err
     if "pipedream_2bw" not in common:  # written by Megatron-LM
-        common["pipedream_2bw"] = megatron_engine_state(common)
+        common["pipedream_2bw"] = {**megatron_engine_state(common),
+                                   **mlo.engine_state(common)}
     return common
 
 
@@ -378,13 +412,16 @@ def sharded_fit_error(path: str, executor: CheckpointedRuntime, finetune: bool,
 
 def _template(common: dict, weights: WeightsCheckpoint, names: Sequence[str],
               tensors: PerParameter, kinds: Optional[set[str]], shadow: bool, rng: bool,
-              fresh: list[str]) -> dict:
+              fresh: list[str], optimizer: Optional[dict] = None) -> dict:
     """What this rank asks for, in its own layout (loads reshard to it); `kinds` None:
-    no optimizer state; `fresh`: model tensors not to ask for (a finetuning head)."""
+    no optimizer state; `fresh`: model tensors not to ask for (a finetuning head);
+    `optimizer`: the optimizer's template where `_megatron_buckets` made one."""
     model = _model_shards(weights.buffers[0])
     template = {"model": _without(model, fresh)}
     if kinds is not None:
-        template["optimizer"] = _optimizer_shards(tensors, names, model, kinds)
+        template["optimizer_tensors"] = (optimizer if optimizer is not None else
+                                         _optimizer_shards(tensors, names, model, kinds,
+                                                           mlo.saved_format(common)))
         if common["pipedream_2bw"].get("predicted_newest"):  # only a resume needs it
             template["predicted_model"] = _prediction_shards(
                 model, names, [torch.empty_like(p) for p in weights.buffer_params[0]])
@@ -395,30 +432,71 @@ def _template(common: dict, weights: WeightsCheckpoint, names: Sequence[str],
     return template
 
 
+def _megatron_buckets(common: dict, weights: WeightsCheckpoint, path: str
+                      ) -> Optional[tuple[mlo.BucketRead, list]]:
+    """A dp_reshardable checkpoint Megatron-LM wrote: what reads this rank's parameters
+    from its buckets, and their specs; None for any other checkpoint (their optimizer
+    tensors are per parameter). A collective; a layout that cannot load here, one line."""
+    if common["pipedream_2bw"].get("megatron_optimizer") != mlo.DP_RESHARDABLE:
+        return None
+    fmt = mlo.saved_format(common)
+    specs = mlo.param_specs(weights.module(weights.newest), weights.params(weights.newest))
+    try:
+        mlo.check_dp_layout(common, len(specs))
+        read = mlo.bucket_template(mlo.retyped(specs, fmt), fmt, common["args"])
+    except mlo.LayoutError as err:
+        raise CheckpointError(f"the checkpoint ({path}): {err}") from None
+    misfit = mlo.bucket_misfit(read, dist_checkpointing.load_tensors_metadata(path))
+    if misfit:
+        raise CheckpointError(f"the checkpoint ({path}): {misfit}")
+    return read, specs
+
+
 def _weights(loaded: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     """A module state dict (our `model.` names) from loaded megatron-core shards."""
     return {MODEL_PREFIX + k[len(prefix):]: v.detach().clone() for k, v in loaded.items()
             if torch.is_tensor(v)}
 
 
-def _optimizer_state(common: dict, updater: CheckpointedOptimizer, names: Sequence[str],
-                     tensors: PerParameter, loaded: dict) -> dict:
+def _by_index(loaded: dict, names: Sequence[str]) -> dict[str, dict[int, torch.Tensor]]:
+    """{kind: {parameter index: tensor}} of loaded per-parameter tensors."""
+    index = {name: i for i, name in enumerate(names)}
+    return {kind: {index[name]: t for name, t in per.items()} for kind, per in loaded.items()}
+
+
+def _optimizer_state(common: dict, updater: CheckpointedOptimizer, tensors: PerParameter,
+                     found: dict[str, dict[int, torch.Tensor]], saved: dict) -> dict:
     """The nested optimizer state `updater.restore_checkpoint` reads (the torch format's
-    `optimizer`): this run's state with the loaded tensors and the saved scalars in it."""
-    engine, state = common["pipedream_2bw"], updater.state_dict()
-    order = {kind: [names[i] for i, _ in pairs] for kind, pairs in tensors.items()}
-    found = {kind: [per[name].detach().clone() for name in order[kind]]
-             for kind, per in loaded.items()}
-    state["adam"].update(step=engine["adam_step"],
-                         exp_avg=found.get("exp_avg", state["adam"]["exp_avg"]),
-                         exp_avg_sq=found.get("exp_avg_sq", state["adam"]["exp_avg_sq"]))
-    state["muon"]["momentum_buffers"] = found.get("momentum_buffer",
+    `optimizer`): this run's state with the loaded tensors (`found`, by parameter index)
+    and the saved scalars (`saved`: the engine's, completed from the load) in it."""
+    state = updater.state_dict()
+    lists = {kind: [found[kind][i].detach().clone() for i, _ in pairs]
+             for kind, pairs in tensors.items() if kind in found}
+    state["adam"].update(step=saved["adam_step"],
+                         exp_avg=lists.get("exp_avg", state["adam"]["exp_avg"]),
+                         exp_avg_sq=lists.get("exp_avg_sq", state["adam"]["exp_avg_sq"]))
+    state["muon"]["momentum_buffers"] = lists.get("momentum_buffer",
                                                   state["muon"]["momentum_buffers"])
-    state["compensation"] = {"kind": engine["compensation_kind"],
-                             "previous_update": found.get("delay_compensation", [])}
-    state.update(scheduler=common["opt_param_scheduler"], scaler=engine["scaler"],
-                 lr_groups=engine["lr_groups"], masters=found.get("fp32_param"))
+    state["compensation"] = {"kind": saved["compensation_kind"],
+                             "previous_update": lists.get("delay_compensation", [])}
+    state.update(scheduler=common["opt_param_scheduler"],
+                 scaler=saved.get("scaler") or state["scaler"],
+                 lr_groups=saved["lr_groups"], masters=lists.get("fp32_param"))
     return state
+
+
+def _loaded_optimizer(common: dict, updater: CheckpointedOptimizer, names: Sequence[str],
+                      tensors: PerParameter, loaded: dict,
+                      buckets: Optional[tuple]) -> dict:
+    """`_optimizer_state` from what the load returned: per-parameter tensors, or a
+    dp_reshardable checkpoint's bucket pieces with its param groups (Adam's step and
+    the decoupled learning rates are in those)."""
+    saved = dict(common["pipedream_2bw"])
+    if buckets is None:
+        return _optimizer_state(common, updater, tensors, _by_index(loaded, names), saved)
+    found, groups = mlo.bucket_state(loaded, buckets[1])
+    saved.update(adam_step=mlo.group_step(groups), lr_groups=mlo.lr_groups(groups))
+    return _optimizer_state(common, updater, tensors, found, saved)
 
 
 def load_sharded(root: str, iteration: int, common: dict, executor: CheckpointedRuntime,
@@ -433,11 +511,14 @@ def load_sharded(root: str, iteration: int, common: dict, executor: Checkpointed
     weights, record = executor.checkpoint_state(), updater.checkpoint_state()
     optimizer = optimizer and engine.get("optimizer_saved", True)
     tensors = updater.per_parameter_state() if optimizer else {}
+    if optimizer and engine.get("megatron_optimizer_error"):  # a layout not read here
+        raise CheckpointError(f"the checkpoint ({path}): {engine['megatron_optimizer_error']}")
     kinds = _requested_kinds(common, record, set(tensors), path) if optimizer else None
+    buckets = _megatron_buckets(common, weights, path) if optimizer else None
     rng = rng and engine.get("rng_saved", True)
     fresh = _fresh_keys(weights.buffers[0], path) if finetune else []
     template = _template(common, weights, record.param_names, tensors, kinds, shadow, rng,
-                         fresh)
+                         fresh, buckets[0].template if buckets else None)
     loaded = _load(template, path)
     if rng and loaded.get("rng_state") is None and "rng_state" not in template:
         _warn_layout(common)
@@ -446,8 +527,9 @@ def load_sharded(root: str, iteration: int, common: dict, executor: Checkpointed
             "pipeline_schedule": engine["pipeline_schedule"],
             "newest_version": engine["newest_version"], "model": trained,
             "weight_versions": versions, "loss_scale_of": engine["loss_scale_of"],
-            "optimizer": (_optimizer_state(common, updater, record.param_names, tensors,
-                                           loaded["optimizer"]) if optimizer else None),
+            "optimizer": (_loaded_optimizer(common, updater, record.param_names, tensors,
+                                            loaded["optimizer_tensors"], buckets)
+                          if optimizer else None),
             "rng_state": loaded.get("rng_state")}
 
 

@@ -269,6 +269,10 @@ def build_datasets(config: DatasetsConfig, tokenizer: MegatronTokenizer,
         _check_cache_writable(config, prefixes)  # before the scan records anything there
         check_data(prefixes, tokenizer, functools.partial(cache_folder, config))
         _check_splits(cls, core_config, config.sizes)
+        if config.model == "gpt":
+            for note in _check_split_tokens(core_config, config.sizes):
+                if _is_last_rank():  # the rank that prints the run's lines: once a job
+                    logger.warning(f"WARNING: {note}")
         if config.model == "bert":
             _check_bert_documents(core_config, config.sizes)
         _rank0_verdict(lambda: refresh_caches(config, prefixes))
@@ -315,6 +319,11 @@ def _scan(prefixes: List[str], tokenizer: MegatronTokenizer,
             cache.remember_scan(record, prefix, *found)
     for folder, record in records.items():
         cache.write_record(folder, record)
+
+
+def _is_last_rank() -> bool:
+    dist = torch.distributed
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
 def _is_rank0() -> bool:
@@ -445,6 +454,61 @@ def _check_splits(cls: type, core_config: GPTDatasetConfig, sizes: Sequence) -> 
                 raise ValueError(
                     f"--split {core_config.split}: the {name} split of {prefix} gets no "
                     f"documents (it has {count}); give {name} a larger weight{other}")
+
+
+def _check_split_tokens(core_config: GPTDatasetConfig, sizes: Sequence) -> List[str]:
+    """Refuse a GPT training split that holds fewer tokens than one sample takes
+    (--seq-length + 1); return a warning for each such validation or test split the run
+    reads (when --eval-iters asks for them).
+
+    megatron-core fills such a sample by running over the split's documents several
+    times within it: the run would train, or evaluate, on the same few tokens repeated,
+    without a word. Training on that is no use; an evaluation on it is still a number
+    (a small corpus under Megatron-LM's default --split 969,30,1 has a tiny test split),
+    so it is said, not refused.
+    """
+    need = core_config.sequence_length + int(core_config.add_extra_token_to_sequence)
+    wanted = dict(zip(("train", "valid", "test"), sizes))
+    notes = []
+    for prefix in core_config.blend[0]:
+        data = IndexedDataset(prefix)
+        first = data.document_indices  # each document's first sequence, and the end
+        for name, (begin, end) in split_ranges(core_config.split_matrix,
+                                               len(first) - 1).items():
+            if wanted.get(name, 0) == 0 or end <= begin:
+                continue
+            tokens = _tokens_up_to(data.sequence_lengths, first[begin], first[end], need)
+            if tokens >= need:
+                continue
+            if name == "train":
+                raise ValueError(_short_split(prefix, name, core_config, tokens, need))
+            notes.append(_short_split(prefix, name, core_config, tokens, need))
+    return notes
+
+
+def _tokens_up_to(lengths: np.ndarray, begin: int, end: int, need: int) -> int:
+    """The tokens of sequences [begin, end); where there are more than `need` sequences,
+    a count of at least `need` without reading them all (a sequence has a token or more)."""
+    head = int(np.sum(lengths[begin:min(end, begin + need)], dtype=np.int64))
+    if head >= need or end - begin <= need:
+        return head
+    return int(np.sum(lengths[begin:end], dtype=np.int64))
+
+
+def _short_split(prefix: str, split: str, core_config: GPTDatasetConfig, tokens: int,
+                 need: int) -> str:
+    fixes = ["give the split more documents" + ("" if split == "train" else
+                                                " (a larger weight in --split)")]
+    if tokens > 1:
+        fixes.append(f"use --seq-length {tokens - 1} at most")
+    if split == "test":
+        fixes.append("give it weight 0 in --split")
+    if split != "train":
+        fixes.append("pass --eval-iters 0 to train without evaluation")
+    return (f"--data-path {prefix}: the {split} split of --split {core_config.split} holds "
+            f"{tokens} tokens, fewer than the {need} tokens one sample of --seq-length "
+            f"{core_config.sequence_length} takes (megatron-core repeats them within every "
+            f"sample); {', or '.join(fixes)}")
 
 
 # megatron-core's BERT sample index (helpers.cpp build_mapping) skips a document of two or

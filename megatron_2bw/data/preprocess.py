@@ -13,6 +13,12 @@ corpus with a broken line usually has a broken producer) the run stops at the fi
 line number and the partial output is removed; with ``on_error="skip"`` each is logged with its
 line number, counted, and listed in the result.
 
+Bytes that are not UTF-8 are never replaced silently either (``invalid_utf8``, the tool's
+``--invalid-utf8``, this project's own flag: Megatron-LM's tool stops with a
+UnicodeDecodeError traceback): "error" (the default) stops at the first such line naming
+``FILE:LINE`` and how many bytes, "replace" writes U+FFFD for them and "skip" leaves the line
+out, each logging the lines it changed and counting them in the result.
+
 The output is written to ``<prefix>.bin.tmp``/``.idx.tmp`` and renamed when complete, so a
 run that fails (a full or read-only filesystem: the OSError names the file) leaves nothing
 behind and an earlier output at the same prefix as it was.
@@ -23,6 +29,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field, replace
@@ -37,6 +44,9 @@ from megatron_2bw.data.tokenizers import MegatronTokenizer, TokenizerSpec
 logger = logging.getLogger(__name__)
 
 ON_ERROR_CHOICES = ("fail", "skip")
+INVALID_UTF8_CHOICES = ("error", "replace", "skip")
+# bytes that are not UTF-8, as the "surrogateescape" error handler decodes them: one each
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
 _MAX_LISTED_BAD_LINES = 20  # logged individually; the rest are counted
 
 
@@ -86,6 +96,8 @@ class PreprocessConfig:
         workers: tokenizer processes; 1 tokenizes in this process (``--workers``).
         log_interval: documents between progress lines (``--log-interval``).
         on_error: "fail" stops at the first malformed line, "skip" reports and skips it.
+        invalid_utf8: a line with bytes that are not UTF-8: "error" stops there, "replace"
+            writes U+FFFD for each, "skip" leaves the line out (``--invalid-utf8``).
         chunk_size: lines per task sent to a worker (Megatron-LM uses 32).
     """
 
@@ -100,11 +112,15 @@ class PreprocessConfig:
     workers: int = 1
     log_interval: int = 1000
     on_error: str = "fail"
+    invalid_utf8: str = "error"
     chunk_size: int = 32
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR_CHOICES:
             raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {self.on_error!r}")
+        if self.invalid_utf8 not in INVALID_UTF8_CHOICES:
+            raise ValueError(f"invalid_utf8 must be one of {INVALID_UTF8_CHOICES}, "
+                             f"got {self.invalid_utf8!r}")
         if self.workers < 1 or self.log_interval < 1 or self.chunk_size < 1:
             raise ValueError("workers, log_interval and chunk_size must be positive")
         if self.sentence_splitter not in SPLITTERS:
@@ -143,6 +159,8 @@ class PreprocessResult:
     input_bytes: int
     seconds: float
     bad_lines: List[BadLine] = field(default_factory=list)
+    # (line, bytes) of each line with bytes that are not UTF-8, replaced or skipped
+    not_utf8: List[Tuple[int, int]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -156,7 +174,7 @@ class _Encoder:
     def __init__(self, config: PreprocessConfig) -> None:
         self.config = config
         self.tokenizer: MegatronTokenizer = config.tokenizer.build()
-        self.vocab_size = self.tokenizer.vocab_size
+        self.vocab_size = self.tokenizer.dtype_vocab_size
         self.dtype = output_dtype(self.vocab_size)
         self.splitter: Optional[SentenceSplitter] = None
         if config.split_sentences:
@@ -251,19 +269,25 @@ def check_input(path: str) -> None:
 
 def check_tokenizer(config: PreprocessConfig) -> MegatronTokenizer:
     """Build the tokenizer once here: bad flags fail before workers start, and the vocab size
-    picks the token dtype (uint16 below 65500 ids, else int32, as Megatron-LM)."""
+    picks the token dtype (uint16 below 65500 ids, else int32, as Megatron-LM). A tokenizer
+    that cannot encode any text (legacy Llama2Tokenizer on a model without BOS) fails here
+    once, not on every line."""
     tokenizer = config.tokenizer.build()
-    dtype = output_dtype(tokenizer.vocab_size)
-    if tokenizer.vocab_size - 1 > np.iinfo(dtype).max:
-        raise PreprocessError(f"{config.tokenizer.tokenizer_type} has {tokenizer.vocab_size} "
+    vocab_size = tokenizer.dtype_vocab_size
+    dtype = output_dtype(vocab_size)
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise PreprocessError(f"{config.tokenizer.tokenizer_type} has {vocab_size} "
                               f"token ids, more than the {np.dtype(dtype).name} output can store "
                               f"(ids up to {np.iinfo(dtype).max}); use a smaller vocabulary")
     if config.append_eod:
         try:
-            tokenizer.eod
+            eod = tokenizer.eod
         except NotImplementedError:
+            eod = -1
+        if eod < 0:  # a SentencePiece model trained without an eos piece has eos_id -1
             raise PreprocessError(f"--append-eod: {config.tokenizer.tokenizer_type} "
-                                  "has no end-of-document token") from None
+                                  "has no end-of-document token")
+    tokenizer.tokenize("")  # TokenizerError (one line, naming the flag) if it never can
     return tokenizer
 
 
@@ -358,6 +382,36 @@ def _bad_line_error(config: PreprocessConfig, bad: BadLine) -> PreprocessError:
                            "(use --on-error skip to skip such lines)")
 
 
+def _bytes(count: int) -> str:
+    return f"{count} byte that is" if count == 1 else f"{count} bytes that are"
+
+
+def _utf8_lines(config: PreprocessConfig, lines: Iterable[str],
+                found: List[Tuple[int, int]]) -> Iterator[Tuple[int, str]]:
+    """Numbered lines of a file read with "surrogateescape"; a line with bytes that are not
+    UTF-8 stops the run, or is replaced (as errors="replace" decodes it) or left out,
+    as config.invalid_utf8 says, and is recorded in `found` as (line, bytes)."""
+    for number, line in enumerate(lines, start=1):
+        first = _NOT_UTF8.search(line)
+        if first is None:
+            yield number, line
+            continue
+        count = len(_NOT_UTF8.findall(line))
+        where = f"{config.input}:{number}: {_bytes(count)} not UTF-8"
+        if config.invalid_utf8 == "error":
+            raise PreprocessError(
+                f"{where} (the first at column {first.start() + 1}); convert the file to "
+                "UTF-8, or pass --invalid-utf8 replace (U+FFFD for each such byte) or "
+                "--invalid-utf8 skip (leave such lines out)")
+        found.append((number, count))
+        if len(found) <= _MAX_LISTED_BAD_LINES:
+            logger.warning("%s, %s (--invalid-utf8 %s)", where, "replaced with U+FFFD"
+                           if config.invalid_utf8 == "replace" else "line skipped",
+                           config.invalid_utf8)
+        if config.invalid_utf8 == "replace":
+            yield number, line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def _consume(config: PreprocessConfig, stream: Iterator[_Encoded], writers: _Writers,
              bad_lines: List[BadLine]) -> Tuple[int, int]:
     """Write encoded documents in input order; returns (documents, input bytes)."""
@@ -384,8 +438,9 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
     tokenizer = check_tokenizer(config)
     config = resolve_splitter(config)
     start = time.time()
-    writers = _Writers(config, tokenizer.vocab_size)
+    writers = _Writers(config, tokenizer.dtype_vocab_size)
     bad_lines: List[BadLine] = []
+    not_utf8: List[Tuple[int, int]] = []
     pool = None
     if config.workers > 1:
         # spawn: workers import only the tokenizer libraries, not torch/megatron-core, and
@@ -393,12 +448,14 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
         context = multiprocessing.get_context("spawn")
         pool = context.Pool(config.workers, initializer=_init_worker, initargs=(config,))
     try:
-        with open(config.input, encoding="utf-8", errors="replace") as lines:
-            stream = _encoded_stream(config, enumerate(lines, start=1), pool)
+        with open(config.input, encoding="utf-8", errors="surrogateescape") as lines:
+            stream = _encoded_stream(config, _utf8_lines(config, lines, not_utf8), pool)
             documents, nbytes = _consume(config, stream, writers, bad_lines)
         if documents == 0:
+            skipped = len(not_utf8) if config.invalid_utf8 == "skip" else 0
             raise PreprocessError(f"--input {config.input}: no valid documents "
-                                  f"({len(bad_lines)} malformed lines skipped)")
+                                  f"({len(bad_lines)} malformed lines skipped"
+                                  + (f", {skipped} not UTF-8" if skipped else "") + ")")
         writers.finalize()
     except BaseException:
         writers.remove()
@@ -407,11 +464,22 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
         if pool is not None:
             pool.terminate()
             pool.join()
-    return _report(config, writers, documents, nbytes, time.time() - start, bad_lines)
+    return _report(config, writers, documents, nbytes, time.time() - start, bad_lines,
+                   not_utf8)
 
 
 def _report(config: PreprocessConfig, writers: _Writers, documents: int, nbytes: int,
-            seconds: float, bad_lines: List[BadLine]) -> PreprocessResult:
+            seconds: float, bad_lines: List[BadLine],
+            not_utf8: Sequence[Tuple[int, int]] = ()) -> PreprocessResult:
+    if not_utf8:
+        listed = ", ".join(str(line) for line, _ in not_utf8[:_MAX_LISTED_BAD_LINES])
+        more = "" if len(not_utf8) <= _MAX_LISTED_BAD_LINES else ", ..."
+        count = _bytes(sum(n for _, n in not_utf8))
+        lines = f"{len(not_utf8)} line{'s' if len(not_utf8) > 1 else ''} of {config.input}"
+        what = (f"replaced {count} not UTF-8 with U+FFFD on {lines}"
+                if config.invalid_utf8 == "replace" else f"skipped {lines} with {count} not UTF-8")
+        logger.warning("%s (lines %s%s; --invalid-utf8 %s)", what, listed, more,
+                       config.invalid_utf8)
     if bad_lines:
         listed = ", ".join(str(b.line) for b in bad_lines[:_MAX_LISTED_BAD_LINES])
         more = "" if len(bad_lines) <= _MAX_LISTED_BAD_LINES else ", ..."
@@ -421,4 +489,5 @@ def _report(config: PreprocessConfig, writers: _Writers, documents: int, nbytes:
                 sum(writers.tokens.values()), seconds, ", ".join(writers.prefixes.values()))
     return PreprocessResult(prefixes=dict(writers.prefixes), documents=documents,
                             tokens=dict(writers.tokens), sequences=dict(writers.sequences),
-                            input_bytes=nbytes, seconds=seconds, bad_lines=bad_lines)
+                            input_bytes=nbytes, seconds=seconds, bad_lines=bad_lines,
+                            not_utf8=list(not_utf8))

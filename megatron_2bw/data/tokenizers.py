@@ -4,17 +4,24 @@
 object with the interface megatron-core's GPT/BERT datasets and Megatron-LM's
 ``tools/preprocess_data.py`` use (``tokenize``, ``detokenize``, ``vocab_size``, ``vocab``,
 ``inv_vocab``, ``eod``, ``pad``, ``cls``, ``sep``, ``mask``, ``bos``, ``eos``,
-``unique_identifiers``). The ids each type produces follow Megatron-LM's legacy tokenizers
-(``megatron/training/tokenizer/tokenizer.py``) so that .bin/.idx files are interchangeable,
-except HuggingFaceTokenizer, which follows the default (non-legacy) tokenizer that Megatron-LM's
-``tools/preprocess_data.py`` builds: no template special tokens unless
-``--tokenizer-hf-include-special-tokens`` (the legacy one always adds them).
+``unique_identifiers``). The ids each type produces are those of the tokenizer Megatron-LM
+(core_v0.16.1) builds for the same flags, so that .bin/.idx files are interchangeable. Its
+``tools/preprocess_data.py`` and the datasets of its ``pretrain_gpt.py`` use megatron-core's
+tokenizers by default and the legacy ones of ``megatron/training/tokenizer/tokenizer.py`` with
+``--legacy-tokenizer``; the two differ for HuggingFaceTokenizer (template special tokens only
+with ``--tokenizer-hf-include-special-tokens`` by default, always in legacy), for
+SentencePieceTokenizer (added ``<CLS>``/``<SEP>``/``<EOD>``/``<MASK>`` only in legacy) and for
+Llama2Tokenizer (a BOS before every text only in legacy); ``legacy_tokenizer`` selects. The
+other types give their legacy class's ids here, with or without the flag. The embedding is
+always padded from the legacy tokenizer's size, as Megatron-LM's ``build_tokenizer`` does
+(``vocab_size`` here).
 
 Why not megatron-core's own classes: in megatron-core 0.16.1 the GPT2BPE, BertWordPiece and
 HuggingFace tokenizers go through ``transformers.AutoTokenizer`` (not installed here), and its
-SentencePiece wrapper follows NeMo's conventions (no ``<EOD>``/``<CLS>``/``<MASK>`` tokens), which
-changes the ids. The HuggingFace ``tokenizers`` library and ``sentencepiece`` do the actual work
-here; nothing is ever downloaded. This module imports neither torch nor megatron-core, so
+SentencePiece wrapper imports torch, which would slow every preprocessing worker's start;
+what it does for these flags (the model's ids, unchanged) is a few lines. The HuggingFace
+``tokenizers`` library and ``sentencepiece`` do the actual work here; nothing is ever
+downloaded. This module imports neither torch nor megatron-core, so
 preprocessing workers start fast.
 """
 from __future__ import annotations
@@ -33,6 +40,7 @@ TOKENIZER_TYPES = (
     "HuggingFaceTokenizer",
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
     "BertWordPieceLowerCase",
     "BertWordPieceCase",
     "NullTokenizer",
@@ -73,6 +81,13 @@ class MegatronTokenizer(ABC):
     @abstractmethod
     def vocab_size(self) -> int:
         """Number of token ids, before Megatron's padding to a multiple of 128 x TP."""
+
+    @property
+    def dtype_vocab_size(self) -> int:
+        """The size Megatron-LM's ``tools/preprocess_data.py`` picks the token dtype from (and
+        the bound of the ids it writes): ``vocab_size``, except where the tokenizer that tool
+        builds by default has fewer ids than the one training pads the embedding from."""
+        return self.vocab_size
 
     @property
     def vocab(self) -> Dict[str, int]:
@@ -196,20 +211,59 @@ def _read_wordpiece_vocab(path: str) -> Dict[str, int]:
 
 # --------------------------------------------------------------------------- SentencePiece
 
+def load_sentencepiece(model_file: str, tokenizer_type: str) -> Any:
+    """The model as a ``SentencePieceProcessor``; TokenizerError naming ``--tokenizer-model``
+    and the file when sentencepiece cannot read it (a tokenizer.json, a truncated download)."""
+    import sentencepiece
+
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except (RuntimeError, OSError) as err:
+        hint = ("; a tokenizer.json goes with --tokenizer-type HuggingFaceTokenizer"
+                if model_file.endswith(".json") else "")
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise TokenizerError(f"--tokenizer-model {model_file}: not a SentencePiece model, which "
+                             f"--tokenizer-type {tokenizer_type} needs ({reason}){hint}") from None
+
+
+class _SentencePieceModel(MegatronTokenizer):
+    """A SentencePiece model's own pieces and ids, nothing added: what the types share."""
+
+    def __init__(self, model_file: str, type_name: str, **options: Any) -> None:
+        super().__init__(model_file, **options)
+        self.tokenizer_type = type_name
+        self._sp = load_sentencepiece(model_file, type_name)
+        self._vocab = {self._sp.id_to_piece(i): i for i in range(len(self._sp))}
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._sp.encode_as_ids(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode_ids([int(i) for i in ids])
+
+    vocab_size = property(lambda self: len(self._vocab))
+    vocab = property(lambda self: self._vocab)
+    inv_vocab = property(lambda self: self._inv_vocab)
+    bos = property(lambda self: self._sp.bos_id())
+    eos = property(lambda self: self._sp.eos_id())
+    eod = property(lambda self: self._sp.eos_id())
+
 
 class SentencePieceTokenizer(MegatronTokenizer):
-    """A local SentencePiece .model with Megatron-LM's added special tokens.
+    """A local SentencePiece .model with Megatron-LM's added special tokens (its legacy
+    ``_SentencePieceTokenizer``, which ``--legacy-tokenizer`` selects; Megatron-LM's padded
+    vocabulary is this class's size with or without that flag).
 
-    As Megatron-LM's ``_SentencePieceTokenizer``: ``<CLS>``, ``<SEP>``, ``<EOD>``, ``<MASK>`` (and
-    pad/bos/eos pieces the model lacks) get ids after the model's pieces, EOD is ``<EOD>``, and
-    those tokens are recognised verbatim in the text.
+    ``<CLS>``, ``<SEP>``, ``<EOD>``, ``<MASK>``, then the model's pad/bos/eos pieces (``<PAD>``,
+    ``<BOS>``, ``<EOS>`` for those the model lacks), then ``<extra_id_0>``...
+    (``--vocab-extra-ids``) get ids after the model's pieces unless the model has them; EOD is
+    ``<EOD>``; those tokens are recognised verbatim in the text.
     """
 
     def __init__(self, model_file: str, vocab_extra_ids: int = 0) -> None:
         super().__init__(model_file, vocab_extra_ids=vocab_extra_ids)
-        import sentencepiece
-
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self._sp = load_sentencepiece(model_file, "SentencePieceTokenizer")
         self._vocab = {self._sp.id_to_piece(i): i for i in range(len(self._sp))}
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._special: Dict[str, int] = {}
@@ -274,34 +328,70 @@ class SentencePieceTokenizer(MegatronTokenizer):
     mask = property(lambda self: self._mask)
 
 
-class GPTSentencePieceTokenizer(MegatronTokenizer):
-    """A local SentencePiece .model used as is (Megatron-LM's ``GPTSentencePieceTokenizer``):
-    no added tokens, EOD is the model's ``eos`` piece."""
+class GPTSentencePieceTokenizer(_SentencePieceModel):
+    """A local SentencePiece .model used as is (Megatron-LM's ``GPTSentencePieceTokenizer``;
+    its default and legacy tokenizers give the same ids): no added tokens, EOD is the model's
+    ``eos`` piece."""
 
     def __init__(self, model_file: str) -> None:
-        super().__init__(model_file, vocab_extra_ids=0)
-        import sentencepiece
+        super().__init__(model_file, "GPTSentencePieceTokenizer", vocab_extra_ids=0)
 
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
-        self._vocab = {self._sp.id_to_piece(i): i for i in range(len(self._sp))}
-        self._inv_vocab = {i: t for t, i in self._vocab.items()}
-
-    def tokenize(self, text: str) -> List[int]:
-        return self._sp.encode_as_ids(text)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._sp.decode_ids([int(i) for i in ids])
-
-    vocab_size = property(lambda self: len(self._vocab))
-    vocab = property(lambda self: self._vocab)
-    inv_vocab = property(lambda self: self._inv_vocab)
     pad = property(lambda self: self._sp.pad_id())
-    bos = property(lambda self: self._sp.bos_id())
-    eos = property(lambda self: self._sp.eos_id())
-    eod = property(lambda self: self._sp.eos_id())
     cls = property(lambda self: -1)
     sep = property(lambda self: -1)
     mask = property(lambda self: -1)
+
+
+class Llama2Tokenizer(_SentencePieceModel):
+    """Megatron-LM's legacy ``Llama2Tokenizer`` (``--legacy-tokenizer``): the model's pieces,
+    and every tokenized text starts with the model's BOS (so does every sentence with
+    ``--split-sentences``, and an empty text is the BOS alone); no EOS is added, EOD is the
+    model's ``eos``, which ``--append-eod`` appends. Megatron-LM's class has no pad id: its
+    datasets then pad with -1, as megatron-core's do here."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__(model_file, "Llama2Tokenizer", vocab_extra_ids=0)
+        self._model_file = model_file
+
+    def tokenize(self, text: str) -> List[int]:
+        bos = self._sp.bos_id()
+        if bos < 0:
+            raise TokenizerError(
+                f"--tokenizer-model {self._model_file}: Llama2Tokenizer with --legacy-tokenizer "
+                "starts every text with the model's BOS, and this model has none (bos_id -1); "
+                "leave out --legacy-tokenizer, or use GPTSentencePieceTokenizer")
+        return [bos] + self._sp.encode_as_ids(text)
+
+    cls = property(lambda self: -1)
+    sep = property(lambda self: -1)
+    mask = property(lambda self: -1)
+
+
+class DefaultSentencePieceTokenizer(_SentencePieceModel):
+    """What Megatron-LM builds for the three SentencePiece types without ``--legacy-tokenizer``
+    (its default, in ``tools/preprocess_data.py`` and in the datasets of ``pretrain_gpt.py``):
+    megatron-core's SentencePiece wrapper, non-legacy. A text is the model's ids alone (no BOS,
+    nothing special in the text), EOD is the model's ``eos``, pad the model's pad id (-1 when
+    it has none), and there is no CLS/SEP/MASK.
+
+    ``vocab_size`` is the size Megatron-LM pads the embedding from, which always comes from its
+    legacy tokenizer: for SentencePieceTokenizer that counts the added tokens. The output dtype
+    of preprocessing comes from the model's own pieces (``dtype_vocab_size``), as there.
+    """
+
+    def __init__(self, model_file: str, tokenizer_type: str,
+                 vocab_size: Optional[int] = None) -> None:
+        super().__init__(model_file, tokenizer_type, tokenizer_type=tokenizer_type)
+        self._megatron_vocab_size = vocab_size or len(self._vocab)
+
+    def _missing(self, name: str) -> int:
+        raise NotImplementedError(
+            f"{self.tokenizer_type} has no {name} token without --legacy-tokenizer "
+            "(Megatron-LM's default SentencePiece tokenizer adds none)")
+
+    vocab_size = property(lambda self: self._megatron_vocab_size)
+    dtype_vocab_size = property(lambda self: len(self._vocab))
+    pad = property(lambda self: self._sp.pad_id())
 
 
 # --------------------------------------------------------------------------- HuggingFace
@@ -419,6 +509,9 @@ class TokenizerSpec:
         vocab_extra_ids: T5 sentinel tokens (``--vocab-extra-ids``).
         hf_include_special_tokens: HuggingFaceTokenizer adds its template's special tokens
             (e.g. BOS) to every tokenized text (``--tokenizer-hf-include-special-tokens``).
+        legacy_tokenizer: Megatron-LM's legacy tokenizer classes instead of its default ones
+            (``--legacy-tokenizer``); changes the ids of SentencePieceTokenizer,
+            Llama2Tokenizer and HuggingFaceTokenizer (see ``build_tokenizer``).
     """
 
     tokenizer_type: str
@@ -428,6 +521,7 @@ class TokenizerSpec:
     vocab_size: Optional[int] = None
     vocab_extra_ids: int = 0
     hf_include_special_tokens: bool = False
+    legacy_tokenizer: bool = False
 
     def build(self) -> MegatronTokenizer:
         return build_tokenizer(**asdict(self))
@@ -444,6 +538,8 @@ class TokenizerSpec:
             out += ["--vocab-extra-ids", str(self.vocab_extra_ids)]
         if self.hf_include_special_tokens:
             out.append("--tokenizer-hf-include-special-tokens")
+        if self.legacy_tokenizer:
+            out.append("--legacy-tokenizer")
         return out
 
 
@@ -451,6 +547,9 @@ def _need_file(flag: str, path: Optional[str], tokenizer_type: str,
                folder_ok: bool = False) -> str:
     if path is None:
         raise TokenizerError(f"{flag} is required for --tokenizer-type {tokenizer_type}")
+    if not folder_ok and os.path.isdir(path):
+        raise TokenizerError(f"{flag} {path}: a folder; --tokenizer-type {tokenizer_type} "
+                             "takes the file itself")
     exists = os.path.exists(path) if folder_ok else os.path.isfile(path)
     if not exists:
         raise TokenizerError(f"{flag} {path}: no such file")
@@ -471,7 +570,10 @@ def _build_bert(lower_case: bool) -> Callable[[TokenizerSpec], MegatronTokenizer
 
 def _build_sp(s: TokenizerSpec) -> MegatronTokenizer:
     model = _need_file("--tokenizer-model", s.tokenizer_model, s.tokenizer_type)
-    return SentencePieceTokenizer(model, s.vocab_extra_ids)
+    legacy = SentencePieceTokenizer(model, s.vocab_extra_ids)
+    if s.legacy_tokenizer:
+        return legacy
+    return DefaultSentencePieceTokenizer(model, s.tokenizer_type, vocab_size=legacy.vocab_size)
 
 
 def _build_gpt_sp(s: TokenizerSpec) -> MegatronTokenizer:
@@ -479,10 +581,18 @@ def _build_gpt_sp(s: TokenizerSpec) -> MegatronTokenizer:
         _need_file("--tokenizer-model", s.tokenizer_model, s.tokenizer_type))
 
 
+def _build_llama2(s: TokenizerSpec) -> MegatronTokenizer:
+    model = _need_file("--tokenizer-model", s.tokenizer_model, s.tokenizer_type)
+    if s.legacy_tokenizer:
+        return Llama2Tokenizer(model)
+    return DefaultSentencePieceTokenizer(model, s.tokenizer_type)
+
+
 def _build_hf(s: TokenizerSpec) -> MegatronTokenizer:
+    # Megatron-LM's legacy HuggingFace tokenizer always encodes with the template's tokens
     return HuggingFaceTokenizer(
         _need_file("--tokenizer-model", s.tokenizer_model, s.tokenizer_type, folder_ok=True),
-        include_special_tokens=s.hf_include_special_tokens)
+        include_special_tokens=s.hf_include_special_tokens or s.legacy_tokenizer)
 
 
 def _build_null(s: TokenizerSpec) -> MegatronTokenizer:
@@ -496,6 +606,7 @@ _BUILDERS: Dict[str, Callable[[TokenizerSpec], MegatronTokenizer]] = {
     "HuggingFaceTokenizer": _build_hf,
     "SentencePieceTokenizer": _build_sp,
     "GPTSentencePieceTokenizer": _build_gpt_sp,
+    "Llama2Tokenizer": _build_llama2,
     "BertWordPieceLowerCase": _build_bert(lower_case=True),
     "BertWordPieceCase": _build_bert(lower_case=False),
     "NullTokenizer": _build_null,
@@ -505,13 +616,22 @@ _BUILDERS: Dict[str, Callable[[TokenizerSpec], MegatronTokenizer]] = {
 def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
                     merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None,
                     vocab_size: Optional[int] = None, vocab_extra_ids: int = 0,
-                    hf_include_special_tokens: bool = False) -> MegatronTokenizer:
+                    hf_include_special_tokens: bool = False,
+                    legacy_tokenizer: bool = False) -> MegatronTokenizer:
     """Build a tokenizer the way Megatron-LM's ``--tokenizer-type`` flags select one.
 
-    Raises TokenizerError (one line naming the flag) for an unknown type or a missing file, and
-    for ``hf_include_special_tokens`` with a type other than HuggingFaceTokenizer: Megatron-LM
-    routes its BERT/GPT-2 types through ``transformers`` there (BERT would gain [CLS]/[SEP]),
-    which these tokenizers do not reproduce, so the flag is refused rather than ignored.
+    ``legacy_tokenizer`` (``--legacy-tokenizer``) picks Megatron-LM's legacy classes where its
+    default tokenizer gives other ids: SentencePieceTokenizer (added ``<CLS>``/``<SEP>``/
+    ``<EOD>``/``<MASK>``, EOD ``<EOD>``; by default the model's ids alone, EOD its eos),
+    Llama2Tokenizer (a BOS before every text; by default none) and HuggingFaceTokenizer (the
+    template's special tokens, as ``--tokenizer-hf-include-special-tokens``). The other types
+    follow the legacy classes either way.
+
+    Raises TokenizerError (one line naming the flag) for an unknown type or a missing or
+    unreadable file, and for ``hf_include_special_tokens`` with a type other than
+    HuggingFaceTokenizer: Megatron-LM routes its BERT/GPT-2 types through ``transformers``
+    there (BERT would gain [CLS]/[SEP]), which these tokenizers do not reproduce, so the flag
+    is refused rather than ignored.
     """
     if tokenizer_type not in _BUILDERS:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not supported; "
@@ -520,8 +640,21 @@ def build_tokenizer(tokenizer_type: str, vocab_file: Optional[str] = None,
         raise TokenizerError("--tokenizer-hf-include-special-tokens is supported only with "
                              f"--tokenizer-type HuggingFaceTokenizer, not {tokenizer_type}")
     spec = TokenizerSpec(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size,
-                         vocab_extra_ids, hf_include_special_tokens)
+                         vocab_extra_ids, hf_include_special_tokens, legacy_tokenizer)
     return _BUILDERS[tokenizer_type](spec)
+
+
+def check_bert_tokens(tokenizer: MegatronTokenizer) -> None:
+    """BERT samples need CLS, SEP and MASK ids: TokenizerError in one line when the tokenizer
+    lacks one (megatron-core's BERT dataset would fail at its first sample, deep in a
+    traceback; Megatron-LM's too, for a SentencePiece type without --legacy-tokenizer). A
+    missing PAD is fine: megatron-core then pads with -1 and maps it to 0."""
+    for name in ("cls", "sep", "mask"):
+        try:
+            getattr(tokenizer, name)
+        except NotImplementedError as err:
+            raise TokenizerError(f"pretrain_bert.py: {err}; BERT samples need CLS, SEP and "
+                                 "MASK tokens") from None
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,

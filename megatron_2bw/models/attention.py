@@ -17,7 +17,10 @@ runs a flash / memory-efficient / cuDNN kernel on CUDA and its own fused kernel 
   needed); megatron-core's unfused attention only where SDPA cannot serve
   (`sdpa_limits`: none of this project's models today).
 - flash: SDPA restricted to the flash-attention kernel (it takes no mask: causal GPT
-  without --reset-attention-mask only).
+  without --reset-attention-mask only). As Megatron-LM's flash pins Transformer Engine's
+  kernel (an input it cannot take is an error there, not a quiet switch), the pin holds on
+  CPU too, where PyTorch's CPU flash kernel takes no attention dropout: the trainer asks
+  the kernel before the first iteration (`kernel_problem`) and says so in one line.
 - fused: SDPA restricted to the fused cuDNN and memory-efficient kernels (as Megatron-LM's
   fused attention is Transformer Engine's cuDNN kernel). Those are CUDA kernels: on CPU,
   where Megatron-LM's example scripts ask for fused too, SDPA's CPU kernel runs instead.
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+import warnings
 from typing import Optional
 
 import torch
@@ -48,6 +53,51 @@ SDPA_KERNELS: dict[str, Optional[tuple[SDPBackend, ...]]] = {
     "flash": (SDPBackend.FLASH_ATTENTION,),
     "fused": (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION),
 }
+
+
+def allowed_kernels(backend: str, device_type: str) -> Optional[tuple[SDPBackend, ...]]:
+    """The SDPA kernels `backend` restricts attention to on this device (None: PyTorch
+    picks among all): flash everywhere (PyTorch has a CPU flash kernel too, so the pin
+    holds there as Megatron-LM's pins Transformer Engine's kernel); fused on CUDA only,
+    its kernels being CUDA's (on CPU SDPA's CPU kernel runs, for Megatron-LM's scripts)."""
+    kernels = SDPA_KERNELS.get(backend)
+    if kernels is None or (device_type != "cuda" and SDPBackend.FLASH_ATTENTION not in kernels):
+        return None
+    return kernels
+
+
+def kernel_problem(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                   grouped: bool, dropout: float, masked: bool) -> Optional[str]:
+    """Why the kernels `backend` restricts SDPA to cannot compute this attention on
+    `device` (None: they can, or nothing is restricted), asked of PyTorch itself: a forward
+    and backward of a tiny batch with the model's dtype, head size, key/value grouping,
+    dropout and mask. Its reasons (the warnings it gives before "No available kernel") are
+    the answer; asking up front turns the first iteration's traceback into one line."""
+    kernels = allowed_kernels(backend, device.type)
+    if kernels is None:
+        return None
+    q = torch.zeros(1, 2, 8, head_dim, device=device, dtype=dtype, requires_grad=True)
+    kv = torch.zeros(1, 1 if grouped else 2, 8, head_dim, device=device, dtype=dtype,
+                     requires_grad=True)
+    mask = torch.ones(8, 8, dtype=torch.bool, device=device).tril() if masked else None
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            with sdpa_kernel(list(kernels)):
+                out = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, dropout_p=dropout,
+                                                     is_causal=mask is None, enable_gqa=grouped)
+                out.sum().backward()
+            return None
+        except RuntimeError as err:
+            reasons = [_reason(str(w.message)) for w in said]
+            reasons = [r for r in dict.fromkeys(reasons) if r and not r.endswith(":")]
+            return "; ".join(reasons) or str(err).splitlines()[0]
+
+
+def _reason(text: str) -> str:
+    """A PyTorch kernel warning without its "(Triggered internally at file:line.)"."""
+    return re.sub(r"\s*\(Triggered internally at .*?\)\s*$", "", text.strip(),
+                  flags=re.S).rstrip(".")
 
 
 def sdpa_limits(config: TransformerConfig) -> list[str]:
@@ -101,7 +151,7 @@ class SdpaAttention(MegatronModule):
         self.softmax_scale = (softmax_scale if softmax_scale is not None
                               else 1.0 / math.sqrt(config.kv_channels))
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.kernels = SDPA_KERNELS[backend]
+        self.backend = backend
         self.cp_group = (parallel_state.get_context_parallel_group()
                          if config.context_parallel_size > 1 else None)
         self.cp_comm_type = cp_comm_type or "p2p"
@@ -147,10 +197,8 @@ class SdpaAttention(MegatronModule):
 
     def _kernels(self, device: torch.device):
         """The kernels the backend allows (fused: CUDA ones only, so none on CPU)."""
-        if self.kernels is None or (device.type != "cuda"
-                                    and SDPBackend.FLASH_ATTENTION not in self.kernels):
-            return contextlib.nullcontext()
-        return sdpa_kernel(list(self.kernels))
+        kernels = allowed_kernels(self.backend, device.type)
+        return contextlib.nullcontext() if kernels is None else sdpa_kernel(list(kernels))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:

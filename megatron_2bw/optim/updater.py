@@ -68,6 +68,8 @@ class OptimizerConfig:
     decoupled_lr: Optional[float] = None      # --decoupled-lr: max lr of the word embedding
     #                                           and output layer (None: --lr)
     decoupled_min_lr: Optional[float] = None  # --decoupled-min-lr (None: --min-lr)
+    log_num_zeros_in_grad: bool = False  # --log-num-zeros-in-grad: the step reports
+    #                                      "num_zeros", summed like the norm
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -223,13 +225,17 @@ class MegatronUpdater:
         data-parallel one, or the experts' over the expert-data-parallel one."""
         local_inf = not bool(torch.isfinite(flat_grad).all())
         device = flat_grad.device
-        parts = [(self.groups.model_parallel, self._squares(grads, False, local_inf, device))]
+        parts = [(self.groups.model_parallel, self._squares(grads, False, local_inf, device),
+                  self._zeros(grads, False, device))]
         if self._has_experts:
             parts.append((self.groups.expert_model_parallel,
-                          self._squares(grads, True, local_inf, device)))
+                          self._squares(grads, True, local_inf, device),
+                          self._zeros(grads, True, device)))
         pending = []
-        for i, (group, sq) in enumerate(parts):
-            stats = torch.stack([sq, torch.full_like(sq, float(local_inf))])
+        for i, (group, sq, zeros) in enumerate(parts):
+            # the zero count rides along with the norm (Megatron-LM's count_zeros sums
+            # over the same groups)
+            stats = torch.stack([sq, torch.full_like(sq, float(local_inf)), zeros])
             shards = self.groups.data_parallel  # the experts': their own sharding group
             if i and self.groups.expert_data_parallel is not None:
                 shards = self.groups.expert_data_parallel
@@ -251,6 +257,16 @@ class MegatronUpdater:
             sq = torch.stack([g.pow(2).sum() for g in counted]).sum()
         return sq
 
+    def _zeros(self, grads: list[torch.Tensor], experts: bool,
+               device: torch.device) -> torch.Tensor:
+        """Zero entries of the counted gradients of the experts or of the rest, with
+        --log-num-zeros-in-grad (else 0, not counted)."""
+        if not self.config.log_num_zeros_in_grad:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return sum((g.numel() - torch.count_nonzero(g) for g, keep, expert
+                    in zip(grads, self._norm_mask, self._expert) if keep and expert == experts),
+                   torch.zeros((), dtype=torch.float32, device=device)).float()
+
     def finish_step(self, minibatch: int, flat_grad: torch.Tensor, grads: list[torch.Tensor],
                     newest: list[torch.Tensor], target: list[torch.Tensor]) -> dict[str, float]:
         pending = self._pending.pop(minibatch)
@@ -259,12 +275,15 @@ class MegatronUpdater:
                 work.wait()
         stats = torch.stack([s for s, _ in pending]).sum(dim=0)
         norm, found_inf = stats[0].sqrt().item(), bool(stats[1].item() > 0)
+        # --log-num-zeros-in-grad: none for a skipped step, as Megatron-LM
+        zeros = ({"num_zeros": None if found_inf else stats[2].item()}
+                 if self.config.log_num_zeros_in_grad else {})
         self.scaler.update(found_inf)
         lr = self.param_groups.lr
         if found_inf:
             _copy(target, newest)
             return {"grad_norm": float("nan"), "skipped": 1.0, "loss_scale": self.scaler.scale,
-                    "lr": lr}
+                    "lr": lr, **zeros}
         if self.config.clip_grad > 0:
             coef = self.config.clip_grad / (norm + 1e-6)
             if coef < 1.0:
@@ -273,7 +292,7 @@ class MegatronUpdater:
         # the logged rate is the one after the scheduler's step, as Megatron-LM logs it (a
         # skipped step above leaves the schedule, and so the rate, where it was)
         return {"grad_norm": norm, "skipped": 0.0, "loss_scale": self.scaler.scale,
-                "lr": self.param_groups.lr}
+                "lr": self.param_groups.lr, **zeros}
 
     def _step(self, newest: list[torch.Tensor], target: list[torch.Tensor],
               grads: list[torch.Tensor]) -> None:

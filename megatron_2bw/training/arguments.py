@@ -11,6 +11,9 @@ so the entry point prints each as one line (errors.py).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -24,22 +27,18 @@ from ..schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES
 from .config import DataConfig, ParallelConfig, RunConfig, TrainConfig
 from .errors import UserError
 from .housekeeping import HousekeepingConfig
-from .megatron_flags import DOC, add_megatron_flags, check_megatron_flags
+from .megatron_flags import (add_megatron_flags, check_megatron_flags, is_flag, raise_problems,
+                             refusal_errors, refusals, unknown_flags, unknown_flags_error)
 from .skip_guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipGuardConfig, skip_guard_config
 from .model_flags import model_config, model_flags, num_experts, one_value
 from .validation import Flags, check_ranges, validate_flags
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises UserError instead of printing usage and exiting on every rank."""
+    """argparse that raises UserError instead of printing usage and exiting on every rank
+    (read_command_line finds the unknown flags itself, all of them)."""
 
     def error(self, message: str):  # type: ignore[override]
-        unknown = message.removeprefix("unrecognized arguments: ")
-        if unknown != message:
-            flag = unknown.split()[0]
-            raise UserError(f"unknown flag {flag}", flag,
-                            f"{self.prog} does not take it; {DOC} lists Megatron-LM's flags "
-                            "and their status here")
         raise UserError(message, "command line", f"see {self.prog} --help")
 
 
@@ -75,6 +74,10 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random state")
     g.add_argument("--no-save-optim", action="store_true", help="save no optimizer state")
     g.add_argument("--no-save-rng", action="store_true", help="save no random state")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="torch_dist with --use-distributed-optimizer: write the optimizer "
+                        "state in Megatron-LM's fully_reshardable layout (loadable at any "
+                        "TP x PP x DP) instead of its dp_reshardable default")
     g.add_argument("--ckpt-step", type=int, help="load this iteration of --load instead of "
                    "the newest (the one its latest_checkpointed_iteration.txt names)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true", help="with --load, "
@@ -169,10 +172,22 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
                    help="print Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' field (in its "
                         "place, after the iteration time) instead of the TFLOP/s/GPU extra")
     g.add_argument("--timing-log-level", type=_timing_log_level, default=0, metavar="{0,1,2}",
-                   help="accepted for Megatron-LM scripts: only the iteration time is "
-                        "measured and logged (per-phase timers of levels 1 and 2 are not)")
+                   help="per-phase timers printed after each log line under Megatron-LM's "
+                        "names: 1 forward-backward, all-grads-sync, optimizer; 2 also "
+                        "batch-generator, forward/backward-compute, -send, -recv (CUDA: "
+                        "each timed action synchronizes the device)")
     g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
-                   help="accepted for Megatron-LM scripts (no per-phase timers to reduce)")
+                   help="how the timers are reduced over ranks: max, (min, max) or every rank")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="print the L2 norm of all parameters ('params norm') and write "
+                        "params-norm to TensorBoard")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="print the number of zero gradient entries ('num zeros') and write "
+                        "num-zeros to TensorBoard")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="write the logging rank's memory to TensorBoard (CUDA: mem-reserved-"
+                        "bytes, mem-allocated-bytes, mem-max-allocated-bytes, "
+                        "mem-allocated-count; CPU: mem-rss-bytes, mem-max-rss-bytes)")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="write iteration-time (seconds, averaged since the last log line) "
                         "at each log line, and throughput with --log-throughput")
@@ -336,8 +351,8 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
                    help="train,valid,test proportions")
     g.add_argument("--mock-data", action="store_true", help="synthetic data (benchmarks)")
     g.add_argument("--tokenizer-type", help="GPT2BPETokenizer, HuggingFaceTokenizer, "
-                   "SentencePieceTokenizer, BertWordPieceLowerCase, BertWordPieceCase, "
-                   "NullTokenizer")
+                   "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, "
+                   "BertWordPieceLowerCase, BertWordPieceCase, NullTokenizer")
     g.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer, mock data)")
     g.add_argument("--vocab-file", help="GPT-2 vocab.json or BERT vocab.txt")
     g.add_argument("--merge-file", help="GPT-2 merges.txt")
@@ -346,6 +361,13 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
                    help="HuggingFaceTokenizer: add the template's special tokens (BOS, ...) "
                         "when encoding (Megatron-LM's default leaves them out)")
+    g.add_argument("--legacy-tokenizer", action="store_true",
+                   help="Megatron-LM's legacy tokenizer classes for the datasets (EOD <EOD> "
+                        "for SentencePieceTokenizer; needed for BERT with a SentencePiece "
+                        "model); use the same setting as tools/preprocess_data.py")
+    g.add_argument("--vocab-extra-ids", type=int, default=0,
+                   help="<extra_id_N> tokens added to the vocabulary (SentencePieceTokenizer, "
+                        "BERT WordPiece), counted in the padded vocabulary")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--mask-prob", type=float, default=0.15, help="BERT masking probability")
@@ -393,7 +415,8 @@ def _optimizer_config(args, view: Flags, gbs: int, precision: str) -> OptimizerC
                            delay_compensation=args.delay_compensation,
                            delay_compensation_alpha=args.delay_compensation_alpha,
                            decoupled_lr=args.decoupled_lr,
-                           decoupled_min_lr=args.decoupled_min_lr)
+                           decoupled_min_lr=args.decoupled_min_lr,
+                           log_num_zeros_in_grad=args.log_num_zeros_in_grad)
 
 
 def _muon_config(args) -> MuonConfig:
@@ -409,7 +432,9 @@ def _logging_config(args: argparse.Namespace) -> dict:
     names = ("log_throughput", "log_timers_to_tensorboard", "log_loss_scale_to_tensorboard",
              "log_validation_ppl_to_tensorboard", "log_world_size_to_tensorboard",
              "tensorboard_log_interval", "tensorboard_queue_size", "wandb_project",
-             "wandb_exp_name", "wandb_save_dir", "wandb_entity")
+             "wandb_exp_name", "wandb_save_dir", "wandb_entity", "log_params_norm",
+             "log_num_zeros_in_grad", "log_memory_to_tensorboard", "timing_log_level",
+             "timing_log_option")
     return {name: getattr(args, name) for name in names}
 
 
@@ -424,6 +449,9 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
     args.virtual_pipeline_model_parallel_size = (view.virtual_stages if view.virtual_stages > 1
                                                  else None)
     args.num_experts = num_experts(args)
+    # Megatron-LM's validate_args turns sequence parallelism off at TP 1 (said once, by
+    # inert_notes); the args a checkpoint records say what the run did
+    args.sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
     for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
         setattr(args, name, one_value(getattr(args, name)))
     parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
@@ -476,6 +504,85 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                      train=train, precision=precision, flags=vars(args))
 
 
+@dataclass
+class CommandLine:
+    """A command line as the parser reads it, before any rule between flags: the flags
+    (None where argparse could not finish, e.g. a required flag missing), the unknown
+    flags, and each value argparse refused as (flag, its message)."""
+
+    args: Optional[argparse.Namespace]
+    unknown: list[str]
+    invalid: list[tuple[str, str]]
+    accepted: set[str]
+    prog: str
+
+
+def read_command_line(model: str, argv: Optional[Sequence[str]] = None,
+                      required: bool = True) -> CommandLine:
+    """Read every flag, collecting the problems instead of stopping at the first: each
+    unknown flag (with the values after it) and each option whose value argparse refuses
+    are taken out and the rest parsed again. `required=False`: no flag is required (for
+    reading a script's flags, tools/megatron_flags_table.py)."""
+    parser = build_parser(model)
+    parser.exit_on_error = False  # an ArgumentError names its option: collect, go on
+    if not required:
+        for action in parser._actions:
+            action.required = False
+    accepted = set(parser._option_string_actions)
+    rest = list(sys.argv[1:] if argv is None else argv)
+    unknown = [rest[i].split("=", 1)[0] for i in unknown_flags(accepted, rest)]
+    rest = _without(rest, lambda token: token.split("=", 1)[0] in unknown)
+    invalid: list[tuple[str, str]] = []
+    for _ in range(len(rest) + 1):
+        try:
+            args, extras = parser.parse_known_args(rest)
+        except argparse.ArgumentError as err:
+            invalid.append((err.argument_name or "command line", str(err)))
+            named = (err.argument_name or "").split("/")  # argparse joins an option's names
+            names = {s for n in named if n in accepted
+                     for s in parser._option_string_actions[n].option_strings}
+            if not names:
+                break
+            rest = _without(rest, lambda token: token.split("=", 1)[0] in names)
+            parser._option_string_actions[next(iter(names))].required = False  # said once
+            continue
+        except UserError as err:  # argparse's own stop: a required flag missing
+            invalid.append(("command line", err.what))
+            break
+        if extras:
+            invalid.append(("command line", "unrecognized arguments: " + " ".join(extras)))
+        return CommandLine(args, list(dict.fromkeys(unknown)), invalid, accepted, parser.prog)
+    return CommandLine(None, list(dict.fromkeys(unknown)), invalid, accepted, parser.prog)
+
+
+def _without(argv: list[str], drop) -> list[str]:
+    """`argv` less the flags `drop` picks and the values that follow each."""
+    out, dropping = [], False
+    for token in argv:
+        if is_flag(token) or token == "--":
+            dropping = drop(token)
+        if not dropping:
+            out.append(token)
+    return out
+
+
+def launcher_world_size() -> int:
+    """The launcher's world size before the process group exists (1 without one)."""
+    value = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+    return int(value) if value.isdigit() else 1
+
+
 def parse_args(model: str, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """The flags of `pretrain_{model}.py`; UserError for what argparse refuses."""
-    return build_parser(model).parse_args(argv)
+    """The flags of `pretrain_{model}.py`. A command line with unknown flags or values
+    argparse refuses raises one error naming all of them, and every refused Megatron-LM
+    flag beside them (megatron_flags.FlagErrors: one `error:` line per problem)."""
+    line = read_command_line(model, argv)
+    if not (line.unknown or line.invalid):
+        return line.args
+    problems = [unknown_flags_error(line.unknown, line.accepted, line.prog)] if line.unknown else []
+    problems += [UserError(message, "command line", f"see {line.prog} --help")
+                 for _, message in line.invalid]
+    if line.args is not None:
+        problems += refusal_errors(refusals(line.args, launcher_world_size()))
+    raise_problems(problems)
+    raise AssertionError("unreachable")  # raise_problems raised

@@ -149,6 +149,11 @@ class TrainConfig:
     log_loss_scale_to_tensorboard: bool = True       # --no-log-loss-scale-to-tensorboard
     log_validation_ppl_to_tensorboard: bool = False  # --log-validation-ppl-to-tensorboard
     log_world_size_to_tensorboard: bool = False      # --log-world-size-to-tensorboard
+    log_params_norm: bool = False                    # --log-params-norm
+    log_num_zeros_in_grad: bool = False              # --log-num-zeros-in-grad
+    log_memory_to_tensorboard: bool = False          # --log-memory-to-tensorboard
+    timing_log_level: int = 0                        # --timing-log-level (timers.py)
+    timing_log_option: str = "minmax"                # --timing-log-option
     tensorboard_log_interval: int = 1                # --tensorboard-log-interval
     tensorboard_queue_size: int = 1000               # --tensorboard-queue-size
     wandb_project: Optional[str] = None              # --wandb-project

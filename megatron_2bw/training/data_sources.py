@@ -25,7 +25,11 @@ logger = logging.getLogger("megatron_2bw.train")
 class DataSources:
     train: torch.utils.data.Dataset
     valid: Optional[torch.utils.data.Dataset]
+    # the test split (None without one): evaluated once after training, as Megatron-LM
+    test: Optional[torch.utils.data.Dataset] = None
 
+
+MEGATRON_SPLIT = "969,30,1"  # --split's default (Megatron-LM's)
 
 # Megatron-LM's entry points pass these as the --tokenizer-type default
 DEFAULT_TOKENIZERS = {"gpt": "GPT2BPETokenizer", "bert": "BertWordPieceLowerCase"}
@@ -39,7 +43,7 @@ def tokenizer_from_args(args, model: str):
     with no tokenizer flag at all uses --vocab-size ids (NullTokenizer for GPT), so a
     benchmark needs no vocabulary file.
     """
-    from ..data.tokenizers import build_tokenizer
+    from ..data.tokenizers import build_tokenizer, check_bert_tokens
 
     if args.data_path and args.mock_data:
         raise ValueError("give either --data-path or --mock-data, not both")
@@ -48,10 +52,15 @@ def tokenizer_from_args(args, model: str):
     named = args.tokenizer_type or args.vocab_file or args.tokenizer_model
     if args.mock_data and not named:
         return mock_tokenizer(model, args.vocab_size or 50257)
-    return build_tokenizer(args.tokenizer_type or DEFAULT_TOKENIZERS[model],
-                           vocab_file=args.vocab_file, merge_file=args.merge_file,
-                           tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-                           hf_include_special_tokens=args.tokenizer_hf_include_special_tokens)
+    tokenizer = build_tokenizer(args.tokenizer_type or DEFAULT_TOKENIZERS[model],
+                                vocab_file=args.vocab_file, merge_file=args.merge_file,
+                                tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                                vocab_extra_ids=getattr(args, "vocab_extra_ids", 0),
+                                hf_include_special_tokens=args.tokenizer_hf_include_special_tokens,
+                                legacy_tokenizer=getattr(args, "legacy_tokenizer", False))
+    if model == "bert":
+        check_bert_tokens(tokenizer)
+    return tokenizer
 
 
 def continue_data(run: RunConfig) -> RunConfig:
@@ -72,7 +81,9 @@ def continue_data(run: RunConfig) -> RunConfig:
 
 
 def data_sources(run: RunConfig, tokenizer) -> DataSources:
-    """Train and validation datasets with as many samples as the run consumes."""
+    """Train and validation datasets with as many samples as the run consumes. A --split
+    without validation documents while --eval-iters asks for validation is a warning: the
+    run trains as Megatron-LM's does (which skips validation without a word), and says so."""
     data, t = run.data, run.train
     train, valid, test = megatron_sample_counts(t.train_iters, t.global_batch_size,
                                                 t.eval_interval, t.eval_iters)
@@ -90,4 +101,19 @@ def data_sources(run: RunConfig, tokenizer) -> DataSources:
                             create_attention_mask=data.reset_attention_mask,
                             bert_binary_head=run.model.bert_binary_head)
     datasets = build_datasets(config, tokenizer)
-    return DataSources(datasets.train, datasets.valid)
+    if data.mock_data and data.split != MEGATRON_SPLIT and _is_logging_rank():
+        logger.warning(f"WARNING: --split {data.split} is not used with --mock-data: "
+                       "megatron-core splits mock data 1,1,1 whatever --split says (as in "
+                       "Megatron-LM); --eval-iters 0 trains without validation")
+    if datasets.valid is None and t.eval_iters > 0 and _is_logging_rank():
+        logger.warning(f"WARNING: --split {data.split} gives validation no documents, so "
+                       f"this run does not validate (--eval-iters {t.eval_iters}, "
+                       f"--eval-interval {t.eval_interval}); give validation a weight "
+                       "(e.g. --split 99,1,0), or pass --eval-iters 0 to train without it")
+    return DataSources(datasets.train, datasets.valid, datasets.test)
+
+
+def _is_logging_rank() -> bool:
+    """The last rank, where the run's lines are printed: a job-wide note once, not per rank."""
+    dist = torch.distributed
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1

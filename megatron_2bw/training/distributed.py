@@ -228,16 +228,25 @@ def _join(backend: str, rank: int, world: int, timeout: timedelta) -> None:
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     where = f"{host}:{port}"
+    deadline = time.monotonic() + timeout.total_seconds()
     if rank > 0 and not _reachable(host, port, timeout.total_seconds()):
         raise PeerTimeout(f"rank {rank} found no rendezvous at {where} within "
                           f"{timeout.total_seconds():g} s (--distributed-timeout-minutes): "
                           f"rank 0 hosts it when no torchrun agent does; start rank 0 "
                           f"(or launch through torchrun) with the same MASTER_ADDR and "
                           f"MASTER_PORT")
+    if not _hosts_store(rank):
+        _store_answers(host, port, deadline, timeout)
     try:
         _rendezvous(lambda: dist.init_process_group(backend, rank=rank, world_size=world,
-                                                    timeout=timeout))
+                                                    timeout=timeout),
+                    time.monotonic() + timeout.total_seconds() + RENDEZVOUS_GRACE_S, where)
     except dist.DistError as err:
+        if "EADDRINUSE" in str(err):
+            raise PeerTimeout(f"rank 0 cannot host the rendezvous at {where}: another "
+                              f"process listens on port {port} of this host; pick a free "
+                              f"MASTER_PORT (or launch through torchrun, which picks one)",
+                              timed_out=False) from None
         joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
         who = (f"only {joined.group(1)} of {joined.group(2)} ranks joined" if joined else
                f"rank {rank} could not join (rank 0 hosts the store without torchrun)")
@@ -248,9 +257,43 @@ def _join(backend: str, rank: int, world: int, timeout: timedelta) -> None:
 
 
 _RENDEZVOUS_THREADS: list[threading.Thread] = []
+# past the timeout, how long the rendezvous may take to report on its own (its
+# "only 1 of 2 ranks joined" comes from a wait of exactly the timeout)
+RENDEZVOUS_GRACE_S = 15.0
 
 
-def _rendezvous(join: Callable[[], None]) -> None:
+def _hosts_store(rank: int) -> bool:
+    """Whether init_process_group makes this process the store's host (rank 0, unless
+    torchrun's agent hosts it)."""
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def _store_answers(host: str, port: int, deadline: float, timeout: timedelta) -> None:
+    """A client of the store at host:port that must answer before `deadline`: something
+    that accepts connections and never replies (another service on MASTER_PORT, a store
+    host frozen by SIGSTOP) held the C++ client, and the rank, silent for good."""
+    from ..runtime.p2p import PeerTimeout
+
+    seconds = max(1.0, deadline - time.monotonic())
+
+    def ask() -> None:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=seconds))
+        store.check(["megatron_2bw/rendezvous"])
+    try:
+        _rendezvous(ask, time.monotonic() + seconds, f"{host}:{port}")
+    except PeerTimeout:
+        raise PeerTimeout(f"the rendezvous store at {host}:{port} accepted a connection but "
+                          f"did not answer within {timeout.total_seconds():g} s "
+                          f"(--distributed-timeout-minutes): another program listens on "
+                          f"MASTER_PORT, or the store's host (rank 0, or torchrun's agent) is "
+                          f"frozen; check MASTER_ADDR and MASTER_PORT") from None
+    except dist.DistError:
+        return  # it answered, with an error: init_process_group reports it
+
+
+def _rendezvous(join: Callable[[], None], deadline: Optional[float] = None,
+                where: str = "") -> None:
     """Run `join` (init_process_group: rank 0 waits in C++ for every rank to connect) on a
     helper thread while the main thread waits in Python. A stop signal's handler runs
     only in the main thread, between Python steps: waiting inside the C++ call, a Ctrl-C
@@ -270,6 +313,10 @@ def _rendezvous(join: Callable[[], None]) -> None:
     thread.start()
     while thread.is_alive():
         thread.join(0.2)  # a stop signal raises here
+        if deadline is not None and time.monotonic() > deadline and thread.is_alive():
+            from ..runtime.p2p import PeerTimeout  # the thread stays: rendezvous_pending
+            raise PeerTimeout(f"the rendezvous at {where} did not complete in time "
+                              f"(--distributed-timeout-minutes)")
     _RENDEZVOUS_THREADS.remove(thread)
     if failed:
         raise failed[0]

@@ -21,9 +21,15 @@ stalled pipe, a hung child process) then leaves too, from its watcher thread, sa
 why, instead of outliving the job; a peer whose collective fails because the rank has
 gone says what stopped the job instead of "lost the connection". Every exit here is
 bounded: a thread that must end the process never waits on a blocked stdout.
+
+What is neither the user's input nor the program's bug is read by the modules above this
+one (`read_faults_with`, set by the entry point): a peer that died under any collective
+(a save, a validation, the start-up), a wait that ran out, memory or open files or disk
+space that ran out (faults.py) are one line too, exit status 1.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -67,6 +73,8 @@ class UserError(ValueError):
 # What the entry point treats as the user's to fix: flag and data checks raise
 # UserError or ValueError; missing or unreadable files raise OSError.
 USER_ERRORS = (ValueError, OSError)
+# ... except a resource of the machine that ran out: a fault (faults.py), not the path's
+_RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)
 
 
 def _faults() -> tuple[type, ...]:
@@ -97,6 +105,8 @@ def guarded(body: Callable[[], int]) -> int:
     except Exception as err:  # noqa: BLE001 - programming errors are re-raised below
         _stop.set()
         _quiet_signals()
+        if _store_host_gone(err):
+            _store_state["dead"] = True  # it died with rank 0: ask it nothing
         if _leaving.locked():
             _wait_for_the_end()  # a peer's departure broke a collective: its line is due
         store = _job_store()
@@ -109,13 +119,18 @@ def guarded(body: Callable[[], int]) -> int:
         peer = _peer_line(store)
         if peer is not None and peer["kind"] == "stop":
             return _relay(store, peer)
+        reported = _peer_reported(store)
+        fault = None if reported else _fault(err)
         known = USER_ERRORS + _faults()
-        if not isinstance(err, known) and not _peer_reported(store):
+        if not isinstance(err, known) and fault is None and not reported:
             raise
         if os.environ.get(SHOW_TRACEBACK) == "1":
             traceback.print_exc()
+        if fault is not None:  # a peer died, a wait ran out, memory or files ran out
+            return fail(fault.line, store, status=fault.status, end=fault.end)
         if isinstance(err, _faults()):
-            return fail(f"error: {describe(err)}", store)
+            annotate = _READER.get("annotate", lambda line: line)
+            return fail(annotate(f"error: {describe(err)}"), store)
         if isinstance(err, USER_ERRORS) and _claim_report(store):
             print(f"error: {describe(err)}", file=sys.stderr, flush=True)
         elif peer is not None:
@@ -124,6 +139,42 @@ def guarded(body: Callable[[], int]) -> int:
     finally:
         _stop.set()
         _join_watcher()
+
+
+_READER: dict = {}  # what read_faults_with gave: "classify", "annotate", "host_gone"
+
+
+def read_faults_with(classify: Callable, annotate: Callable[[str], str],
+                     store_host_gone: Callable[[float], bool]) -> None:
+    """How `guarded` reads faults, from the modules above this one (faults.py,
+    watchdog.py, which import it): `classify(err)` -> a Fault (its `line`, `status`,
+    `end`) or None, `annotate(line)` adds to a PeerTimeout's line what is known (the dead
+    rank, the last checkpoint), `store_host_gone(wait_s)` says that the store died with
+    its host. The entry point sets them; without them guarded works as before."""
+    _READER.update(classify=classify, annotate=annotate, host_gone=store_host_gone)
+
+
+def _fault(err: BaseException):
+    """The reader's Fault for a lost peer, a wait that ran out or an exhausted resource
+    (None otherwise); an error that already names the user's fix (a ValueError, a
+    UserError) keeps its own line, an OSError only unless it is EMFILE, ENOSPC and kin."""
+    if "classify" not in _READER:
+        return None
+    if isinstance(err, USER_ERRORS) and not isinstance(err, OSError):
+        return None
+    if isinstance(err, _faults()):  # its own line names the stage or group (annotated)
+        return None
+    if isinstance(err, OSError) and err.errno not in _RESOURCE_ERRNOS:
+        return None
+    return _READER["classify"](err)
+
+
+def _store_host_gone(err: Optional[BaseException] = None) -> bool:
+    """Whether the job's store died with rank 0, its host; for an error that may be a
+    broken connection, after the dying peer had time to end."""
+    if "host_gone" not in _READER:
+        return False
+    return _READER["host_gone"](2.0 if isinstance(err, RuntimeError) else 0.0)
 
 
 def _quiet_signals() -> None:
@@ -152,12 +203,14 @@ def _stopped(signum: int, store) -> int:
     return _finish(store, line, stop_status(signum))
 
 
-def fail(line: str, store=None, from_thread: bool = False) -> int:
+def fail(line: str, store=None, from_thread: bool = False, status: int = EXIT_FAULT,
+         end: bool = False) -> int:
     """End this rank for a fault with `line` (left in the store for the peers); from a
-    thread other than the main one the process ends here in a world of one too."""
+    thread other than the main one, or with `end`, the process ends here in a world of
+    one too."""
     store = store if store is not None else _job_store()
-    _report(store, "fault", line, EXIT_FAULT)
-    return _finish(store, line, EXIT_FAULT, from_thread)
+    _report(store, "fault", line, status)
+    return _finish(store, line, status, from_thread or end)
 
 
 def _relay(store, peer: dict, from_thread: bool = False) -> int:
@@ -222,8 +275,23 @@ def _finish(store, line: Optional[str], status: int, from_thread: bool = False) 
 
 
 def say(line: str) -> None:
-    """Print one line to stderr, giving up after SAY_S (a stalled pipe never returns)."""
-    within(SAY_S, lambda: print(line, file=sys.stderr, flush=True))
+    """Print one line to stderr, giving up after SAY_S (a stalled pipe never returns);
+    directly where no thread can start (memory or the process limit ran out)."""
+    def show() -> bool:
+        print(line, file=sys.stderr, flush=True)
+        return True
+    if within(SAY_S, show) is None and not _threads_start():
+        show()
+
+
+def _threads_start() -> bool:
+    try:
+        helper = threading.Thread(target=lambda: None, daemon=True)
+        helper.start()
+    except RuntimeError:
+        return False
+    helper.join()
+    return True
 
 
 def _join_watcher() -> None:
@@ -252,6 +320,8 @@ def watch_peers() -> None:
 
 def _watch(store) -> None:
     while not _stop.wait(POLL_S):
+        if _store_host_gone():
+            return  # the main thread's wait fails and says so
         reported = _counter(store, _REPORTED)
         if reported is None:
             return  # the store is gone: the job is ending anyway
@@ -299,7 +369,10 @@ def within(seconds: float, call: Callable[[], T]) -> Optional[T]:
             pass
 
     helper = threading.Thread(target=run, daemon=True, name="megatron_2bw-store-call")
-    helper.start()
+    try:
+        helper.start()
+    except RuntimeError:  # no thread can start (memory, ulimit -u): no answer either
+        return None
     helper.join(seconds)
     return out[0] if out else None
 

@@ -5,9 +5,12 @@ What is written, when, and which flag turns it on follow `training_log` and
 dashboards built on a Megatron-LM run read ours: every `--tensorboard-log-interval`
 iterations `learning-rate`, `batch-size`, each loss (`lm loss`, BERT's `sop loss`; a
 mixture of experts' `load_balancing_loss` / `z_loss` against the iteration only),
-`loss-scale`, `grad-norm` (not on a skipped step, which has none), `world-size` (flag), each
-also against consumed samples (`<tag> vs samples`); at each log line `iteration-time` and
-`throughput` (flags); after validation `<loss> validation` (and its `ppl`, flag).
+`loss-scale`, `grad-norm` (not on a skipped step, which has none), `num-zeros`,
+`params-norm`, `world-size` (flags), each also against consumed samples
+(`<tag> vs samples`), and the `mem-*` scalars against the iteration only (flag, memory.py;
+not to wandb); at each log line `iteration-time`, `throughput` and each timer's
+`<name>-time` (flags); after validation `<loss> validation` (and its `ppl`, flag), which
+the test-set evaluation after training also writes, as Megatron-LM does.
 wandb gets the same scalars against the iteration, as Megatron-LM logs them there.
 
 A TensorBoard folder that cannot take more (a full disk) ends the run with one line naming
@@ -24,6 +27,7 @@ import os
 import threading
 from typing import Any, Callable, Optional
 
+from . import memory
 from .config import TrainConfig
 from .errors import UserError
 
@@ -40,18 +44,24 @@ class ScalarWriters:
     """The TensorBoard writer and the wandb run of one job (either may be absent)."""
 
     def __init__(self, train: TrainConfig, world_size: int, tb: Any = None, wandb: Any = None,
-                 stale_event_files: tuple[str, ...] = (), start_iteration: int = 0):
+                 stale_event_files: tuple[str, ...] = (), start_iteration: int = 0,
+                 device: Optional[Any] = None):
         self.t, self.world_size, self.tb, self.wandb = train, world_size, tb, wandb
         self._stale, self._start = stale_event_files, start_iteration
+        self.device = device  # whose memory --log-memory-to-tensorboard writes
 
     @classmethod
     def open(cls, train: TrainConfig, world_size: int, start_iteration: int = 0,
-             flags: Optional[dict] = None) -> "ScalarWriters":
+             flags: Optional[dict] = None, device: Optional[Any] = None) -> "ScalarWriters":
         """Writers for what the flags ask; a missing tensorboard package is a warning (as in
         Megatron-LM), wandb asked for but unusable a UserError (Megatron-LM fails too)."""
         stale = _event_files(train.tensorboard_dir) if train.tensorboard_dir else ()
+        if stale and start_iteration == 0:  # a fresh run adds its own files, drops nothing
+            logger.warning(f"{train.tensorboard_dir} holds {len(stale)} TensorBoard event "
+                           "files of earlier runs; this run adds its own beside them")
+            stale = ()
         return cls(train, world_size, _open_tensorboard(train), _open_wandb(train, flags or {}),
-                   stale, start_iteration)
+                   stale, start_iteration, device)
 
     # ---------------------------------------------------------------- what is written
     def train(self, rec: dict, losses: dict[str, float]) -> None:
@@ -76,17 +86,26 @@ class ScalarWriters:
         norm = step_grad_norm(rec)
         if norm is not None:
             self._pair("grad-norm", norm, it, samples)
+        for tag, key in (("num-zeros", "num_zeros"), ("params-norm", "params_norm")):
+            if rec.get(key) is not None:
+                self._pair(tag, rec[key], it, samples)
+        if self.t.log_memory_to_tensorboard and self.device is not None and self.tb is not None:
+            for tag, value in memory.tensorboard_scalars(self.device).items():
+                self._scalar(tag, value, it, wandb=False)
 
     def log_line(self, it: int, seconds_per_iteration: float, tflops: float,
-                 first: bool) -> None:
+                 first: bool, timer_ms: Optional[dict[str, float]] = None) -> None:
         """At a printed line: the interval's time per iteration (not after the run's first
-        iteration, which Megatron-LM prints only as a first look) and TFLOP/s/GPU."""
+        iteration, which Megatron-LM prints only as a first look), TFLOP/s/GPU and each
+        timer's ms per iteration, the maximum over the ranks (`<name>-time`)."""
         if not self.t.log_timers_to_tensorboard:
             return
         if not first:
             self._scalar("iteration-time", seconds_per_iteration, it)
         if self.t.log_throughput:
             self._scalar("throughput", tflops, it)
+        for name, ms in (timer_ms or {}).items():
+            self._scalar(name + "-time", ms, it)
 
     def validation(self, it: int, samples: int, losses: dict[str, float]) -> None:
         for key, value in losses.items():

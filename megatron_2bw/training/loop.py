@@ -38,10 +38,14 @@ from .data_sources import DataSources
 from . import experts
 from .distributed import DistEnv
 from .errors import describe
+from .args_dump import log_arguments, parameter_count_lines
 from .housekeeping import Housekeeping
 from .log_writers import perplexity
 from .metrics import MetricsSink, transformer_flops
+from .rank_reports import RankReports, ReportSetup, weighted_squares
+from .theoretical_memory import MemoryInputs, theoretical_memory_lines
 from .signals import PROGRESS, GracefulStop, stop_check_interval
+from .progress import evaluation_progress
 from .skip_guard import SkipGuard, Verdict, check_weights_finite, stopped
 from .watchdog import Heartbeat, save_guard
 
@@ -187,8 +191,11 @@ class Trainer:
                  f"{par.schedule} interleaved, {par.virtual_stages} chunks per rank")
         self.sink = MetricsSink(is_logger, t, schedule=label,
                                 world_size=env.world_size, start_iteration=self.iteration,
-                                flags=run.flags, delayed=schedule_spec(par.schedule).delayed)
+                                flags=run.flags, delayed=schedule_spec(par.schedule).delayed,
+                                device=env.device)
+        self._report_parameters()
         self._report_optimizer_memory()
+        self.reports = self._rank_reports(is_logger)
         self.history: dict[int, dict] = {}
         self._activations_reported = False
         self.stop_at = stop_iteration(self.iteration, t.train_iters, t.exit_interval)
@@ -212,6 +219,8 @@ class Trainer:
         module = self._build_stage()
         infos = _param_infos(module, ps.get_tensor_model_parallel_rank(), run)
         params = [p for p in module.parameters() if p.requires_grad]
+        self._param_infos, self._num_parameters = infos, sum(p.numel()
+                                                             for p in module.parameters())
         tp_group = ps.get_tensor_model_parallel_group()
         # Muon's gather of a tensor-parallel matrix (none needed for a group of one)
         gather = functools.partial(comm.gather_concat, group=tp_group) if comm.runs(tp_group) else None
@@ -247,6 +256,46 @@ class Trainer:
             aux_losses=experts.aux_losses(run.model, run.model.per_token_loss,
                                           self.env.device))
         return executor, updater
+
+    def _report_parameters(self) -> None:
+        """Megatron-LM's ` > number of parameters on (tensor, pipeline) model parallel rank`
+        lines, one per model-parallel rank (gathered once: only the last rank prints)."""
+        mine = (ps.get_tensor_model_parallel_rank(), self.stage, self._num_parameters,
+                ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
+        for line in parameter_count_lines(comm.all_gather_object(mine) if comm.world_runs()
+                                          else [mine]):
+            logger.info(line)
+
+    def _rank_reports(self, is_logger: bool) -> RankReports:
+        """The per-rank values of the log line (params norm, timers, memory report), with
+        the timers around the executor's actions."""
+        run, t, par = self.run, self.run.train, self.run.parallel
+        setup = ReportSetup(
+            first=self.iteration + 1, log_interval=t.log_interval, train_iters=t.train_iters,
+            params_norm=t.log_params_norm, timing_log_level=t.timing_log_level,
+            timing_log_option=t.timing_log_option, device=self.env.device, is_logger=is_logger,
+            prints_memory=self.dp_rank == 0 and ps.get_context_parallel_rank() == 0,
+            timeout=self.env.timeout)
+        inputs = MemoryInputs(par, t.micro_batch_size, run.num_microbatches)
+        reports = RankReports(setup, self._params_squares,
+                              lambda: theoretical_memory_lines(run.model, inputs))
+        # the executor's dispatch table: each action's handler, timed (timers.py)
+        reports.timers.instrument(self.executor._handlers)
+        return reports
+
+    def _params_squares(self) -> float:
+        """This rank's share of the squared parameter norm (rank_reports.py), on the
+        weights the optimizer trained (not a weight prediction, where the updater can say
+        so without a collective)."""
+        store, infos = self.executor.weights, self._param_infos
+        newest = store.params[store.buffer_of(store.newest)]
+        if not getattr(self.updater, "collective_state", False):
+            newest = self.updater.trained_weights(newest) or newest
+        par = self.run.parallel
+        return weighted_squares(newest, [i.counts_in_norm for i in infos],
+                                [i.expert for i in infos],
+                                1.0 / (par.data_parallel * par.context_parallel),
+                                1.0 / par.expert_data_parallel)
 
     def _report_optimizer_memory(self) -> None:
         """Every rank's optimizer state bytes (masters, moments, compensation buffers;
@@ -336,6 +385,8 @@ class Trainer:
         self.housekeeping.start()
         try:
             self._train_segments(stop)
+            if self.iteration >= t.train_iters:  # not after an exit or a stop
+                self.evaluate_test()
         except RuntimeError as err:
             if heartbeat is None or not (is_timeout(err) or isinstance(err, PeerTimeout)):
                 raise
@@ -394,10 +445,12 @@ class Trainer:
             end = self._segment_end(stop)
             schedule = self._schedule(end - self.iteration)
             first_sample = self.run.batch_sizes.consumed(self.iteration)
-            data = self._microbatches(self.sources.train, first_sample)
+            data = self.reports.timers.batches(self._microbatches(self.sources.train,
+                                                                  first_sample))
             self._set_batch_size(self.run.batch_sizes.size(self.iteration))
             self._last_time = time.monotonic()
             result = self.executor.run(schedule, data, on_step=self._on_step)
+            self.reports.drain()  # every rank has started its exchanges of the segment
             if result.stopped_after is not None:
                 self._stop_learning(result.stopped_after + 1)
             self.iteration = end
@@ -445,6 +498,20 @@ class Trainer:
         final = iteration % t.eval_interval != 0
         self.sink.validation(rec, f"iteration {iteration} on validation set" if final else None)
 
+    def evaluate_test(self) -> None:
+        """Megatron-LM's test-set evaluation after training (`do_test`: --eval-iters > 0
+        and a test split): --eval-iters global batches from the start of the test split,
+        printed as `validation loss at iteration N on test set`."""
+        t = self.run.train
+        if self.sources.test is None or not t.eval_iters:
+            return
+        rec = self.measure(self.sources.test, 0, t.eval_iters, self.iteration)
+        if rec is None:
+            return
+        rec["split"] = "test"
+        self.history.setdefault("test", {})[self.iteration] = rec
+        self.sink.validation(rec, f"iteration {self.iteration} on test set")
+
     def measure(self, dataset, first: int, iters: int, iteration: int) -> Optional[dict]:
         """The loss (and its parts or metrics) of `iters` global batches of `dataset` from
         sample `first`, forward only on the newest weights as the optimizer trained them
@@ -459,8 +526,13 @@ class Trainer:
                                        par.virtual_stages)
         trained = self.updater.trained_weights(store.params[store.buffer_of(store.newest)])
         self.housekeeping.around_eval()
-        with store.holding(store.newest, trained):
-            loss = self.executor.evaluate(schedule, itertools.islice(data, m * iters))
+        self.reports.timers.paused = True  # the training timers leave validation out
+        try:
+            with store.holding(store.newest, trained):
+                loss = self.executor.evaluate(schedule, evaluation_progress(
+                    itertools.islice(data, m * iters), m, iters, self.run.train.global_batch_size))
+        finally:
+            self.reports.timers.paused = False
         self.housekeeping.around_eval()
         if loss is None:
             return None
@@ -509,6 +581,7 @@ class Trainer:
         if not self._activations_reported:
             self._report_activation_memory(k + 1)
         stop = self._stop_learning_after(k + 1, result.steps[k])
+        self.reports.after_step(k + 1)  # every rank: what the line needs from it
         if not self.executor.links.is_last:
             return stop
         stats = self._dp_mean([result.losses[k]] + list(result.metrics.get(k, {}).values()),
@@ -518,8 +591,11 @@ class Trainer:
         rec = self._record(k, stats, list(result.metrics.get(k, {})),
                            result.steps[k], elapsed)
         rec.update(self._router_losses(k, result))
+        extras = self.reports.read(k + 1) if self.sink.enabled else None
+        if extras is not None:
+            rec.update(extras.record)
         self.history[k + 1] = rec
-        self.sink.record(rec)
+        self.sink.record(rec, extras)
         return stop
 
     def _router_losses(self, k: int, result: RunResult) -> dict[str, float]:
@@ -551,12 +627,15 @@ class Trainer:
                "consumed_samples": sizes.consumed(k + 1), "global_batch_size": gbs,
                # the version minibatch k's step published (k + 1 under every schedule)
                "weight_version": self.executor.weights.newest}
+        if "num_zeros" in step:  # --log-num-zeros-in-grad
+            rec["num_zeros"] = step["num_zeros"]
         rec["tflops"] = transformer_flops(gbs, m) / elapsed / self.env.world_size / 1e12
         return rec
 
 
 def pretrain(run: RunConfig, env: DistEnv, sources: DataSources) -> dict:
     """Train as the flags say; returns {iteration: record} on the logging rank."""
+    log_arguments(run.flags, env.world_size, run.parallel.data_parallel)  # as Megatron-LM
     trainer = Trainer(run, env, sources)
     try:
         return trainer.train()

@@ -19,21 +19,29 @@ against one it is not.
   dispatcher, the global-batch aux loss, a per-layer MoE pattern), named with the value.
 - REMOVED: spellings Megatron-LM dropped, with what replaced them (as Megatron-LM says).
 
-A command line with several refused or removed flags hears of all of them in one line
-(the fp8 flags under their one reason; a DeepSeek-V3 recipe's MoE flags likewise), not one
-per run. `--sequence-parallel` (an ordinary flag, arguments.py) at TP=1 is accepted with
-one warning that it is off, as Megatron-LM warns.
+A command line hears of all its problems in one error, before any process group starts,
+not one per run: every unknown flag (Megatron-LM's own that are not implemented here told
+apart from typos, which get their closest matches), every value argparse refuses, and every
+refused or removed flag, one `error:` line per reason (the fp8 flags under their one
+reason; a DeepSeek-V3 recipe's MoE flags likewise). `--sequence-parallel` (an ordinary
+flag, arguments.py) at TP=1 is accepted with one warning that it is off, as Megatron-LM
+warns, and recorded off.
 
-Every flag not in arguments.py or here is unknown: the parser names it and points to
-docs/megatron-flags.md, which lists Megatron-LM's flags and their status here.
+Every flag not in arguments.py or here is unknown; docs/megatron-flags.md lists
+Megatron-LM's flags and their status here. `--help` lists every flag the parser takes,
+these included, each with its status.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
+from ..data import tokenizers
 from .errors import UserError
+from .megatron_lm_names import FLAGS as MEGATRON_LM_FLAGS
 from .model_flags import as_list, layer_freq_problem, pattern_frequency
 
 DOC = "docs/megatron-flags.md"
@@ -260,6 +268,12 @@ REFUSED_VALUES: tuple[RefusedValue, ...] = (
                  lambda a, w: _unexpressible_pattern(a),
                  "a per-layer pattern other than every N-th layer from the first (such as "
                  "dense first layers) is not implemented; the model takes a frequency N"),
+    RefusedValue("--tokenizer-type", "types not offered",
+                 lambda a, w: (a.tokenizer_type is not None
+                               and a.tokenizer_type not in tokenizers.TOKENIZER_TYPES),
+                 "this tokenizer type is not offered here (TikTokenizer, the multimodal and "
+                 "SFT tokenizers are Megatron-LM's only); choose one of "
+                 + ", ".join(tokenizers.TOKENIZER_TYPES)),
 )
 
 # Megatron-LM's removed spellings and what it tells the user instead
@@ -279,20 +293,27 @@ def _data_parallel(args: argparse.Namespace, world_size: int) -> int:
 
 
 def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
-    """The mapped, honored-as-no-op, refused and removed flags, in their own groups."""
+    """The mapped, honored-as-no-op, refused and removed flags, in their own groups, each
+    with its status as its help (--help lists every flag the parser takes)."""
     groups = (("Megatron-LM kernel and performance selections (mapped, see " + DOC + ")",
-               MAPPED),
+               [(f, _mapped_help(f.name)) for f in MAPPED]),
               ("Megatron-LM flags with nothing to do here (honored)",
-               tuple(f for f, _ in HONORED_NOOP)),
+               [(f, f"honored, nothing to do here: {why}") for f, why in HONORED_NOOP]),
               ("Megatron-LM flags refused unless they change nothing",
-               tuple(f for f, _, _ in REFUSED)))
+               [(f, f"refused where it changes something: {why}") for f, _, why in REFUSED]))
     for title, flags in groups:
         g = parser.add_argument_group(title)
-        for flag in flags:
-            g.add_argument(flag.name, help=argparse.SUPPRESS, **flag.kwargs)
+        for flag, text in flags:
+            g.add_argument(flag.name, help=text.replace("%", "%%"), **flag.kwargs)
     g = parser.add_argument_group("removed Megatron-LM spellings")
-    for name in REMOVED:
-        g.add_argument(name, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+    for name, instead in REMOVED.items():
+        g.add_argument(name, nargs="?", const=True, default=None, metavar="VALUE",
+                       help=f"removed from Megatron-LM: {instead}".replace("%", "%%"))
+
+
+def _mapped_help(name: str) -> str:
+    return INSTEAD.get(name, "selects a kernel or an overlap; megatron-core's local layer "
+                             "specs run here and the numbers do not depend on it")
 
 
 @dataclass(frozen=True)
@@ -321,26 +342,105 @@ def refusals(args: argparse.Namespace, world_size: int) -> list[Refusal]:
     return [Refusal(tuple(flags), why, removed) for (why, removed), flags in found.items()]
 
 
+class FlagErrors(UserError):
+    """Several problems of one command line, told together: each its own `error:` line.
+
+    The entry point prints `error: ` before str(err); the lines after the first carry
+    their own, so a terminal shows one `error:` line per problem and no traceback.
+    """
+
+    def __init__(self, problems: Sequence[UserError]):
+        self.problems = list(problems)
+        ValueError.__init__(self, "\nerror: ".join(str(p) for p in self.problems))
+        self.what = f"{len(self.problems)} problems with the command line"
+        self.where = ", ".join(p.where for p in self.problems)
+        self.fix = " | ".join(p.fix for p in self.problems)
+
+
+def raise_problems(problems: Sequence[UserError]) -> None:
+    """Nothing for no problem; the one UserError itself; else FlagErrors of them all."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise FlagErrors(problems)
+
+
+def refusal_errors(found: Sequence[Refusal]) -> list[UserError]:
+    """One UserError per reason: its flags named together (the fp8 flags, the DeepSeek-V3
+    router's), said once."""
+    out = []
+    for refusal in found:
+        names = ", ".join(refusal.flags)
+        if refusal.removed:
+            what = (f"{names} is no longer a Megatron-LM flag" if len(refusal.flags) == 1
+                    else f"{names} are no longer Megatron-LM flags")
+            out.append(UserError(what, names, refusal.why))
+            continue
+        what = (f"{names} is not supported" if len(refusal.flags) == 1
+                else f"{len(refusal.flags)} Megatron-LM flags are not supported")
+        out.append(UserError(what, names, f"{refusal.why} ({DOC})"))
+    return out
+
+
 def check_megatron_flags(args: argparse.Namespace, world_size: int) -> None:
     """Refuse removed spellings and refused flags that would change something: all of them
-    in one line, so a copied command line is fixed in one go, not one flag per run."""
-    found = refusals(args, world_size)
-    if not found:
-        return
-    if len(found) == 1 and len(found[0].flags) == 1:
-        (name,), why = found[0].flags, found[0].why
-        if found[0].removed:
-            raise UserError(f"{name} is no longer a Megatron-LM flag", name, why)
-        raise UserError(f"{name} is not supported", name, f"{why} ({DOC})")
-    names = [name for refusal in found for name in refusal.flags]
-    if len(found) == 1:
-        fix = found[0].why
-    else:  # " | " between reasons: a reason may hold a ";" of its own
-        fix = " | ".join(f"{', '.join(r.flags)}: "
-                         + (f"no longer a Megatron-LM flag, {r.why}" if r.removed else r.why)
-                         for r in found)
-    raise UserError(f"{len(names)} Megatron-LM flags are not supported", ", ".join(names),
-                    f"{fix} ({DOC})")
+    in one error (a line per reason), so a copied command line is fixed in one go, not one
+    flag per run."""
+    raise_problems(refusal_errors(refusals(args, world_size)))
+
+
+# ------------------------------------------------------------------ unknown flags
+
+def is_flag(token: str) -> bool:
+    """Whether argparse reads `token` as an option (`--x`, `--x=v`, `-x`), not a value
+    (a negative number, a path, a lone `-`)."""
+    return bool(re.match(r"--[^-\s]|-[A-Za-z]", token))
+
+
+def unknown_flags(accepted: set[str], argv: Sequence[str]) -> list[int]:
+    """The positions in `argv` of the flags the parser does not take (no abbreviations,
+    as Megatron-LM's parser), up to a lone `--`."""
+    found = []
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        if is_flag(token) and token.split("=", 1)[0] not in accepted:
+            found.append(i)
+    return found
+
+
+def close_matches(flag: str, accepted: set[str]) -> list[str]:
+    """The flags `flag` may be a typo of: this parser's and Megatron-LM's, the same
+    spelling with '-' for '_' first."""
+    hyphens = flag.replace("_", "-")
+    if hyphens != flag and hyphens in accepted | MEGATRON_LM_FLAGS:
+        return [hyphens]
+    pool = sorted(accepted | MEGATRON_LM_FLAGS)
+    return difflib.get_close_matches(flag, pool, n=2, cutoff=0.8)
+
+
+def unknown_flags_error(flags: Sequence[str], accepted: set[str], prog: str) -> UserError:
+    """One error naming every unknown flag: Megatron-LM's own that are not implemented here,
+    and the others with their closest matches (a match that is Megatron-LM's only says so)."""
+    def shown(match: str) -> str:
+        return match if match in accepted else f"{match} (Megatron-LM's, not implemented here)"
+
+    megatron = [f for f in flags if f in MEGATRON_LM_FLAGS]
+    typos = {f: close_matches(f, accepted) for f in flags if f not in MEGATRON_LM_FLAGS}
+    parts = []
+    if megatron:
+        parts.append(f"{', '.join(megatron)}: Megatron-LM's, not implemented here")
+    guessed = [f"{f} -> {' or '.join(shown(m) for m in ms)}" for f, ms in typos.items() if ms]
+    if guessed:
+        parts.append(f"did you mean {'; '.join(guessed)}?")
+    strangers = [f for f, ms in typos.items() if not ms]
+    if strangers:
+        parts.append(f"{', '.join(strangers)}: not a Megatron-LM flag either")
+    where = ", ".join(flags)
+    what = f"unknown flag {where}" if len(flags) == 1 else f"{len(flags)} unknown flags"
+    them = "it" if len(flags) == 1 else "them"
+    return UserError(what, where, f"{prog} does not take {them}: {'; '.join(parts)}; {DOC} "
+                                  "lists Megatron-LM's flags and their status here")
 
 
 def inert_notes(args: argparse.Namespace) -> list[str]:
@@ -383,9 +483,6 @@ def mapped_notes(args: argparse.Namespace, on_gpu: bool) -> list[str]:
     runs = ("megatron-core's local layer specs run here (no Transformer Engine or apex); "
             "the attention kernel is --attention-backend's")
     notes = []
-    if getattr(args, "timing_log_level", 0):  # parsed with the logging flags
-        notes.append(f"--timing-log-level {args.timing_log_level}: per-phase timers are not "
-                     "measured here; the log line and TensorBoard get the iteration time only")
     for flag in MAPPED:
         value = getattr(args, flag.dest)
         if value not in (None, False):

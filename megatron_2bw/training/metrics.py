@@ -18,22 +18,25 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Optional
 
+import torch
+
 from ..models.config import ModelConfig
 from ..schedules import DEFAULT_SCHEDULE, schedule_spec
 from .config import TrainConfig
+from .flops import megatron_flops
 from .log_writers import (ROUTER_LOSSES, ScalarWriters, output_error, perplexity,
                           step_grad_norm)
+from .rank_reports import LineExtras, line_due
 
 logger = logging.getLogger("megatron_2bw.train")
 
 
 def transformer_flops(batch: int, model: ModelConfig) -> float:
-    """FLOPs of one training step of `model` over `batch` samples, as Megatron-LM's
-    num_floating_point_operations counts them: the shape's formula the planner also uses
-    (`ModelShape.training_flops`: grouped-query attention, kv-channels, SwiGLU, the
-    logits; full recomputation adds a forward of the layers, selective one of their
-    attention scores)."""
-    return model.training_flops(batch, model.recompute_granularity)
+    """FLOPs of one training step of `model` over `batch` samples: Megatron-LM's
+    num_floating_point_operations (`flops.megatron_flops`: the causal half of the
+    attention scores, no recomputation), so `throughput per GPU (TFLOP/s/GPU)` reads as
+    in a Megatron-LM log of the same model."""
+    return megatron_flops(model, batch)
 
 
 def megatron_losses(rec: dict, prefix: str = "") -> dict[str, float]:
@@ -90,19 +93,19 @@ class MetricsSink:
 
     def __init__(self, enabled: bool, train: TrainConfig, schedule: str = DEFAULT_SCHEDULE,
                  world_size: int = 1, start_iteration: int = 0, flags: Optional[dict] = None,
-                 delayed: Optional[bool] = None):
+                 delayed: Optional[bool] = None, device: Optional[torch.device] = None):
         """`start_iteration`: where the run starts (the resumed checkpoint's iteration). Rows
         after it, left by a run that crashed past its last checkpoint, are dropped from the
         metrics file and TensorBoard, since this run writes them again: one row per
         iteration. `flags`: the parsed flags (wandb's run config). `schedule`: its label;
         `delayed`: whether it runs a minibatch on weights a step old (then the line shows
         the version each step published), by default what the registry says of the
-        schedule `schedule` names."""
+        schedule `schedule` names. `device`: this rank's (--log-memory-to-tensorboard)."""
         self.enabled, self.t, self.schedule = enabled, train, schedule
         self.delayed = schedule_spec(schedule).delayed if delayed is None else delayed
         self.log_interval, self.train_iters = train.log_interval, train.train_iters
         self._file = self._open_file(train.metrics_file, start_iteration) if enabled else None
-        self._writers = (ScalarWriters.open(train, world_size, start_iteration, flags)
+        self._writers = (ScalarWriters.open(train, world_size, start_iteration, flags, device)
                          if enabled else None)
         self._start = time.monotonic()
         self._first_iteration: Optional[int] = None
@@ -110,12 +113,22 @@ class MetricsSink:
 
     @staticmethod
     def _open_file(path: Optional[str], start_iteration: int):
+        """Append, as --help says. A resumed run first drops its own rows past the
+        checkpoint (see drop_rows_after); a run from iteration 0 keeps every row an
+        earlier run left and says so, as its iterations start again at 1."""
         if not path:
             return None
-        dropped = drop_rows_after(path, start_iteration)
-        if dropped:
+        dropped = drop_rows_after(path, start_iteration if start_iteration else math.inf)
+        if dropped and start_iteration:
             logger.info(f"{path}: dropped {dropped} rows after iteration {start_iteration}, "
                         "which this run trains again")
+        earlier = [] if start_iteration else _row_iterations(path)
+        if earlier:
+            logger.warning(f"WARNING: --metrics-file {path} already holds {len(earlier)} rows "
+                           f"of an earlier run (up to iteration {max(earlier)}); this run "
+                           "starts at iteration 1 and appends its rows after them, as --help "
+                           "says (delete the file or give another --metrics-file for this "
+                           "run's rows alone)")
         return open(path, "a")
 
     def note(self, rec: dict) -> None:
@@ -123,8 +136,9 @@ class MetricsSink:
         if self.enabled:
             self._write_row(rec)
 
-    def record(self, rec: dict) -> None:
-        """One training iteration: its row, its scalars, and the line when one is due."""
+    def record(self, rec: dict, extras: Optional[LineExtras] = None) -> None:
+        """One training iteration: its row, its scalars, and the line when one is due,
+        followed by `extras.after_line` (the memory report, the timers)."""
         if not self.enabled:
             return
         it = rec["iteration"]
@@ -134,10 +148,10 @@ class MetricsSink:
         losses = megatron_losses(rec)
         self._interval.add(rec, losses)
         self._writers.train(rec, losses)
-        if it % self.log_interval == 0 or it == self._first_iteration or it == self.train_iters:
-            self._log(rec)
+        if line_due(it, self._first_iteration, self.log_interval, self.train_iters):
+            self._log(rec, extras or LineExtras())
 
-    def _log(self, rec: dict) -> None:
+    def _log(self, rec: dict, extras: LineExtras) -> None:
         """Print the line. The run's first iteration is printed as a first look (Megatron-LM
         prints it to show the start-up cost) and stays in the interval, so the next line
         still averages a whole interval; any other line starts a new interval, also a first
@@ -145,8 +159,10 @@ class MetricsSink:
         it, iv = rec["iteration"], self._interval
         first = it == self._first_iteration
         logger.info(self._line(rec, iv))
+        for text in extras.after_line:
+            logger.info(text)
         self._writers.log_line(it, iv.seconds / iv.iterations, iv.per_second(iv.tflop_per_gpu),
-                               first)
+                               first, extras.timer_ms)
         if not first or it % self.log_interval == 0 or it == self.train_iters:
             self._interval = _Interval()
 
@@ -165,6 +181,10 @@ class MetricsSink:
         norm = step_grad_norm(rec)
         if norm is not None:
             fields.append(f"grad norm: {norm:.3f}")
+        if rec.get("num_zeros") is not None:  # --log-num-zeros-in-grad; none when skipped
+            fields.append(f"num zeros: {rec['num_zeros']}")
+        if rec.get("params_norm") is not None:  # --log-params-norm
+            fields.append(f"params norm: {rec['params_norm']:.3f}")
         fields += [f"number of skipped iterations: {iv.skipped:3d}",
                    f"number of nan iterations: {iv.nan:3d}"]
         fields += self._extras(rec, iv, tflops)
@@ -232,17 +252,27 @@ def _closed(f) -> None:
     return None
 
 
-def drop_rows_after(path: str, iteration: int) -> int:
-    """Remove the rows with an iteration above `iteration` (any split) and torn lines from
-    a JSON-lines file (and end the last row with its newline); returns how many went.
-    The rewrite goes to a temporary file that replaces the original, so a crash here
-    leaves the old file whole."""
+def drop_rows_after(path: str, iteration: float) -> int:
+    """Remove from a JSON-lines file the newest run's rows with an iteration above
+    `iteration` (any split), and torn lines (and end the last row with its newline);
+    returns how many went. The newest run's rows start at the last training row whose
+    iteration is not above the training row before it: a run started from iteration 0
+    appends after an earlier run's rows, whose later iterations are not this job's to
+    drop (a resume drops before it appends, so one job's training rows only go up). The
+    rewrite goes to a temporary file that replaces the original, so a crash here leaves
+    the old file whole."""
     try:
         with open(path) as f:
             lines = f.readlines()
     except FileNotFoundError:
         return 0
-    kept = [line.rstrip("\n") + "\n" for line in lines if _row_iteration(line) <= iteration]
+    rows = [_row(line) for line in lines]
+    its = [it for it, _ in rows]
+    train = [i for i, (it, split) in enumerate(rows) if it != math.inf and split == "train"]
+    starts = [b for a, b in zip(train, train[1:]) if its[b] <= its[a]]
+    newest = starts[-1] if starts else 0
+    kept = [line.rstrip("\n") + "\n" for i, (line, it) in enumerate(zip(lines, its))
+            if it != math.inf and (i < newest or it <= iteration)]
     if kept != lines:
         with open(path + ".tmp", "w") as f:
             f.writelines(kept)
@@ -250,13 +280,31 @@ def drop_rows_after(path: str, iteration: int) -> int:
     return len(lines) - len(kept)
 
 
+def _row_iterations(path: str) -> list:
+    """The iterations of a JSON-lines file's rows (after drop_rows_after: no torn lines)."""
+    try:
+        with open(path) as f:
+            return [it for it in map(_row_iteration, f) if it != math.inf]
+    except FileNotFoundError:
+        return []
+
+
 def _row_iteration(line: str) -> float:
     """A row's iteration; infinity for a torn or foreign line (dropped)."""
+    return _row(line)[0]
+
+
+def _row(line: str) -> tuple:
+    """(iteration, split) of a row; iteration infinity for a torn or foreign line."""
     try:
         row = json.loads(line)
     except ValueError:
-        return math.inf
-    return row.get("iteration", math.inf) if isinstance(row, dict) else math.inf
+        return math.inf, None
+    if not isinstance(row, dict):
+        return math.inf, None
+    it = row.get("iteration")
+    usable = isinstance(it, (int, float)) and not isinstance(it, bool)
+    return (it if usable else math.inf), row.get("split", "train")
 
 
 def _hms(seconds: float) -> str:

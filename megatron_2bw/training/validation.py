@@ -82,6 +82,7 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--train-samples", COUNT, ""),
     ("--rampup-batch-size", COUNT_OR_ZERO, "for each of START INCREMENT SAMPLES"),
     ("--seed", SEED, ""),
+    ("--vocab-extra-ids", COUNT_OR_ZERO, ""),
     ("--log-interval", COUNT, ""),
     ("--tensorboard-log-interval", COUNT, ""),
     ("--tensorboard-queue-size", COUNT, ""),
@@ -784,6 +785,39 @@ def validate_flags(args: argparse.Namespace, model: str, world_size: int) -> Fla
     flags = Flags(args, model, world_size)
     check_rules(flags)
     return flags
+
+
+# ------------------------------------------------------------------ the attention kernel
+
+def check_attention_kernel(args: argparse.Namespace, model: str, device) -> None:
+    """--attention-backend flash (fused on CUDA) pins SDPA to kernels that may not take
+    this model's attention on this device (on CPU: attention dropout; on CUDA: fp32, large
+    heads): one line naming the flag and what works, before the first iteration, instead
+    of PyTorch's "No available kernel" traceback. The context-parallel ring computes its
+    blocks itself (models/context_parallel.py) and is not pinned."""
+    import torch
+
+    from ..models.attention import kernel_problem
+
+    if args.context_parallel_size > 1:
+        return
+    flags = Flags(args, model, 1)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(flags.precision, torch.float32)
+    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    grouped = args.group_query_attention and args.num_query_groups < args.num_attention_heads
+    masked = model == "bert" or bool(args.reset_attention_mask)
+    why = kernel_problem(args.attention_backend, device, dtype, head_dim, grouped,
+                         args.attention_dropout, masked)
+    if why is None:
+        return
+    fix = "use --attention-backend auto (PyTorch then picks a kernel that can) or unfused"
+    if args.attention_dropout > 0 and device.type != "cuda":
+        fix += f", or --attention-dropout 0 (it is {args.attention_dropout:g})"
+    kernels = {"flash": "flash-attention kernel",
+               "fused": "cuDNN and memory-efficient kernels"}[args.attention_backend]
+    raise UserError(f"--attention-backend {args.attention_backend} pins attention to "
+                    f"PyTorch's {kernels}, which cannot compute this model's attention on "
+                    f"{device.type} (PyTorch: {why})", "--attention-backend", fix)
 
 
 # ------------------------------------------------------------------ output paths

@@ -14,6 +14,12 @@ When no torchrun agent hosts the store, rank 0 does; a request to a frozen host 
 returns (the client's timeout does not cover it), so the verdict reads the store from a
 helper thread and gives up on it after a bound: then the verdict names the store's host.
 
+A peer that dies breaks a connection rather than a wait: its survivors name it from
+`know_peers` (every rank's machine, pid and start time, gathered once at start-up) by
+reading /proc for the ranks on their own machine (`peers_verdict`); when it was rank 0,
+the store's host without a torchrun agent, nothing asks that store again
+(`store_host_gone`: each failed request prints a C++ stack trace).
+
 No process outlives its job (issue 31): torchrun SIGKILLed (an OOM killer, a node agent)
 cannot stop its workers, which then trained on and saved into --save; a rank killed during
 a torch_dist save left megatron-core's forked writer asleep, with parent pid 1, for good;
@@ -34,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,6 +50,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+from .. import comm
 from ..runtime.p2p import PeerTimeout, describe_timeout
 from .errors import fail, within
 from .signals import HAND_STOP, checkpoint_note, watch_launcher, where_now
@@ -91,6 +99,8 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._done.wait(self.period):
+            if store_host_gone():
+                return  # its store went with it: the waits that fail say so
             try:
                 self._add(self.rank, 1)
             except RuntimeError:  # the store's host does not answer: keep trying
@@ -125,6 +135,8 @@ class Heartbeat:
     def verdict(self) -> str:
         """One sentence: which ranks are frozen or gone, with their stages. Bounded in
         time: a store client's request to a frozen store host never returns."""
+        if store_host_gone():
+            return self._store_down()  # asked, it would print a C++ stack per request
         names = within(1.5 * self.period + 5.0 + 0.01 * self.world, self._frozen_names)
         if names is None:
             return self._store_down()
@@ -137,6 +149,8 @@ class Heartbeat:
         """For a broken connection (a peer exited): None while the store answers, else the
         sentence that names its host. Quick, unlike the verdict, so that a killed rank
         still ends its peers within seconds."""
+        if store_host_gone(2.0):
+            return self._store_down()
         answered = within(2.0, lambda: self._add(self.rank, 0))
         return None if answered is not None else self._store_down()
 
@@ -150,6 +164,108 @@ class Heartbeat:
             down = self.store_check()
             return err if down is None else PeerTimeout(f"{err}; {down}", timed_out=False)
         return PeerTimeout(f"{err}; {self.verdict()}")
+
+
+# ------------------------------------------------------ which peer died
+
+_PEERS: dict[int, tuple[str, int, Optional[str]]] = {}  # rank -> (machine, pid, start time)
+
+
+def _machine() -> str:
+    """This machine's boot and pid namespace: where a pid names the same process."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return f"{socket.gethostname()}/?"
+
+
+def _started(pid: int) -> Optional[str]:
+    """Process `pid`'s start time (clock ticks since boot); None when it has ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def know_peers(world_size: int) -> None:
+    """Right after the process group forms: every rank's (machine, pid, start time), one
+    all-gather, so that a rank whose peer dies later can name it without the store (whose
+    host may be the one that died)."""
+    _PEERS.clear()
+    if world_size == 1:
+        return
+    pid = os.getpid()
+    everyone = comm.all_gather_object((_machine(), pid, _started(pid)))
+    _PEERS.update(enumerate(everyone))
+
+
+def local_ranks() -> int:
+    """Ranks on this machine (1 before know_peers, or in a world of one)."""
+    mine = _machine()
+    return max(1, sum(machine == mine for machine, _, _ in _PEERS.values()))
+
+
+def peers_verdict(rank: int, wait_s: float = 2.0) -> Optional[str]:
+    """Which peers on this machine have ended or are stopped ("rank 1 (pid 4242) has
+    ended ..."), or None when none is known to (they run, or live elsewhere). A dying
+    process closes its sockets before it becomes a zombie: asked at once, it may still
+    look alive, so a verdict that names no one is asked again for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        said = _verdict_now(rank)
+        if said or time.monotonic() > deadline or not _PEERS:
+            return said
+        time.sleep(0.05)
+
+
+def _gone(rank: int) -> bool:
+    """Whether `rank` ran on this machine and has ended (False when not known here)."""
+    machine, pid, start = _PEERS.get(rank, ("", 0, None))
+    return machine == _machine() and _started(pid) != start
+
+
+def store_host_gone(wait_s: float = 0.0) -> bool:
+    """Whether the job's store died with its host, rank 0 (when no torchrun agent hosts
+    it): then no store call may be made (each failed one prints a C++ stack trace). With
+    `wait_s`, for a connection that just broke: until any peer here is seen gone."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or 0 not in _PEERS:
+        return False
+    deadline = time.monotonic() + wait_s
+    while not any(_gone(r) for r in _PEERS) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _gone(0)
+
+
+def _verdict_now(rank: int) -> Optional[str]:
+    mine = _machine()
+    gone, frozen = [], []
+    for other, (machine, pid, start) in sorted(_PEERS.items()):
+        if other == rank or machine != mine:
+            continue
+        if _started(pid) != start:
+            gone.append(f"rank {other} (pid {pid})")
+        elif _stopped(pid):
+            frozen.append(f"rank {other} (pid {pid})")
+    said = []
+    if gone:
+        said.append(f"{', '.join(gone)} {'has' if len(gone) == 1 else 'have'} ended (killed "
+                    f"or crashed: {'its' if len(gone) == 1 else 'their'} own output says why)")
+    if frozen:
+        said.append(f"{', '.join(frozen)} {'is' if len(frozen) == 1 else 'are'} stopped "
+                    f"(SIGSTOP) and cannot answer")
+    return "; ".join(said) or None
 
 
 # ------------------------------------------------------ no process outlives its job

@@ -29,8 +29,9 @@ iterations, which compile, fall among the `--skip` warm-up ones). Each variant p
 JSON line and the list so far goes to `--json` after every variant, so a variant cut
 short by a time limit leaves the ones before it. Seconds per iteration is the median over
 the iterations after `--skip`; TFLOP/s uses Megatron-LM's count for a GPT step,
-3 * tokens * (L * (24 h^2 + 4 s h) + 2 h V) with V padded as Megatron pads it (what
-`pretrain_gpt.py` reports, `ModelShape.training_flops`); MFU is over `--peak-tflops`
+3 * tokens * (L * (24 h^2 + 2 s h) + 2 h V) with V padded as Megatron pads it and the
+causal half of the score matrix (what `pretrain_gpt.py` logs,
+`megatron_2bw.training.flops.megatron_flops`); MFU is over `--peak-tflops`
 (790: a bf16 matmul on the H200). Peak memory is torch.cuda.max_memory_allocated over
 the variant (weights, gradients, AdamW state, activations); None on the CPU. Exit
 status 1 when a variant failed (its row carries the error).
@@ -92,11 +93,12 @@ class Shape:
         return self.micro * self.microbatches * self.seq
 
     def flops_per_iteration(self) -> float:
-        """Megatron-LM's count for one GPT training step (Narayanan et al. 2021, eq. 3:
-        72 B s l h^2 (1 + s/6h + V/12lh) written per token): forward and backward of the
-        layers' matmuls and attention, and of the logits."""
+        """Megatron-LM's count for one GPT training step (its log's
+        num_floating_point_operations, written per token): forward and backward of the
+        layers' matmuls, of the causal half of attention's score matrix, and of the
+        logits."""
         h, s = self.hidden, self.seq
-        return 3.0 * self.tokens * (self.layers * (24 * h * h + 4 * s * h) + 2 * h * self.vocab)
+        return 3.0 * self.tokens * (self.layers * (24 * h * h + 2 * s * h) + 2 * h * self.vocab)
 
 
 @dataclass(frozen=True)

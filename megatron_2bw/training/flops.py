@@ -1,0 +1,61 @@
+"""The FLOPs of one training iteration, counted as Megatron-LM counts them for its log.
+
+Megatron-LM's `throughput per GPU (TFLOP/s/GPU)` divides `num_floating_point_operations`
+(megatron/training/training.py at core_v0.16.1, its standard-transformer branch) by the
+iteration time and the world size. This is that count, for the architectures this
+project builds, so the two logs compare number for number:
+
+- every GEMM counted 3 times (forward, weight gradient, input gradient), 2 FLOPs per
+  multiply-add; nothing more for recomputation (model FLOPs, not hardware FLOPs);
+- attention: the QKV projection h (q + 2 kv) (grouped-query attention through the
+  key/value heads, `--kv-channels` through the head width), the output projection q h,
+  and the core attention (QK^T and its product with V) at half its square size, q s per
+  token: Megatron-LM counts only the causal half of the score matrix, and it counts BERT
+  (pretrain_bert.py goes through the same function) the same way;
+- MLP: h f x 2 GEMMs (3 with SwiGLU: gate and up, then down); a mixture-of-experts layer
+  (every `--moe-layer-freq`-th from layer 0) counts its `--moe-router-topk` routed
+  experts at `--moe-ffn-hidden-size` and nothing for the router;
+- the logits h V (V padded), once; BERT's LM-head transform, pooler and binary head are
+  not counted.
+
+The planner's cost model keeps its own count (`ModelShape.training_flops`: the whole
+score matrix, recomputation included), which models the time the hardware spends; the
+log reports this one. `tools/flops_table.py` prints both for a few shapes.
+"""
+from __future__ import annotations
+
+from ..models.config import ModelConfig
+
+FORWARD_BACKWARD = 3  # a GEMM's forward, weight-gradient and input-gradient products
+MULTIPLY_ADD = 2      # FLOPs per multiply-add
+
+
+def attention_flops_per_token(model: ModelConfig) -> int:
+    """One layer's attention, forward and backward, per token."""
+    h, s = model.hidden_size, model.seq_length
+    q = model.num_attention_heads * model.head_dim
+    kv = model.query_groups * model.head_dim
+    # QKV projection, causal half of QK^T and of its product with V, output projection
+    return FORWARD_BACKWARD * MULTIPLY_ADD * (h * (q + 2 * kv) + q * s + q * h)
+
+
+def mlp_flops_per_token(model: ModelConfig) -> int:
+    """Every layer's MLP (dense or routed experts), forward and backward, per token."""
+    gemms = 3 if model.swiglu else 2
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    dense = (model.num_layers - moe_layers) * model.ffn_size
+    routed = moe_layers * model.moe_router_topk * model.moe_ffn_size if model.is_moe else 0
+    return FORWARD_BACKWARD * MULTIPLY_ADD * model.hidden_size * gemms * (dense + routed)
+
+
+def logits_flops_per_token(model: ModelConfig) -> int:
+    """The output layer over the padded vocabulary, forward and backward, per token."""
+    return FORWARD_BACKWARD * MULTIPLY_ADD * model.hidden_size * model.vocab_size
+
+
+def megatron_flops(model: ModelConfig, batch_size: int) -> float:
+    """FLOPs of one iteration over `batch_size` samples (the global batch), as
+    Megatron-LM's num_floating_point_operations counts them (module docstring)."""
+    per_token = (model.num_layers * attention_flops_per_token(model)
+                 + mlp_flops_per_token(model) + logits_flops_per_token(model))
+    return float(batch_size * model.seq_length * per_token)

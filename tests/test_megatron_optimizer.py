@@ -1,0 +1,321 @@
+"""Adam's state crosses between this engine and Megatron-LM (core_v0.16.1) both ways, in
+Megatron-LM's three optimizer layouts of a torch_dist checkpoint.
+
+- the gradient-bucket layout the dp_reshardable layout is written in is megatron-core's:
+  our arrangement against its `_ParamAndGradBuffer` and its distributed optimizer's
+  per-rank ranges, at several data-parallel sizes and bucket sizes;
+- Megatron-LM's side: megatron-core's own optimizer (the installed package's
+  DistributedOptimizer: `sharded_state_dict` + `dist_checkpointing.load` +
+  `load_state_dict`, as Megatron-LM's `load_checkpoint` calls them) loads our
+  dp_reshardable checkpoint with every shard of Adam's moments and fp32 main weights equal
+  to our per-parameter state; it saves it again in its own layout, and our run resumed
+  from that continues with the uninterrupted run's losses;
+- our side: the checkpoints Megatron-LM's `save_checkpoint` wrote
+  (tests/fixtures/megatron_lm/torch_dist_adam*, tools/checkpoint/megatron_fixtures.py)
+  load with Adam's moments, step and fp32 main weights equal to what Megatron-LM's
+  optimizer held (adam_reference/), resharded to another DP or TP; a dp_reshardable one
+  at another TP is refused in one line.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_2bw.checkpointing import megatron_optimizer as mlo
+from tests.dist_harness import run_distributed
+from tests.entry_harness import ROOT, launch, losses, max_rel
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "megatron_lm")
+# the optimizer fixtures' model (megatron_fixtures.py ADAM_MODEL)
+ADAM_MODEL = dict(model="gpt", num_layers=1, hidden_size=8, num_attention_heads=2,
+                  seq_length=8, vocab_size=64, seed=77)
+
+
+def _tool(name: str):
+    """A module of tools/checkpoint (not a package)."""
+    path = os.path.join(ROOT, "tools", "checkpoint", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_tools_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------ the bucket layout
+
+
+class _Group:
+    """A stand-in process group: megatron-core's buffer code asks only its size and rank."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+SHAPES = [(64, 8), (24,), (24, 8), (8,), (8, 8), (32, 8), (32,), (8, 32), (100, 3)]
+
+
+def _megatron_core_layout(dp: int, bucket_size, shared: int) -> tuple:
+    """megatron-core's buckets ((numel, unpadded), [(param, start in bucket)] in its
+    order) and each rank's ranges, for SHAPES with parameter `shared` the shared word
+    embedding."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    harness = _tool("megatron_harness")
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    params[shared].shared_embedding = True
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    pg = SimpleNamespace(tp=_Group(1), dp_cp=_Group(dp))
+    with harness.cpu_as_cuda():
+        torch.cuda.current_device = lambda: "cpu"
+        buffer = _ParamAndGradBuffer(config, torch.float32, torch.float32, params, _Group(dp),
+                                     bucket_size, {p: str(i) for i, p in enumerate(params)},
+                                     1.0, list(range(len(params))), False, pg)
+    index = {id(p): i for i, p in enumerate(params)}
+    buckets = []
+    for b, bucket in enumerate(buffer.buckets):
+        slots = [(index[id(p)], start - bucket.offset)
+                 for p, (start, _, bid) in buffer.param_index_map.items() if bid == b]
+        ranks = []
+        for r in range(dp):
+            buffer.data_parallel_group = _Group(dp, r)
+            ranges = DistributedOptimizer._build_model_gbuf_range(buffer, b)["param_map"]
+            ranks.append([(index[id(p)], m["gbuf_local"].start, m["gbuf_local"].end)
+                          for p, m in ranges.items()])
+        buckets.append(((bucket.grad_data.numel(), bucket.numel_unpadded), slots, ranks))
+    return buckets
+
+
+def _our_layout(dp: int, bucket_size, shared: int) -> list:
+    specs = [mlo.ParamSpec(i, str(i), s, torch.float32, i == shared, False, len(s) == 1,
+                           False) for i, s in enumerate(SHAPES)]
+    fmt = mlo.OptimizerFormat(mlo.DP_RESHARDABLE, "fp32", True,
+                              overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
+    (buffer,) = mlo.grad_buffers([specs], fmt, expert=False, dp=dp, pp_rank=0)
+    assert buffer.dtype_key == "(torch.float32, torch.float32)"
+    out = []
+    for bucket in buffer.buckets:
+        size = bucket.numel // dp
+        ranks = [[(p.slot.index, p.start - r * size, p.stop - r * size)
+                  for p in mlo.owned(bucket, dp, r)]
+                 for r in range(dp)]
+        out.append(((bucket.numel, bucket.unpadded),
+                    [(s.index, s.start) for s in bucket.slots], ranks))
+    return out
+
+
+def _compare_layouts(rank: int, world: int) -> int:
+    cases = 0
+    for dp in (1, 2, 3, 8):
+        for bucket_size in (None, 300):
+            for shared in (0, 4, len(SHAPES) - 1):
+                assert _our_layout(dp, bucket_size, shared) == \
+                    _megatron_core_layout(dp, bucket_size, shared), (dp, bucket_size, shared)
+                cases += 1
+    return cases
+
+
+def test_bucket_layout_is_megatron_cores() -> None:
+    """Buckets, each parameter's place in its bucket and each data-parallel rank's
+    ranges equal megatron-core's own, with the shared embedding first, inside and last,
+    one bucket or several, at DP 1, 2, 3 and 8."""
+    assert run_distributed(_compare_layouts, 1) == [24]
+
+
+# ------------------------------------------------------------------ Megatron-LM's side
+
+
+def _megatron_core_optimizer(model, distributed: bool):
+    """megatron-core's DDP and (distributed) bf16 optimizer (the installed package)
+    around `model`, with Megatron-LM's default param groups."""
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    harness = _tool("megatron_harness")
+    with harness.cpu_as_cuda():
+        torch.cuda.current_device = lambda: "cpu"
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=1e-2, min_lr=0.0, weight_decay=0.01, bf16=True,
+            use_distributed_optimizer=distributed, clip_grad=1.0), [ddp])
+    harness.allocate_state(optimizer)
+    return ddp, optimizer
+
+
+def _roundtrip(rank: int, world: int, saved: str, out: str, main_key: str) -> dict:
+    """Load our iteration-3 checkpoint with megatron-core's optimizer as Megatron-LM's
+    load_checkpoint does, compare it with our per-parameter tensors, save it again as
+    Megatron-LM's save_checkpoint does (its layout only)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron_2bw.checkpointing.sharded import read_common
+    from megatron_2bw.models.compat import cpu_dist_checkpointing
+    from megatron_2bw.models.config import ModelConfig
+    harness, fixtures = _tool("megatron_harness"), _tool("megatron_fixtures")
+    roundtrip = _tool("megatron_roundtrip")
+    ps.initialize_model_parallel(1, 1)
+    path = os.path.join(saved, "iter_0000003")
+    common = read_common(saved, 3)
+    model = harness.build_model(ModelConfig(
+        model="gpt", num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+        vocab_size=128, seed=1234, params_dtype=torch.bfloat16), 0, 1)
+    ddp, optimizer = _megatron_core_optimizer(model, common["args"].use_distributed_optimizer)
+    meta = dist_checkpointing.load_content_metadata(path)
+    meta["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    with harness.cpu_as_cuda(), cpu_dist_checkpointing():
+        model_sd = model.sharded_state_dict(metadata=meta)
+        loaded = dist_checkpointing.load(
+            {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+                model_sd, is_loading=True, metadata=meta)}, path)
+        model.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        theirs = fixtures.optimizer_reference(ddp, optimizer)["state"]
+    ours = roundtrip._ours(ddp, path, main_key)
+    equal = {state: sum(torch.equal(theirs[p][state], t[state]) for p, t in ours.items())
+             for state, _ in roundtrip.STATES}
+    steps = [roundtrip._group_step(optimizer)]
+    with harness.cpu_as_cuda(), cpu_dist_checkpointing():
+        model_sd = model.sharded_state_dict(metadata=meta)
+        state = {"args": common["args"], "checkpoint_version": 3.0, "iteration": 3,
+                 "model": model_sd, "optimizer": optimizer.sharded_state_dict(
+                     model_sd, metadata=meta),
+                 "opt_param_scheduler": common["opt_param_scheduler"],
+                 "num_floating_point_operations_so_far": 0}
+        os.makedirs(os.path.join(out, "iter_0000003"), exist_ok=True)
+        dist_checkpointing.save(state, os.path.join(out, "iter_0000003"),
+                                content_metadata=mlo.save_format(common["args"])
+                                .content_metadata())
+    if rank == 0:
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("3")
+    return {"equal": equal, "compared": len(ours), "steps": set(steps)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,main_key", [
+    (["--use-distributed-optimizer"], "optimizer.state.fp32_param"),
+    pytest.param(["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"],
+                 "optimizer.state.param", marks=pytest.mark.matrix),
+    pytest.param([], "optimizer.state.fp32_param", marks=pytest.mark.matrix),
+], ids=["dp_reshardable", "fully_reshardable", "not-distributed"])
+def test_megatron_core_loads_ours_and_we_resume_its_save(tmp_path, layout, main_key) -> None:
+    """A bf16 run at DP = 2 saves at iteration 3 (with --use-distributed-optimizer in the
+    dp_reshardable layout); megatron-core's optimizer loads it with every shard of Adam's
+    moments and fp32 main weights equal to ours and Adam's step 3; saved again by
+    megatron-core in its own layout (none of our per-parameter tensors left in the
+    dp_reshardable one), it resumes here with the uninterrupted run's losses for
+    iterations 4-6, bit for bit."""
+    run = ["--global-batch-size", "8", "--train-iters", "6", "--ckpt-format", "torch_dist",
+           "--bf16", *layout]
+    saved, out = str(tmp_path / "saved"), str(tmp_path / "megatron")
+    whole = losses(launch("gpt", 2, run + ["--save", saved, "--save-interval", "3"],
+                          str(tmp_path / "whole.jsonl")))
+    results = run_distributed(_roundtrip, 2, saved, out, main_key)
+    for r in results:
+        assert r["equal"] == {s: r["compared"] for s in r["equal"]} and r["compared"] > 0, r
+        assert r["steps"] == {3}, r
+    resumed = launch("gpt", 2, run + ["--load", out, "--no-load-rng"],
+                     str(tmp_path / "resumed.jsonl"))
+    assert [r["iteration"] for r in resumed] == [4, 5, 6]
+    assert max_rel(losses(resumed), whole[3:]) == 0.0
+
+
+# ------------------------------------------------------------------ our side
+
+
+class _Weights:
+    """The executor's checkpoint contract over one built stage (no weight versions)."""
+
+    def __init__(self, stage, iteration: int):
+        from megatron_2bw.runtime.checkpoint import WeightsCheckpoint
+        params = tuple(p for p in stage.parameters() if p.requires_grad)
+        self.record = WeightsCheckpoint(iteration, (iteration,), (stage,), (params,),
+                                        {iteration: 1.0})
+
+    def checkpoint_state(self):
+        return self.record
+
+    def restore_checkpoint(self, loss_scales) -> None:
+        pass
+
+
+def _resume_fixture(rank: int, world: int, name: str, tp: int, bf16: bool) -> dict:
+    """Load Megatron-LM's fixture `name` at TP = tp into a stage and an Adam updater of
+    this engine; {state: parameter tensors equal to Megatron-LM's, of how many} and the
+    step, compared with adam_reference."""
+    from megatron.core import parallel_state as ps
+    from megatron_2bw.checkpointing.sharded import load_sharded, read_common
+    from megatron_2bw.models import apply_cpu_shims, build_stage, model_parallel_manual_seed
+    from megatron_2bw.models.config import ModelConfig
+    from megatron_2bw.optim.updater import MegatronUpdater, OptimizerConfig, ParamInfo
+    ps.initialize_model_parallel(tp, 1)
+    apply_cpu_shims("cpu")
+    model_parallel_manual_seed(77)
+    stage = build_stage(ModelConfig(**ADAM_MODEL, params_dtype=torch.bfloat16 if bf16
+                                    else torch.float32), 0, 1)
+    named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]
+    updater = MegatronUpdater([p for _, p in named], [
+        ParamInfo(n, p.dim() > 1, True, False) for n, p in named], OptimizerConfig(lr=1e-2))
+    root = os.path.join(FIXTURES, name)
+    loaded = load_sharded(root, 3, read_common(root, 3), _Weights(stage, 3), updater)
+    state = loaded["optimizer"]
+    reference = torch.load(os.path.join(FIXTURES, "adam_reference", f"{name}.pt"))
+    places = {id(st.data): st for st in stage.sharded_state_dict().values()
+              if isinstance(getattr(st, "data", None), torch.nn.Parameter)}
+    mine = {"exp_avg": state["adam"]["exp_avg"], "exp_avg_sq": state["adam"]["exp_avg_sq"],
+            "param": state["masters"] or [loaded["model"][n] for n, _ in named]}
+    equal = {k: sum(torch.equal(t.float(), _reference_piece(reference, places[id(p)], k))
+                    for t, (_, p) in zip(tensors, named)) for k, tensors in mine.items()}
+    return {"equal": equal, "params": len(named), "step": state["adam"]["step"],
+            "reference_step": reference["step"]}
+
+
+def _reference_piece(reference: dict, st, kind: str) -> torch.Tensor:
+    """This rank's piece of the whole (TP 1) tensor Megatron-LM's optimizer held."""
+    p = st.prepend_axis_num
+    whole = reference["state"][(st.key, tuple(st.global_offset[:p]) + (0,) * (
+        len(st.global_offset) - p))][kind]
+    index = tuple(slice(o, o + n) for o, n in zip(st.global_offset[p:], st.local_shape))
+    return whole[index]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,world,bf16", [
+    ("torch_dist_adam", 1, False),      # the non-distributed layout, fp32
+    ("torch_dist_adam_dp", 1, True),    # dp_reshardable saved at DP 2, read at DP 1
+    ("torch_dist_adam_full", 2, True),  # fully_reshardable saved at TP 1, read at TP 2
+])
+def test_megatron_lm_checkpoint_resumes_with_its_adam_state(name, world, bf16) -> None:
+    for r in run_distributed(_resume_fixture, world, name, world, bf16):
+        assert r["equal"] == {k: r["params"] for k in r["equal"]}, r
+        assert r["step"] == r["reference_step"] == 3, r
+
+
+def _refused_at_tp2(rank: int, world: int) -> str:
+    from megatron_2bw.checkpointing.files import CheckpointError
+    try:
+        _resume_fixture(rank, world, "torch_dist_adam_dp", 2, True)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+@pytest.mark.slow
+def test_dp_reshardable_at_another_tp_is_refused_in_one_line() -> None:
+    path = os.path.join(FIXTURES, "torch_dist_adam_dp", "iter_0000003")
+    for line in run_distributed(_refused_at_tp2, 2):
+        assert line == (f"the checkpoint ({path}): its optimizer state is in Megatron-LM's "
+                        "dp_reshardable layout, which loads only at the parallel layout it "
+                        "was saved at: resume with --tensor-model-parallel-size 1 (any "
+                        "data-parallel size), or pass --no-load-optim, or save it in "
+                        "Megatron-LM with --dist-ckpt-optim-fully-reshardable"), line
