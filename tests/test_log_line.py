@@ -496,7 +496,7 @@ def test_timers_time_actions_and_the_step_under_way() -> None:
         time.sleep(0.02)
         seen.append(timers.take())
     handlers = {K.FORWARD: lambda a: time.sleep(0.01), K.OPTIMIZER_STEP: step}
-    timers.instrument(handlers)
+    handlers = {kind: timers.instrument(kind, h) for kind, h in handlers.items()}
     handlers[K.FORWARD](None)
     handlers[K.OPTIMIZER_STEP](None)
     taken = dict(zip(timers.names, seen[0]))

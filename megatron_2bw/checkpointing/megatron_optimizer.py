@@ -211,7 +211,7 @@ def param_groups(keys: list[tuple], args: argparse.Namespace, scheduler: dict,
     groups = []
     for overrides, expert in keys:
         override = dict(overrides or ())
-        group = {"params": [torch.zeros(1)], "is_expert_parallel": expert,
+        group = {"params": [torch.zeros(1, device="cpu")], "is_expert_parallel": expert,
                  "default_config": not any("lr" in k for k in override), "wd_mult": 1.0,
                  "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": a["lr"],
                  "min_lr": a.get("min_lr") or 0.0, **override}
@@ -496,7 +496,7 @@ def _plain_part(inputs: SaveInputs, part: Part) -> dict:
     for pid, spec in enumerate(s for group in members for s in group):
         state[pid] = {k: inputs.shard(spec.index, inputs.state[k][spec.index],
                                       f"optimizer.state.{k}") for k in ADAM_KINDS}
-    state["common_step"] = torch.tensor(float(inputs.step))
+    state["common_step"] = torch.tensor(float(inputs.step), device="cpu")
     inner = {"state": state,
              "param_groups": param_groups(list(part.keys), inputs.args, inputs.scheduler,
                                           None)}
@@ -655,7 +655,7 @@ def scaler_to_megatron(state: dict, fmt: OptimizerFormat, constant: bool) -> Opt
         return {}
     if fmt.precision != "fp16":
         return None
-    return {"scale": torch.tensor([float(state["scale"])]), "growth_tracker": state["growth"],
+    return {"scale": torch.tensor([float(state["scale"])], device="cpu"), "growth_tracker": state["growth"],
             "hysteresis_tracker": state["hysteresis"]}
 
 

@@ -81,6 +81,7 @@ class RunResult:
 # called after each optimizer step with (minibatch, result so far); a true return ends the
 # run after that step on every stage (every rank's callback must decide alike: `stop_cut`)
 StepCallback = Callable[[int, RunResult], Optional[bool]]
+Handler = Callable[[Action], Optional[int]]  # an action kind's handler (a ticket or None)
 Key = tuple[int, int]  # (microbatch, model chunk)
 
 
@@ -136,7 +137,7 @@ class PipelineExecutor:
         self.activations = ActivationMeter()  # the first training forward's saved bytes
         self._count_tokens = count_tokens
         self._train = True
-        self._handlers: dict[K, Callable[[Action], Optional[int]]] = {
+        self._handlers: dict[K, Handler] = {
             K.FORWARD: self._forward, K.BACKWARD: self._backward,
             K.RECV_FORWARD: self._recv_forward, K.SEND_FORWARD: self._send_forward,
             K.RECV_BACKWARD: self._recv_backward, K.SEND_BACKWARD: self._send_backward,
@@ -144,6 +145,11 @@ class PipelineExecutor:
             K.START_TIED_ALLREDUCE: self._start_tied_allreduce,
             K.START_GRAD_NORM: self._start_grad_norm, K.OPTIMIZER_STEP: self._optimizer_step,
         }
+
+    def wrap_handlers(self, wrap: Callable[[K, Handler], Handler]) -> None:
+        """Replace each action kind's handler by `wrap(kind, handler)`: how an observer
+        (the training loop's timers) sees every action without the executor knowing it."""
+        self._handlers = {kind: wrap(kind, h) for kind, h in self._handlers.items()}
 
     # --- driver ---------------------------------------------------------------------
     def run(self, schedule: Schedule, data: Iterator[dict], on_step: StepCallback | None = None

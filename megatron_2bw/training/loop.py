@@ -280,7 +280,7 @@ class Trainer:
         reports = RankReports(setup, self._params_squares,
                               lambda: theoretical_memory_lines(run.model, inputs))
         # the executor's dispatch table: each action's handler, timed (timers.py)
-        reports.timers.instrument(self.executor._handlers)
+        self.executor.wrap_handlers(reports.timers.instrument)
         return reports
 
     def _params_squares(self) -> float:

@@ -13,8 +13,10 @@ compares it with what it has:
   slack as 1 GB reserved);
 - CPU: this host's memory (or its cgroup's limit) shared by the ranks on it, and the
   address-space limit (`ulimit -v`) against the process's virtual size; the process's own
-  footprint so far (the interpreter, torch) is added, and the activations are counted at
-  4 bytes (the planner's per-layer constants are 16-bit ones).
+  footprint so far (the interpreter, torch) is added.
+
+In fp32 the activations count 4 bytes an element (the planner's per-layer constants are
+16-bit ones).
 
 Clearly impossible (the estimate above the total) is refused with one line naming the
 flags that drive it and a micro-batch size that fits; above what is free right now it is a
@@ -109,12 +111,12 @@ def _cost_model(run: RunConfig, cuda: bool) -> CostModel:
 
 
 def estimate(run: RunConfig, cuda: bool, micro_batch_size: Optional[int] = None) -> float:
-    """Bytes the busiest rank of `run` holds at its peak, by the planner's model; on CPU
-    the activations at 4 bytes an element."""
+    """Bytes the busiest rank of `run` holds at its peak, by the planner's model; in fp32
+    the activations at 4 bytes an element (the model's per-layer constants are 16-bit)."""
     cm = _cost_model(run, cuda)
     est = cm.evaluate(_planner_config(run, micro_batch_size or run.train.micro_batch_size),
                       simulate_time=False)
-    if cuda or run.precision != "fp32":
+    if run.precision != "fp32":
         return est.memory_bytes
     return est.memory_bytes + cm.memory_terms(est)["stashed_activations"]
 

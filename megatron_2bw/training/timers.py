@@ -95,12 +95,10 @@ class Timers:
                 self._add(phases, self._now() - entry[1])
         return run
 
-    def instrument(self, handlers: dict) -> None:
-        """Time the executor's action handlers ({ActionKind: handler}) in place."""
-        if not self.active:
-            return
-        for kind, handler in list(handlers.items()):
-            handlers[kind] = self.timed(_PHASES[kind], handler)
+    def instrument(self, kind: K, handler: Callable) -> Callable:
+        """The executor's handler of one action kind, timed (the executor's
+        `wrap_handlers` calls this for each kind)."""
+        return self.timed(_PHASES[kind], handler) if self.active else handler
 
     def batches(self, data: Iterator[dict]) -> Iterator[dict]:
         """`data`, each `next` timed as `batch-generator` (level 2)."""

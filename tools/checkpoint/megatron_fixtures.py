@@ -110,8 +110,8 @@ def _train(ddp, optimizer, scheduler, args, rank: int) -> None:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         torch.manual_seed(1000 * step + rank)
-        tokens = torch.randint(0, 64, (args.micro_batch_size, args.seq_length))
-        positions = torch.arange(args.seq_length).expand_as(tokens)
+        tokens = torch.randint(0, 64, (args.micro_batch_size, args.seq_length), device="cpu")
+        positions = torch.arange(args.seq_length, device="cpu").expand_as(tokens)
         loss = ddp(input_ids=tokens, position_ids=positions, attention_mask=None,
                    labels=tokens).float().mean()
         loss.backward()
@@ -144,7 +144,7 @@ def optimizer_reference(ddp, optimizer) -> dict:
     data-parallel group), keyed by the parameter's (checkpoint key, global offset); and
     Adam's step. `ddp`: one DDP-wrapped model, or a list of model chunks."""
     import torch
-    import torch.distributed as dist
+    from megatron_2bw import comm
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     modules = [d.module for d in (ddp if isinstance(ddp, list) else [ddp])]
     places = {id(st.data): (st.key, tuple(st.global_offset)) for m in modules
@@ -155,12 +155,11 @@ def optimizer_reference(ddp, optimizer) -> dict:
         if whole:
             mine[places[id(p)]] = (tuple(p.shape), lo, hi, {
                 k: v.detach().float().cpu().clone() for k, v in whole.items()})
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
+    parts = comm.all_gather_object(mine)
     out: dict = {}
     for part in parts:
         for place, (shape, lo, hi, tensors) in part.items():
-            entry = out.setdefault(place, {k: torch.zeros(shape) for k in tensors})
+            entry = out.setdefault(place, {k: torch.zeros(shape, device="cpu") for k in tensors})
             for k, v in tensors.items():
                 entry[k].view(-1)[lo:hi] = v.view(-1)
     return {"state": out, "step": _step(chained[0])}

@@ -101,7 +101,7 @@ def _ours(ddp, path: str, main_key: str) -> dict:
         entry = {}
         for state, prefix in (("param", main_key), ("exp_avg", "optimizer.state.exp_avg"),
                               ("exp_avg_sq", "optimizer.state.exp_avg_sq")):
-            data = torch.empty(st.data.shape, dtype=torch.float32)
+            data = torch.empty(st.data.shape, dtype=torch.float32, device="cpu")
             if prefix is None or f"{prefix}.{st.key}" not in keys:  # the weights themselves
                 entry[state] = _weights(st, data)
             else:
@@ -156,9 +156,9 @@ def _main_key(path: str) -> str:
 
 
 def _run(rank: int, world: int, load: str, tp: int, pp: int, ep: int, port: int) -> None:
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.training import checkpointing
+    from megatron_2bw import comm
     from megatron_2bw.models.compat import cpu_dist_checkpointing
     from megatron_fixtures import optimizer_reference
     iteration, saved, meta = _saved(load)
@@ -176,8 +176,7 @@ def _run(rank: int, world: int, load: str, tp: int, pp: int, ep: int, port: int)
     path = os.path.join(load, f"iter_{iteration:07d}")
     ours = _ours(ddp, path, _main_key(path))
     counts = _compare(theirs["state"], ours)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, counts)
+    gathered = comm.all_gather_object(counts)
     if rank == 0:
         _report(gathered, meta, load, (tp, pp, world // (tp * pp), ep, vp), loaded_iteration,
                 steps)
@@ -213,7 +212,7 @@ def _report(gathered: list, meta: dict, load: str, layout: tuple, iteration: int
         equal = sum(m[state] for m in merged.values())
         differ = sorted(place[0] for place, m in merged.items() if not m[state])
         ok &= not differ
-        print(f"  {label}: {equal} of {len(merged)} parameters equal to megatron-2bw's"
+        print(f"  {label}: {equal} of {len(merged)} tensors equal to megatron-2bw's"
               + (f" (first differing: {differ[0]})" if differ else ""))
     print("every optimizer tensor equals megatron-2bw's: " + ("yes" if ok else "NO"))
     sys.stdout.flush()
