@@ -26,6 +26,7 @@ import time
 import pytest
 
 from megatron_2bw.checkpointing import files as cf
+from megatron_2bw.checkpointing import save_lock as sl
 from megatron_2bw.training.signals import HAND_STOP, HandStop, Interrupted
 from tests.entry_harness import ROOT
 
@@ -41,34 +42,34 @@ def _lock_doc(path: str, **fields) -> dict:
            "job": "slurm job 7", "token": "t", "beat": 0, "period": 0.05, **fields}
     with open(os.path.join(path, "w.json"), "w") as f:
         json.dump(doc, f)
-    os.replace(os.path.join(path, "w.json"), os.path.join(path, cf.LOCK))
+    os.replace(os.path.join(path, "w.json"), os.path.join(path, sl.LOCK))
     return doc
 
 
 def test_a_live_holder_is_refused_by_name_and_release_frees(tmp_path) -> None:
     root = str(tmp_path / "ckpt")
-    first = cf.SaveLock.acquire(root, period=0.05)
+    first = sl.SaveLock.acquire(root, period=0.05)
     try:
         with pytest.raises(cf.CheckpointError, match=rf"in use by another job: .*pid "
                                                      rf"{os.getpid()} on "):
-            cf.SaveLock.acquire(root, period=0.05)
-        cf.check_save_lock(root)  # still ours
+            sl.SaveLock.acquire(root, period=0.05)
+        sl.check_save_lock(root)  # still ours
     finally:
         first.release()
-    assert not os.path.exists(os.path.join(root, cf.LOCK))
-    cf.SaveLock.acquire(root, period=0.05).release()
+    assert not os.path.exists(os.path.join(root, sl.LOCK))
+    sl.SaveLock.acquire(root, period=0.05).release()
 
 
 def test_a_dead_process_lock_on_this_machine_is_taken_over_at_once(tmp_path) -> None:
     root = str(tmp_path)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    owner = cf.LockOwner.of_this_process(0.05)
-    with open(os.path.join(root, cf.LOCK), "w") as f:
+    owner = sl.LockOwner.of_this_process(0.05)
+    with open(os.path.join(root, sl.LOCK), "w") as f:
         f.write(owner.__class__(**{**owner.__dict__, "pid": dead.pid}).to_json())
     notes: list[str] = []
     start = time.monotonic()
-    lock = cf.SaveLock.acquire(root, period=30.0, note=notes.append)
+    lock = sl.SaveLock.acquire(root, period=30.0, note=notes.append)
     lock.release()
     assert time.monotonic() - start < 5  # no waiting on a beat: the pid tells
     assert len(notes) == 1 and f"its process (pid {dead.pid}) has ended" in notes[0]
@@ -81,7 +82,7 @@ def test_another_hosts_lock_is_judged_by_its_beat_not_its_clock(tmp_path, skew) 
     root = str(tmp_path)
     _lock_doc(root, time=time.time() + skew)
     notes: list[str] = []
-    cf.SaveLock.acquire(root, period=0.05, note=notes.append).release()
+    sl.SaveLock.acquire(root, period=0.05, note=notes.append).release()
     assert "slurm job 7 (pid 4242 on node-elsewhere)" in notes[0]
     assert "its beat did not move" in notes[0]
 
@@ -98,7 +99,7 @@ def test_another_hosts_lock_is_judged_by_its_beat_not_its_clock(tmp_path, skew) 
     try:
         with pytest.raises(cf.CheckpointError, match=r"slurm job 7 \(pid 4242 on "
                                                      r"node-elsewhere\) still writes there"):
-            cf.SaveLock.acquire(root, period=0.05)
+            sl.SaveLock.acquire(root, period=0.05)
     finally:
         stop.set()
         beating.join()
@@ -106,14 +107,14 @@ def test_another_hosts_lock_is_judged_by_its_beat_not_its_clock(tmp_path, skew) 
 
 def test_a_lock_taken_over_meanwhile_stops_the_next_save(tmp_path) -> None:
     root = str(tmp_path)
-    lock = cf.SaveLock.acquire(root, period=60.0)
+    lock = sl.SaveLock.acquire(root, period=60.0)
     try:
         _lock_doc(root)  # another job judged it stale (a frozen node) and took it
         with pytest.raises(cf.CheckpointError, match="was taken over by slurm job 7"):
-            cf.check_save_lock(root)
+            sl.check_save_lock(root)
     finally:
         lock.release()
-    assert json.load(open(os.path.join(root, cf.LOCK)))["job"] == "slurm job 7"  # not ours
+    assert json.load(open(os.path.join(root, sl.LOCK)))["job"] == "slurm job 7"  # not ours
 
 
 # ---------------------------------------------------------------- stopping by hand

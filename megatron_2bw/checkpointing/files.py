@@ -22,15 +22,6 @@ between the manifest and the tracker); or the save finished. Without the marker,
 manifest-less directory without a tracker could be a Megatron-LM checkpoint, so it is
 refused rather than ignored, unless its files show it is unfinished (`.tmp` files, a
 torch file cut short, torch_dist without its last-written `metadata.json`).
-
-    {root}/save.lock                               the job that writes here (SaveLock)
-
-One job writes a --save directory at a time: its rank 0 holds `save.lock` and refreshes it
-(a beat count) while it runs; a second job is refused with a line naming the first. The
-lock of a job that died does not block: on the same machine its pid has ended (or was
-reused: the process start time differs); from another machine its beat stops, which is
-read by watching the count, not by comparing timestamps (another node's clock may be off
-by any amount, or jump).
 """
 from __future__ import annotations
 
@@ -42,13 +33,9 @@ import os
 import pickle
 import re
 import shutil
-import socket
-import sys
-import threading
 import time
-import uuid
 import zipfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
@@ -100,7 +87,7 @@ def _fsync_write(path: str, text: str) -> None:
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
     except OSError as err:
-        _remove_quietly(path + ".tmp")
+        remove_quietly(path + ".tmp")
         raise write_error(path, err) from err
 
 
@@ -158,7 +145,7 @@ def end_save(root: str, iteration: int) -> None:
     no longer under way (a marker of another save stays: it may carry a late commit)."""
     marker = _save_under_way(root)
     if marker is not None and marker[0] == iteration:
-        _remove_quietly(os.path.join(root, SAVING))
+        remove_quietly(os.path.join(root, SAVING))
 
 
 def _save_under_way(root: str) -> Optional[tuple[int, Optional[int]]]:
@@ -275,7 +262,7 @@ def write_state(path: str, state: dict) -> FileEntry:
         pause_for_tests()
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:
-        _remove_quietly(tmp)
+        remove_quietly(tmp)
         cause = writer.error if writer is not None and writer.error is not None else err
         if not isinstance(cause, OSError):
             raise
@@ -331,7 +318,7 @@ def write_manifest(root: str, iteration: int, entries: dict[str, FileEntry]) -> 
     pause_for_tests()
 
 
-def _remove_quietly(path: str) -> None:
+def remove_quietly(path: str) -> None:
     try:
         os.remove(path)
     except OSError:
@@ -556,7 +543,7 @@ def _remove_tmp_files(root: str) -> list[str]:
         for folder in children:
             for name in os.listdir(folder) if os.path.isdir(folder) else []:
                 if name.endswith(".tmp"):
-                    _remove_quietly(os.path.join(folder, name))
+                    remove_quietly(os.path.join(folder, name))
                     removed.append(os.path.join(folder, name))
     return removed
 
@@ -592,222 +579,3 @@ def writer_error(path: str, err: BaseException) -> CheckpointError:
         return write_error(path, OSError(code, os.strerror(code), path))
     return CheckpointError(f"cannot save the checkpoint: the writer failed ({detail}) ({path}); "
                            "the previous checkpoint is intact")
-
-
-# ------------------------------------------------------------------- the --save lock
-
-LOCK = "save.lock"
-_HELD: dict[str, "SaveLock"] = {}
-
-
-def _machine() -> str:
-    """This machine (boot) and pid namespace: where a pid names the same process."""
-    def read(path: str) -> str:
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except OSError:
-            return "?"
-    try:
-        pid_ns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pid_ns = "?"
-    return f"{read('/proc/sys/kernel/random/boot_id')}/{pid_ns}"
-
-
-def _start_time(pid: int) -> Optional[str]:
-    """When process `pid` started (clock ticks since boot), None when there is none: a
-    reused pid has another."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return None if fields[0] == "Z" else fields[19]
-    except (OSError, IndexError):
-        return None
-
-
-@dataclass(frozen=True)
-class LockOwner:
-    """What `save.lock` says (JSON): the job, its rank 0's host, machine, pid and start
-    time, a token of this lock, its beat count and the refresh period it promises."""
-
-    host: str
-    machine: str
-    pid: int
-    start: Optional[str]
-    job: str = ""
-    since: str = ""
-    token: str = ""
-    beat: int = 0
-    period: float = 0.0
-
-    @classmethod
-    def of_this_process(cls, period: float) -> "LockOwner":
-        job = os.environ.get("SLURM_JOB_ID")
-        return cls(socket.gethostname(), _machine(), os.getpid(), _start_time(os.getpid()),
-                   f"slurm job {job}" if job else os.path.basename(sys.argv[0]) or "python",
-                   time.strftime("%Y-%m-%d %H:%M:%S %Z"), uuid.uuid4().hex, 0, period)
-
-    @classmethod
-    def parse(cls, text: str) -> Optional["LockOwner"]:
-        try:
-            doc = json.loads(text)
-            return cls(str(doc["host"]), str(doc.get("machine", "")), int(doc["pid"]),
-                       doc.get("start"), str(doc.get("job", "")), str(doc.get("since", "")),
-                       str(doc.get("token", "")), int(doc.get("beat", 0)),
-                       float(doc.get("period", 0.0)))
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    def describe(self) -> str:
-        since = f", since {self.since}" if self.since else ""
-        return f"{self.job or 'a job'} (pid {self.pid} on {self.host}{since})"
-
-
-class SaveLock:
-    """Rank 0's hold on a --save directory for the length of a run."""
-
-    def __init__(self, root: str, owner: LockOwner):
-        self.root, self.owner = root, owner
-        self.path = os.path.join(root, LOCK)
-        self.lost: Optional[LockOwner] = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._refresh, daemon=True,
-                                        name="megatron_2bw-save-lock")
-        self._thread.start()
-        _HELD[os.path.abspath(root)] = self
-
-    @classmethod
-    def acquire(cls, root: str, period: float,
-                note: Callable[[str], None] = logger.warning) -> "SaveLock":
-        """Take `root`'s lock, refreshed every `period` seconds; a live holder is refused
-        with a CheckpointError naming it, a dead one's lock taken over with a note."""
-        os.makedirs(root, exist_ok=True)
-        owner = LockOwner.of_this_process(period)
-        path = os.path.join(root, LOCK)
-        for _ in range(5):
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                cls._take_over(root, path, period, note)
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(owner.to_json())
-            return cls(root, owner)
-        raise CheckpointError(f"--save {root}: other jobs keep taking its lock ({path}); "
-                              "give this run a --save directory of its own")
-
-    @staticmethod
-    def _take_over(root: str, path: str, period: float, note: Callable[[str], None]) -> None:
-        """The lock at `path` is there: refuse a live holder, remove a dead one's lock."""
-        text = _read_text(path)
-        if text is None:
-            return  # gone meanwhile: try again
-        other = LockOwner.parse(text)
-        why = _dead(other, path, text, period)
-        if why is None:
-            who = other.describe() if other else "a job whose lock is unreadable"
-            raise CheckpointError(
-                f"--save {root} is in use by another job: {who} still writes "
-                f"there ({path}); two jobs saving into one directory overwrite each other's "
-                "checkpoints: wait for it to end or stop it, or give this run another --save")
-        stale = f"{path}.stale-{uuid.uuid4().hex}"
-        if _read_text(path) != text:
-            return  # changed while we looked: look again
-        try:
-            os.rename(path, stale)  # one job wins the race to take a dead lock
-        except FileNotFoundError:
-            return
-        os.remove(stale)
-        who = other.describe() if other else "an unreadable lock"
-        note(f"--save {root}: taking over the lock of {who}: {why}")
-
-    def holds(self) -> bool:
-        """Whether the lock file still names this run."""
-        other = LockOwner.parse(_read_text(self.path) or "")
-        if other is None or other.token != self.owner.token:
-            self.lost = self.lost or other or replace(self.owner, job="an unknown job",
-                                                      token="")
-            return False
-        return True
-
-    def _refresh(self) -> None:
-        while not self._done.wait(self.owner.period):
-            if not self.holds():
-                return
-            self.owner = replace(self.owner, beat=self.owner.beat + 1)
-            try:
-                _atomic_write(self.path, self.owner.to_json())
-            except OSError:
-                continue  # a full disk: observers may think it stale; the save will fail
-
-    def check(self) -> None:
-        """Before each save: the lock is still this run's (else a CheckpointError)."""
-        if not self.holds():
-            raise CheckpointError(
-                f"--save {self.root} was taken over by {self.lost.describe()} while this run "
-                f"saved into it ({self.path}); this run stops without saving, so that the two "
-                "jobs' checkpoints do not mix: resume only one of them")
-
-    def release(self) -> None:
-        self._done.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(1.0)
-        _HELD.pop(os.path.abspath(self.root), None)
-        if self.lost is None and self.holds():
-            _remove_quietly(self.path)
-
-
-def check_save_lock(root: str) -> None:
-    """Before a save into `root`: if this process holds its lock, it still does."""
-    lock = _HELD.get(os.path.abspath(root))
-    if lock is not None:
-        lock.check()
-
-
-def release_save_locks() -> None:
-    """A process about to end at once (os._exit) lets go of its locks."""
-    for lock in list(_HELD.values()):
-        try:
-            lock.release()
-        except Exception:  # noqa: BLE001 - leaving anyway; a dead lock is taken over
-            pass
-
-
-def _read_text(path: str) -> Optional[str]:
-    try:
-        with open(path) as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.w"  # not *.tmp: clear_for_save removes those
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def _dead(other: Optional[LockOwner], path: str, text: str, period: float) -> Optional[str]:
-    """Why the holder of a lock reading `text` is gone, or None while it lives. On this
-    machine its pid tells; else its beat: the file must change within 3 of its periods."""
-    if other is not None and other.machine == _machine() and other.host == socket.gethostname():
-        started = _start_time(other.pid)
-        if started is not None and other.start in (None, started):
-            return None
-        return f"its process (pid {other.pid}) has ended"
-    wait = 3 * max(period, other.period if other else 0.0, 0.2)
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        time.sleep(min(0.1, wait / 10))
-        now = _read_text(path)
-        if now is None:
-            return "its lock was removed"
-        if now != text:
-            return None
-    return (f"its beat did not move for {wait:.1f} s (3 refresh periods; its clock is not "
-            "consulted)")

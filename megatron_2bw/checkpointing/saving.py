@@ -33,9 +33,9 @@ from .. import comm
 from ..optim.checkpoint import CheckpointedOptimizer
 from ..runtime.checkpoint import CheckpointedRuntime, WeightsCheckpoint
 from .contents import rng_state, to_megatron_names
-from .files import (CheckpointError, FileEntry, begin_save, check_save_lock,
-                    clear_for_save, discard_partial, end_save, iteration_dir, read_tracker,
+from .files import (CheckpointError, FileEntry, begin_save, clear_for_save, discard_partial, end_save, iteration_dir, read_tracker,
                     settle_late_commit, write_manifest, write_state, write_tracker)
+from .save_lock import check_save_lock
 from .ranks import agree, attempt, is_file_writer, rank_file
 from .sharded import commit_sharded, save_sharded
 

@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 
 from .arguments import config_from_args, parse_args
 from ..checkpointing.contents import SAMPLE_COUNTERS, saved_args
-from ..checkpointing.files import SaveLock, read_tracker
+from ..checkpointing.files import read_tracker
+from ..checkpointing.save_lock import SaveLock
 from .data_sources import DataSources
 from .distributed import init_distributed, setup_logging
 from .errors import UserError, guarded, watch_peers

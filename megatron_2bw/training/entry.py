@@ -20,7 +20,7 @@ from .. import comm
 from .agreement import check_ranks_agree
 from .arguments import config_from_args, launcher_world_size, parse_args
 from ..checkpointing.contents import apply_checkpoint_args
-from ..checkpointing.files import SaveLock
+from ..checkpointing.save_lock import SaveLock
 from .data_sources import continue_data, data_sources, tokenizer_from_args
 from .distributed import init_distributed, rendezvous_pending, setup_logging
 from .errors import (USER_ERRORS, describe, end_process, guarded, read_faults_with,

@@ -447,7 +447,7 @@ def _wait_for_the_end() -> None:
 def end_process(status: int) -> None:
     """Release a held --save lock, flush what can be flushed within SAY_S, and end the
     process (no atexit or destructors: they may wait on peers that are gone)."""
-    from ..checkpointing.files import release_save_locks
+    from ..checkpointing.save_lock import release_save_locks
 
     release_save_locks()
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -51,6 +50,7 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from .. import comm
+from ..comm import peers
 from ..runtime.p2p import PeerTimeout, describe_timeout
 from .errors import fail, within
 from .signals import HAND_STOP, checkpoint_note, watch_launcher, where_now
@@ -171,32 +171,10 @@ class Heartbeat:
 _PEERS: dict[int, tuple[str, int, Optional[str]]] = {}  # rank -> (machine, pid, start time)
 
 
-def _machine() -> str:
-    """This machine's boot and pid namespace: where a pid names the same process."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return f"{socket.gethostname()}/?"
 
 
-def _started(pid: int) -> Optional[str]:
-    """Process `pid`'s start time (clock ticks since boot); None when it has ended."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
 
 
-def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 def know_peers(world_size: int) -> None:
@@ -207,13 +185,13 @@ def know_peers(world_size: int) -> None:
     if world_size == 1:
         return
     pid = os.getpid()
-    everyone = comm.all_gather_object((_machine(), pid, _started(pid)))
+    everyone = comm.all_gather_object((peers.machine_id(), pid, peers.start_time(pid)))
     _PEERS.update(enumerate(everyone))
 
 
 def local_ranks() -> int:
     """Ranks on this machine (1 before know_peers, or in a world of one)."""
-    mine = _machine()
+    mine = peers.machine_id()
     return max(1, sum(machine == mine for machine, _, _ in _PEERS.values()))
 
 
@@ -233,7 +211,7 @@ def peers_verdict(rank: int, wait_s: float = 2.0) -> Optional[str]:
 def _gone(rank: int) -> bool:
     """Whether `rank` ran on this machine and has ended (False when not known here)."""
     machine, pid, start = _PEERS.get(rank, ("", 0, None))
-    return machine == _machine() and _started(pid) != start
+    return machine == peers.machine_id() and peers.start_time(pid) != start
 
 
 def store_host_gone(wait_s: float = 0.0) -> bool:
@@ -249,14 +227,14 @@ def store_host_gone(wait_s: float = 0.0) -> bool:
 
 
 def _verdict_now(rank: int) -> Optional[str]:
-    mine = _machine()
+    mine = peers.machine_id()
     gone, frozen = [], []
     for other, (machine, pid, start) in sorted(_PEERS.items()):
         if other == rank or machine != mine:
             continue
-        if _started(pid) != start:
+        if peers.start_time(pid) != start:
             gone.append(f"rank {other} (pid {pid})")
-        elif _stopped(pid):
+        elif peers.is_stopped(pid):
             frozen.append(f"rank {other} (pid {pid})")
     said = []
     if gone:
