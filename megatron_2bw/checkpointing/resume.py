@@ -41,7 +41,7 @@ EXPERT_FLAGS = ("moe_ffn_hidden_size", "expert_model_parallel_size",
                 "expert_tensor_parallel_size")
 # flags that choose the tokenizer: another one changes what the token ids mean
 TOKENIZER_FLAGS = ("vocab_size", "tokenizer_type", "vocab_file", "merge_file",
-                   "tokenizer_model")
+                   "tokenizer_model", "legacy_tokenizer", "vocab_extra_ids")
 # flags that choose the training samples and their order (Megatron-LM's data order is a
 # function of these and the consumed samples)
 DATA_ORDER_FLAGS = ("seed", "data_path", "split", "seq_length", "mock_data")

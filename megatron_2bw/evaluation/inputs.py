@@ -25,7 +25,8 @@ from ..data.tokenizers import MegatronTokenizer, build_tokenizer
 from ..training.errors import UserError
 
 logger = logging.getLogger(__name__)
-TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size")
+TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",
+                  "legacy_tokenizer", "vocab_extra_ids")  # the ids the model was trained on
 DEFAULT_TOKENIZERS = {"gpt": "GPT2BPETokenizer", "bert": "BertWordPieceLowerCase"}
 
 
