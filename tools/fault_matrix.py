@@ -2447,7 +2447,7 @@ def _hard_nofile() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
 
-def _says(*words: str) -> Callable[[Ctx, Run], str]:
+def _one_error_says(*words: str) -> Callable[[Ctx, Run], str]:
     def check(ctx: Ctx, r: Run) -> str:
         lines = [ln for ln in r.out.splitlines() if ln.startswith("error:")]
         if len(lines) != 1:
@@ -2473,20 +2473,20 @@ def class19() -> list:
         Probe("--micro-batch-size far past memory (ulimit -v 3 GiB): refused before the "
               "model is built", 19, "error",
               _limited([*HUGE_MB, "--train-iters", "2"], RLIMIT_AS=three),
-              "--micro-batch-size", check=_says("planner", "--micro-batch-size")),
+              "--micro-batch-size", check=_one_error_says("planner", "--micro-batch-size")),
         Probe("out of memory in the first step (the check off): one line naming the flag", 19,
               "error", _limited([*HUGE_MB, "--train-iters", "2"],
                                 {"MEGATRON_2BW_MEMORY_CHECK": "0"}, RLIMIT_AS=three),
-              "out of memory", check=_says("--micro-batch-size"), code=1),
+              "out of memory", check=_one_error_says("--micro-batch-size"), code=1),
         Probe("ulimit -v too small for the threads: one line, not a SIGABRT", 19, "error",
               _limited(["--train-iters", "2"], RLIMIT_AS=(int(1.4 * GIB), int(1.4 * GIB))),
-              "ulimit -v", check=_says("ulimit -v")),
+              "ulimit -v", check=_one_error_says("ulimit -v")),
         Probe("ulimit -n 64: one line naming the open-file limit", 19, "error",
               _limited(["--train-iters", "2"], RLIMIT_NOFILE=(64, 64)), "ulimit -n",
-              check=_says("ulimit -n")),
+              check=_one_error_says("ulimit -n")),
         Probe("open files run out past the start-up check (ulimit -n 90): one line", 19,
               "error", _limited(["--train-iters", "2"], RLIMIT_NOFILE=(90, 90)),
-              "too many open files", check=_says("ulimit -n"), code=1),
+              "too many open files", check=_one_error_says("ulimit -n"), code=1),
         Probe("a soft ulimit -n 64 under a higher hard limit is raised: the run trains", 19,
               "ok", _limited(["--train-iters", "2"],
                              RLIMIT_NOFILE=(64, max(64, _hard_nofile()))),
