@@ -23,7 +23,7 @@ XDIST := -n $(WORKERS) --dist loadfile
 test: install
 	$(PY) -m pytest -q -ra --durations=25 $(XDIST) -m "not matrix" tests
 
-# the repeated parametrisations `make test` leaves out (a tool run, under a minute)
+# the repeated parametrisations and the studies' dry runs `make test` leaves out (a few minutes)
 test-matrix: install
 	$(PY) -m pytest -q -ra -m matrix tests
 

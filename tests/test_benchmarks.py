@@ -372,6 +372,7 @@ def test_reference_trains_and_refuses_bad_flags(tmp_path, capsys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # a study's script (`make test-matrix`); tools/gpu_check.sh's stays here
 def test_gpu_convergence_dry_run(tmp_path) -> None:
     """The GPU convergence script on CPU at tiny sizes: data built with the offline recipe,
     calibration, plan, the three arms on the same tokens, and the summary files alone in

@@ -293,6 +293,7 @@ def test_scatter_plot_writes_png(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # a study's whole pipeline (`make test-matrix`); its parts are tested above
 def test_dry_run_end_to_end(tmp_path):
     """Profile, calibrate in two processes, predict all plans, run the pick once."""
     report = tmp_path / "report.json"
