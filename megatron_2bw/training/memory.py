@@ -10,9 +10,9 @@ allocator to read, so it reports the process's resident set instead: `rss` and
 """
 from __future__ import annotations
 
-import os
 import resource
 
+import psutil
 import torch
 
 MIB = 1024.0 * 1024.0
@@ -25,11 +25,7 @@ WIDTH = len(CUDA_FIELDS) + 1  # the fields, then 1.0 where the rank prints (DP r
 def _rss_bytes() -> tuple[float, float]:
     """(current, peak) resident set size of this process."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # KiB on Linux
-    try:
-        with open("/proc/self/statm") as f:
-            current = float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        current = peak
+    current = float(psutil.Process().memory_info().rss)
     return current, max(peak, current)
 
 

@@ -26,7 +26,7 @@ from .config import TrainConfig
 from .flops import megatron_flops
 from .log_writers import (ROUTER_LOSSES, ScalarWriters, output_error, perplexity,
                           step_grad_norm)
-from .rank_reports import LineExtras, line_due
+from .rank_reports import LineExtras, first_look, line_due
 
 logger = logging.getLogger("megatron_2bw.train")
 
@@ -163,7 +163,7 @@ class MetricsSink:
             logger.info(text)
         self._writers.log_line(it, iv.seconds / iv.iterations, iv.per_second(iv.tflop_per_gpu),
                                first, extras.timer_ms)
-        if not first or it % self.log_interval == 0 or it == self.train_iters:
+        if not first_look(it, self._first_iteration, self.log_interval, self.train_iters):
             self._interval = _Interval()
 
     def _line(self, rec: dict, iv: _Interval) -> str:

@@ -34,6 +34,12 @@ def line_due(iteration: int, first: int, log_interval: int, train_iters: int) ->
     return iteration % log_interval == 0 or iteration == first or iteration == train_iters
 
 
+def first_look(iteration: int, first: int, log_interval: int, train_iters: int) -> bool:
+    """Whether `iteration`'s line is only the run's first look: printed, but its interval
+    (the time, the timers) runs on into the next line, as Megatron-LM's."""
+    return iteration == first and iteration % log_interval != 0 and iteration != train_iters
+
+
 @dataclass
 class LineExtras:
     """What the logging rank adds to an iteration: fields of its record, text printed after
@@ -96,7 +102,7 @@ class RankReports:
         leaves them running (its iteration stays in the next line's, as Megatron-LM)."""
         if not (self.timers.active and self._line(it)):
             return [0.0] * len(self.timers.names)
-        keep = it == self.s.first and it % self.s.log_interval and it != self.s.train_iters
+        keep = first_look(it, self.s.first, self.s.log_interval, self.s.train_iters)
         return self.timers.peek() if keep else self.timers.take()
 
     def read(self, it: int) -> LineExtras:
@@ -117,7 +123,7 @@ class RankReports:
 
     def _timer_block(self, it: int, seconds: torch.Tensor, out: LineExtras) -> None:
         iterations = max(it - self._timed_since, 1)
-        if not (it == self.s.first and it % self.s.log_interval and it != self.s.train_iters):
+        if not first_look(it, self.s.first, self.s.log_interval, self.s.train_iters):
             self._timed_since = it
         names = self.timers.names
         block = timers_block(names, seconds, iterations, self.s.timing_log_option)
