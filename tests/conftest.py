@@ -38,6 +38,17 @@ def _sigterm_as_it_was():
         signal.signal(signal.SIGTERM, before)
 
 
+@pytest.fixture(autouse=True)
+def _progress_as_new():
+    """The trainer's stop-line state (`signals.PROGRESS`: this rank, its save, its last
+    iteration) is per process; a test that ran the trainer in-process as rank 1 must not
+    make the next test in this worker speak for rank 1."""
+    yield
+    from megatron_2bw.training.signals import PROGRESS
+
+    PROGRESS.__init__()
+
+
 # the longest files first: with `--dist loadfile` each worker takes whole files in this
 # order, so these start at once rather than end the run alone on one worker
 FIRST = ("test_slurm.py", "test_benchmarks.py", "test_validate_planner.py",
