@@ -65,6 +65,9 @@ class ModelShape:
     """Grouped-query attention: key/value heads; None = num_attention_heads (MHA)."""
     kv_channels: Optional[int] = None
     """Channels per attention head; None = hidden_size / num_attention_heads."""
+    quick_geglu: bool = False
+    """Gated MLP with quick GELU (GPT-OSS's --quick-geglu): fc1 is [gate; up] as with
+    swiglu, but the default width stays 4 * hidden_size (Megatron-LM's rule)."""
 
     vocab_is_padded: ClassVar[bool] = False
     """Whether `vocab_size` already is the padded size (a built model's)."""
@@ -111,6 +114,11 @@ class ModelShape:
         return swiglu_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
 
     @property
+    def gated(self) -> bool:
+        """Whether fc1 projects to two halves, [gate; up] (--swiglu or --quick-geglu)."""
+        return self.swiglu or self.quick_geglu
+
+    @property
     def head_dim(self) -> int:
         """Channels per attention head (kv_channels or hidden / heads)."""
         return self.kv_channels or self.hidden_size // max(self.num_attention_heads, 1)
@@ -137,7 +145,7 @@ class ModelShape:
         h, f = self.hidden_size, self.ffn_size
         q = self.num_attention_heads * self.head_dim
         kv = self.query_groups * self.head_dim
-        g = 2 if self.swiglu else 1
+        g = 2 if self.gated else 1
         return (h * (q + 2 * kv) + q + 2 * kv + q * h + h
                 + h * f * g + f * g + f * h + h + 4 * h)
 
@@ -173,12 +181,39 @@ class ModelShape:
     def layer_forward_flops(self, b: int) -> float:
         """QKV 2bsh(q + 2kv) and projection 2bsqh (8bsh^2 for MHA), MLP 2bshf(g + 1)
         (4bshf without swiglu), attention scores and values 4bs^2q (4bs^2h)."""
-        h, s, f = self.hidden_size, self.seq_length, self.ffn_size
+        per_token = self._attention_flops_per_token() + self._mlp_flops_per_token(self.ffn_size)
+        return float(b * self.seq_length * per_token)
+
+    def moe_layer_forward_flops(self, b: int, moe: MoeShape) -> float:
+        """A mixture-of-experts layer: the dense layer's attention, each token through
+        its k routed experts' MLPs at the expert width f_e, 2bshf_e(g + 1) each, and the
+        router's [h, E] GEMM, 2bshE (what the hardware computes; Megatron-LM's count for
+        its log leaves the router out)."""
+        per_token = (self._attention_flops_per_token()
+                     + moe.moe_router_topk * self._mlp_flops_per_token(moe.ffn_size(self))
+                     + 2 * self.hidden_size * moe.num_experts)
+        return float(b * self.seq_length * per_token)
+
+    def layers_forward_flops(self, b: int, moe: Optional[MoeShape] = None) -> float:
+        """Every transformer layer's forward: the MoE layers of `moe`
+        (`MoeShape.moe_layers`) at `moe_layer_forward_flops`, the rest dense."""
+        dense = self.layer_forward_flops(b)
+        if moe is None:
+            return self.num_layers * dense
+        k = moe.moe_layers(0, self.num_layers)
+        return (self.num_layers - k) * dense + k * self.moe_layer_forward_flops(b, moe)
+
+    def _attention_flops_per_token(self) -> int:
+        """QKV, projection and core attention of one token's forward (`layer_forward_flops`)."""
+        h, s = self.hidden_size, self.seq_length
         q = self.num_attention_heads * self.head_dim
         kv = self.query_groups * self.head_dim
-        g = 2 if self.swiglu else 1
-        per_token = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * f * (g + 1) + 4 * s * q
-        return float(b * s * per_token)
+        return 2 * h * (q + 2 * kv) + 2 * q * h + 4 * s * q
+
+    def _mlp_flops_per_token(self, ffn: int) -> int:
+        """One MLP of width `ffn`, one token's forward: 2hf(g + 1) (g = 2 with SwiGLU)."""
+        g = 2 if self.gated else 1
+        return 2 * self.hidden_size * ffn * (g + 1)
 
     def logits_forward_flops(self, b: int, tp: int = 1) -> float:
         """The output layer's logits, 2bshV (V padded at `tp`, all ranks together)."""
@@ -211,7 +246,7 @@ class ModelShape:
         h, s, f, a = self.hidden_size, self.seq_length, self.ffn_size, self.num_attention_heads
         q = self.num_attention_heads * self.head_dim
         kv = self.query_groups * self.head_dim
-        g = 2 if self.swiglu else 1
+        g = 2 if self.gated else 1
         tokens = s * b / cp
         replicated = 10.0 * tokens * h
         split = (4.0 * q + 4.0 * kv + 2.0 * f * (g + 1)) * tokens + 5.0 * a * s * tokens
@@ -283,15 +318,77 @@ class ModelShape:
         return (float(activation_bytes * self.seq_length * b * 2 * heads * self.head_dim)
                 / cp)
 
-    def training_flops(self, b: int, recompute_granularity: Optional[str] = None) -> float:
-        """FLOPs of one training step over `b` samples, as Megatron-LM's
-        num_floating_point_operations counts them: forward + backward = 3 forwards of the
-        layers and the logits (not BERT's LM-head transform); "full" recomputation adds
-        a forward of the layers, "selective" one of their core attention. For a standard
-        GPT it is Narayanan et al.'s eq. 3, 72 B s l h^2 (1 + s/6h + V/12lh)."""
+    def routed_experts(self) -> Optional[MoeShape]:
+        """The shape's mixture of experts, None for a dense model. A planner's shape is
+        dense (the planner keeps the experts beside it, `planner.experts.Experts`); a
+        ModelConfig returns the one its flags describe."""
+        return None
+
+    def training_flops(self, b: int, recompute_granularity: Optional[str] = None,
+                       moe: Optional[MoeShape] = None) -> float:
+        """FLOPs the hardware computes in one training step over `b` samples: forward +
+        backward = 3 forwards of the layers and the logits (not BERT's LM-head
+        transform), the whole score matrix; "full" recomputation adds a forward of the
+        layers, "selective" one of their core attention. A mixture of experts (`moe`, by
+        default `routed_experts()`) counts its MoE layers' k routed experts and router
+        (`moe_layer_forward_flops`). For a standard GPT it is Narayanan et al.'s eq. 3,
+        72 B s l h^2 (1 + s/6h + V/12lh); Megatron-LM's count for the log
+        (training/flops.py) halves the causal scores and adds nothing for recomputation."""
+        moe = moe if moe is not None else self.routed_experts()
         passes = 4 if recompute_granularity == "full" else 3
-        flops = (passes * self.num_layers * self.layer_forward_flops(b)
+        flops = (passes * self.layers_forward_flops(b, moe)
                  + 3 * self.logits_forward_flops(b))
         if recompute_granularity == "selective":
             flops += self.num_layers * self.attention_core_forward_flops(b)
         return flops
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The routed experts of a mixture of experts, named after Megatron-LM's flags: what
+    the closed-form FLOP counts need beside a `ModelShape`. Every `moe_layer_freq`-th
+    layer from layer 0 is an MoE layer (Megatron-LM's integer `--moe-layer-freq`); each of
+    its tokens goes through `moe_router_topk` of the `num_experts` experts. No shared
+    experts: the trainer refuses `--moe-shared-expert-intermediate-size`. Invalid values
+    raise one ValueError naming the flags."""
+
+    num_experts: int
+    """`--num-experts`: experts per MoE layer (E)."""
+    moe_router_topk: int = 2
+    """`--moe-router-topk`: experts each token is routed to (k)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """`--moe-ffn-hidden-size`: each expert's MLP width; None: the dense MLP's."""
+    moe_layer_freq: int = 1
+    """`--moe-layer-freq`: every this-many-th layer, from layer 0, is an MoE layer."""
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        """Everything wrong with the values (empty: valid); subclasses add theirs."""
+        problems = []
+        for name in ("num_experts", "moe_router_topk", "moe_layer_freq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{_flag(name)} {value!r}: give a positive integer")
+        size = self.moe_ffn_hidden_size
+        if size is not None and (not isinstance(size, int) or size < 1):
+            problems.append(f"--moe-ffn-hidden-size {size!r}: give a positive integer")
+        if not problems and self.moe_router_topk > self.num_experts:
+            problems.append(f"--moe-router-topk {self.moe_router_topk}: a token cannot go to "
+                            f"more than the {self.num_experts} experts (--num-experts)")
+        return problems
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) is an MoE layer."""
+        return layer % self.moe_layer_freq == 0
+
+    def moe_layers(self, first: int, count: int) -> int:
+        """MoE layers among global layers first, ..., first + count - 1."""
+        return sum(self.is_moe_layer(i) for i in range(first, first + count))
+
+    def ffn_size(self, model: ModelShape) -> int:
+        """One expert's MLP width."""
+        return self.moe_ffn_hidden_size or model.ffn_size

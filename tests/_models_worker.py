@@ -30,6 +30,22 @@ ARCH = (("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("swi
         ("untie_embeddings_and_output_weights", True), ("qk_layernorm", True),
         ("layernorm_zero_centered_gamma", True))
 UNFUSED = (("attention_backend", "unfused"),)
+# Multi-latent attention (DeepSeek-V3's): a query latent, latent norms, YaRN with a scaling
+# factor and mscale (so the softmax scale and the frequencies are YaRN's), values of their
+# own width, no linear biases; latents split over TP = 2 (16 and 16 + 8 channels).
+MLA = (("multi_latent_attention", True), ("q_lora_rank", 16), ("kv_lora_rank", 16),
+       ("qk_head_dim", 8), ("qk_pos_emb_head_dim", 8), ("v_head_dim", 12),
+       ("qk_layernorm", True), ("normalization", "RMSNorm"), ("rotary_scaling_factor", 4.0),
+       ("mscale_all_dim", 1.0), ("add_bias_linear", False), ("hidden_dropout", 0.0),
+       ("attention_dropout", 0.0))
+
+# GPT-OSS's attention and MLP: learnable attention sinks, a 7-token sliding window on every
+# other layer (1 and 3), quick-GeGLU with its offset and a clamp small enough to act
+GPT_OSS = (("softmax_type", "learnable"), ("window_size", (7, 0)), ("window_attn_skip_freq", 2),
+           ("quick_geglu", True), ("glu_linear_offset", 1.0),
+           ("activation_func_clamp_value", 0.05), ("num_query_groups", 2),
+           ("position_embedding_type", "rope"), ("normalization", "RMSNorm"),
+           ("add_bias_linear", False), ("hidden_dropout", 0.0), ("attention_dropout", 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +103,11 @@ def scenarios() -> list[Scenario]:
     runs += [Scenario("gpt_tp2_sp", "gpt", 2, 1, (("hidden_dropout", 0.0),
                                                   ("attention_dropout", 0.0)) + sp),
              Scenario("arch_tp2_sp", "gpt", 2, 1, arch + sp)]
+    runs += [Scenario("mla_ref", "gpt", 1, 1, MLA), Scenario("mla_pp2", "gpt", 1, 2, MLA),
+             Scenario("mla_tp2_sp", "gpt", 2, 1, MLA + sp), Scenario("mla_tp2", "gpt", 2, 1, MLA)]
+    runs += [Scenario("gpt_oss_ref", "gpt", 1, 1, GPT_OSS),
+             Scenario("gpt_oss_pp2", "gpt", 1, 2, GPT_OSS),
+             Scenario("gpt_oss_tp2", "gpt", 2, 1, GPT_OSS)]
     return sorted(runs, key=lambda s: (s.tp, s.pp))
 
 
@@ -209,8 +230,22 @@ def _run_scenario(run: Scenario, rank: int, out_dir: str) -> None:
         mismatch_error=_mismatch_error(config, stage, run.pp),
         core_attention=sorted({type(m).__name__ for n, m in stage_module.named_modules()
                                if n.endswith("core_attention")}),
+        windows=_windows(stage_module),
     )
     torch.save(result, os.path.join(out_dir, f"{run.name}.rank{rank}.pt"))
+
+
+def _windows(stage_module) -> dict[int, Optional[tuple]]:
+    """{global layer number: the sliding window its unfused softmax applies (None: full
+    causal attention)} of the layers whose core attention is megatron-core's."""
+    if not hasattr(stage_module.model, "decoder"):  # BERT's layers are its encoder's
+        return {}
+    found = {}
+    for layer in stage_module.model.decoder.layers:
+        softmax = getattr(layer.self_attention.core_attention, "scale_mask_softmax", None)
+        if softmax is not None:
+            found[layer.layer_number] = softmax.window_size
+    return found
 
 
 def _sum_sequence_parallel_grads(params: list) -> None:

@@ -34,6 +34,9 @@ GLU = (("swiglu", True), ("add_bias_linear", False), ("normalization", "RMSNorm"
        ("moe_layer_freq", 2))
 ALLTOALL = (("moe_token_dispatcher_type", "alltoall"),)
 GROUPED = (("moe_grouped_gemm", True),)
+# GPT-OSS's experts: quick-GeGLU with its offset, and a clamp small enough to act
+GEGLU = (("quick_geglu", True), ("glu_linear_offset", 1.0),
+         ("activation_func_clamp_value", 0.05)) + GLU[1:]
 SINKHORN = (("moe_router_load_balancing_type", "sinkhorn"), ("moe_aux_loss_coeff", 0.0))
 SEQ_AUX = (("moe_router_load_balancing_type", "seq_aux_loss"),)
 # token dropping: each expert takes at most its even share of the microbatch's tokens
@@ -58,6 +61,8 @@ SCENARIOS = (
     Scenario("ep1_seq_aux", 1, 1, 1, SEQ_AUX),
     Scenario("glu_ep1", 1, 1, 1, GLU),
     Scenario("glu_grouped_ep1", 1, 1, 1, GLU + GROUPED),
+    Scenario("geglu_ep1", 1, 1, 1, GEGLU),
+    Scenario("geglu_grouped_ep1", 1, 1, 1, GEGLU + GROUPED),
     Scenario("ep2_allgather", 1, 1, 2),
     Scenario("ep2_alltoall", 1, 1, 2, ALLTOALL),
     Scenario("ep2_sinkhorn", 1, 1, 2, SINKHORN),

@@ -135,6 +135,43 @@ def test_muon_splits_the_fused_qkv_per_query_group() -> None:
     assert spec.qkv_split == (32, 16, 16)
 
 
+GPT_OSS = ["--position-embedding-type", "rope", "--rope-type", "rope", "--quick-geglu",
+           "--glu-linear-offset", "1.0", "--softmax-type", "learnable", "--window-size", "7,0",
+           "--window-attn-skip-freq", "2", "--activation-func-clamp-value", "7.0",
+           "--enable-gpt-oss", "--export-force-local-attention"]
+
+
+def test_gpt_oss_flags_map_like_megatron_lm() -> None:
+    """The recipe's flags reach TransformerConfig as megatron-core's fields; quick-GeGLU
+    keeps Megatron-LM's 4h default width (its 2/3 rule is --swiglu's); a window pattern
+    goes in as the list megatron-core tells from an int."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from megatron_2bw.models.gpt_oss import quick_gelu
+
+    config = _mcore(GPT_OSS)
+    assert (config.softmax_type, config.window_size, config.window_attn_skip_freq) == (
+        "learnable", (7, 0), 2)
+    assert config.gated_linear_unit and config.activation_func is quick_gelu
+    assert (config.glu_linear_offset, config.activation_func_clamp_value) == (1.0, 7.0)
+    assert config.ffn_hidden_size == 4 * 96 and not config.bias_activation_fusion
+    window = GPT_OSS[:GPT_OSS.index("--window-attn-skip-freq")]
+    pattern = _mcore(window + ["--window-attn-skip-freq", "[1,1,0,1]"])
+    assert pattern.window_attn_skip_freq == [1, 1, 0, 1]
+    assert [is_layer_window_attention(pattern.window_size, pattern.window_attn_skip_freq, n)
+            for n in (1, 2, 3, 4)] == [True, True, False, True]
+    assert _mcore([]).softmax_type == "vanilla" and _mcore([]).window_size is None
+
+
+def test_the_sliding_window_mask_on_cpu_is_the_band() -> None:
+    """compat's CPU stand-in for megatron-core's sliding-window mask: query i keeps keys
+    i - left .. i (True = masked out)."""
+    from megatron_2bw.models.compat import _cpu_sliding_window_causal_mask
+
+    i, j = torch.arange(6).view(-1, 1), torch.arange(6).view(1, -1)
+    assert torch.equal(_cpu_sliding_window_causal_mask(6, 6, (2, 0)), (j > i) | (j < i - 2))
+
+
 # ------------------------------------------------------------------ refusals
 
 REFUSED = [  # (extra flags, model, flag named, part of the message)
@@ -173,6 +210,24 @@ REFUSED = [  # (extra flags, model, flag named, part of the message)
      "gpt", "--decoder-first-pipeline-num-layers", "0 layers are left for 1 middle stages"),
     (["--decoder-last-pipeline-num-layers", "2"], "gpt",
      "--decoder-last-pipeline-num-layers", "needs more than one pipeline stage"),
+    (["--position-embedding-type", "rope", "--rope-type", "yarn"], "gpt", "--rope-type",
+     "rope only"),
+    (["--window-size", "7,2"], "gpt", "--window-size", "causal"),
+    (["--window-attn-skip-freq", "2"], "gpt", "--window-attn-skip-freq", "ignored"),
+    (["--softmax-type", "learnable", "--attention-backend", "flash"], "gpt",
+     "--attention-backend", "neither attention sinks"),
+    (["--activation-func-clamp-value", "7"], "gpt", "--activation-func-clamp-value", "ignored"),
+    (["--quick-geglu", "--swiglu"], "gpt", "--quick-geglu", "both"),
+    (["--q-lora-rank", "16"], "gpt", "--q-lora-rank", "without --multi-latent-attention"),
+    (["--multi-latent-attention", "--group-query-attention"], "gpt",
+     "--group-query-attention", "mutually exclusive"),
+    (["--multi-latent-attention", "--rotary-percent", "0.5"], "gpt", "--rotary-percent",
+     "ignored"),
+    (["--multi-latent-attention", "--attention-backend", "unfused"], "gpt",
+     "--attention-backend", "key width"),
+    (["--multi-latent-attention", "--tensor-model-parallel-size", "2", "--kv-lora-rank",
+      "15", "--qk-pos-emb-head-dim", "8"], "gpt", "--kv-lora-rank", "not divisible"),
+    (["--softmax-type", "learnable"], "bert", "--softmax-type", "GPT's here"),
 ]
 
 

@@ -1,6 +1,7 @@
 """Megatron-LM's finetuning and checkpoint-content flags, and the torch format's contents.
 
---finetune (weights only, from iteration 0), --no-save-optim / --no-load-optim,
+--finetune (weights only, from iteration 0), --skip-train (validate and test the loaded
+model, no step), --no-save-optim / --no-load-optim,
 --no-save-rng / --no-load-rng, --use-checkpoint-args; a --ckpt-format torch file holds
 Megatron-LM's keys (args as a Namespace with its derived fields, the model under
 megatron-core's names, opt_param_scheduler, rng_state as a list) and loads strictly into
@@ -134,6 +135,32 @@ def test_a_resume_with_another_global_batch_size_continues_the_data(tmp_path) ->
     assert [r["consumed_samples"] for r in resumed] == [20, 24]
     assert losses(resumed) == losses(straight)[4:]
     assert losses(resumed) != losses(straight)[2:4]
+
+
+def test_skip_train_validates_and_tests_the_loaded_model(tmp_path) -> None:
+    """Megatron-LM's --skip-train: no step; the model of --load is validated and tested on
+    the first --eval-iters batches of each split, labelled as after training. A run that
+    stops at iteration 2, before its first --eval-interval, read those same batches at its
+    end, so both losses equal the run's own; no training record is written."""
+    import glob
+    import json
+
+    base = ["--global-batch-size", "4", "--train-iters", "2", "--num-layers", "2",
+            "--ckpt-format", "torch"]
+    ck, ran, skipped = str(tmp_path / "ck"), tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    launch("gpt", 1, base + ["--save", ck], str(ran))
+    launch("gpt", 1, base + ["--load", ck, "--skip-train"], str(skipped))
+    rows = [[json.loads(line) for line in path.read_text().splitlines()]
+            for path in (ran, skipped)]
+    evals = [{r["split"]: r for r in rs if r["split"] != "train"} for rs in rows]
+    assert {"valid", "test"} <= set(evals[1])
+    assert not any(r["split"] == "train" for r in rows[1])
+    for split in ("valid", "test"):
+        assert evals[1][split]["val_loss"] == evals[0][split]["val_loss"]
+        assert evals[1][split]["iteration"] == 2
+    logs = [open(p).read() for p in glob.glob(str(tmp_path / "job-*.rank0.log"))]
+    log = next(text for text in logs if "--skip-train: no training" in text)
+    assert " validation loss at iteration 2 on validation set | " in log
 
 
 def test_ckpt_step_loads_an_earlier_iteration_and_a_missing_one_is_named(tmp_path) -> None:

@@ -2,7 +2,8 @@
 
 examples/gpt3, examples/bert, examples/llama and examples/mixtral carry the flag sets of
 Megatron-LM's train_gpt3_175b_distributed.sh, train_bert_340m_distributed.sh,
-train_llama3_8b_h100_fp8.sh and train_mixtral_8x7b_distributed.sh at core_v0.16.1
+train_llama3_8b_h100_fp8.sh and train_mixtral_8x7b_distributed.sh at core_v0.16.1, and
+examples/gptoss that of its examples/gptoss/02_train.sh
 (--attention-backend, --rampup-batch-size, --fp16, --lr-warmup-fraction, --split,
 --save/--load, --tensorboard-dir, ...), each run as is and with --pipeline-schedule 2bw
 for a few iterations through torchrun, on the embedded corpus. Outside any virtual
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,7 +84,8 @@ def test_llama_example_runs(tmp_path, schedule: str, sizes: dict) -> None:
 def test_mixtral_example_runs_under_2bw(tmp_path) -> None:
     """Megatron-LM's Mixtral 8x7B flag set (8 experts, top-2, aux loss 1e-2, grouped GEMM,
     all-to-all dispatcher, --use-distributed-optimizer, --sequence-parallel) for 4 steps
-    on 4 ranks: PP 2 x EP 2 (DP 2) under 2BW, as the issue's command runs it; the
+    on 4 ranks: PP 2 x EP 2 (DP 2) under 2BW, as the issue's command runs it, on the
+    embedded corpus through its Llama2Tokenizer (a SentencePiece model trained here); the
     router's load-balancing loss in every line, the checkpoint written."""
     out = _run("examples/mixtral/train_mixtral_8x7b_distributed.sh", tmp_path,
                "--pipeline-schedule 2bw")
@@ -90,8 +93,28 @@ def test_mixtral_example_runs_under_2bw(tmp_path) -> None:
     assert len(lines) == 4 and "pipeline schedule: 2bw" in lines[-1], out[-3000:]
     assert all("load_balancing_loss: " in ln for ln in lines)
     assert "lm loss value:" in out
+    assert re.search(r"^ +tokenizer_type \.+ Llama2Tokenizer$", out, re.M), out[-3000:]
+    assert re.search(r"^ +data_path \.+ \['.*/embedded-llama2-", out, re.M)
     with open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert f.read().strip() == "4"
+
+
+def test_gptoss_example_runs(tmp_path) -> None:
+    """Megatron-LM's GPT-OSS flag set (learnable attention sinks, a sliding window on every
+    other layer, quick-GeGLU with offset and clamp, 4 experts top-2 in a grouped GEMM
+    behind the all-to-all dispatcher, bf16, selective recomputation) at PP 2 for 2 steps on
+    the embedded corpus; its checkpoint holds the sinks under megatron-core's key."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = _run("examples/gptoss/train_gptoss.sh", tmp_path, "", TRAIN_SAMPLES="16",
+               LR_DECAY_SAMPLES="16")
+    lines = [ln for ln in out.splitlines() if "] iteration " in ln]
+    assert len(lines) == 2 and "pipeline schedule: flush" in lines[-1], out[-3000:]
+    assert all("load_balancing_loss: " in ln and "z_loss: " in ln for ln in lines)
+    assert "attention sinks, sliding window; quick-GeGLU" in out
+    keys = FileSystemReader(str(tmp_path / "ckpt" / "iter_0000002")).read_metadata()
+    assert "decoder.layers.self_attention.core_attention.softmax_offset" in (
+        keys.state_dict_metadata)
 
 
 def test_examples_find_the_projects_python(tmp_path) -> None:

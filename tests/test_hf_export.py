@@ -305,6 +305,29 @@ def test_unsupported_architectures_are_named(flags, named) -> None:
     assert "Hugging Face transformers has no model class for" in str(err.value)
 
 
+def test_gpt_oss_is_refused_both_ways() -> None:
+    """GPT-OSS's sinks, window and quick-GeGLU have no mapping: export names the first
+    such flag, import names the model type, each in one line."""
+    import types
+
+    import torch
+
+    from megatron_2bw.hf.architecture import hf_family, imported_architecture
+    from megatron_2bw.training.arguments import parse_args
+    from megatron_2bw.training.errors import UserError
+    from megatron_2bw.training.model_flags import model_config
+
+    args = parse_args("gpt", TINY + LLAMA[:4] + ["--quick-geglu", "--softmax-type",
+                                                 "learnable"])
+    with pytest.raises(UserError) as err:
+        hf_family(model_config(args, "gpt", torch.float32, 128))
+    assert err.value.where == "--softmax-type" and "no Hugging Face mapping" in str(err.value)
+    with pytest.raises(UserError) as err:
+        imported_architecture(types.SimpleNamespace(model_type="gpt_oss",
+                                                    architectures=["GptOssForCausalLM"]))
+    assert "'gpt_oss'" in str(err.value) and "\n" not in str(err.value)
+
+
 TEXT = ("The quick brown fox jumps over the lazy dog. Pipelines keep two weight versions, "
         "and the newest one serves new microbatches while the older finishes its backward "
         "passes. ") * 20

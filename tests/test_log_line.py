@@ -339,9 +339,9 @@ def test_tiny_bert_run_prints_megatron_lines(tmp_path) -> None:
 
 def _megatron_num_floating_point_operations(a: dict, batch_size: int) -> float:
     """Megatron-LM's num_floating_point_operations (training.py at core_v0.16.1, the
-    standard-transformer branch without MLA, MTP, linear attention or shared experts),
-    transcribed here from its text over Megatron-LM's argument names, independently of
-    the package's count."""
+    standard-transformer branch with its MLA part, without MTP, linear attention or shared
+    experts), transcribed here from its text over Megatron-LM's argument names,
+    independently of the package's count."""
     h, s, layers = a["hidden_size"], a["seq_length"], a["num_layers"]
     heads = a["num_attention_heads"]
     groups = a["num_query_groups"] if a["group_query_attention"] else heads
@@ -357,6 +357,13 @@ def _megatron_num_floating_point_operations(a: dict, batch_size: int) -> float:
     query, key, value = (a["kv_channels"] * heads, a["kv_channels"] * groups,
                          a["kv_channels"] * groups)
     self_attn = 3 * 2 * (h * (query + key + value) + query * s / 2 * 2 + query * h)
+    if a["multi_latent_attention"]:
+        qk, pe, v = a["qk_head_dim"], a["qk_pos_emb_head_dim"], a["v_head_dim"]
+        q_term = (h * heads * (qk + pe) if a["q_lora_rank"] is None
+                  else a["q_lora_rank"] * (h + heads * (qk + pe) + 1))
+        self_attn = 3 * 2 * (q_term + a["kv_lora_rank"] * (h + heads * (qk + v) + 1)
+                             + h * pe + heads * v * h + s * heads * (qk + pe) / 2
+                             + s * heads * v / 2)
     return batch_size * s * (
         3 * 2 * h * (a["ffn_hidden_size"] * ffn_expansion * dense
                      + moe_ffn * routed_to * ffn_expansion * moe)
@@ -401,14 +408,25 @@ FLOP_SHAPES = {  # name: (model, flags, tokenizer vocabulary)
         "gpt", "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --kv-channels 32 "
         "--seq-length 128 --max-position-embeddings 128 --num-experts 4 --moe-router-topk 2 "
         "--moe-ffn-hidden-size 96 --moe-layer-freq 2", 1000),
+    "deepseek-v3-like: multi-latent attention, moe": (
+        "gpt", "--num-layers 4 --hidden-size 7168 --num-attention-heads 128 "
+        "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 "
+        "--qk-pos-emb-head-dim 64 --v-head-dim 128 --ffn-hidden-size 18432 --swiglu "
+        "--normalization RMSNorm --disable-bias-linear --num-experts 8 --moe-router-topk 2 "
+        "--moe-ffn-hidden-size 2048 --moe-layer-freq 2 --seq-length 4096 "
+        "--max-position-embeddings 4096", 129280),
+    "mla without a query latent": (
+        "gpt", "--num-layers 2 --hidden-size 256 --num-attention-heads 4 "
+        "--multi-latent-attention --kv-lora-rank 64 --qk-head-dim 32 --qk-pos-emb-head-dim 16 "
+        "--v-head-dim 48 --seq-length 128 --max-position-embeddings 128", 1000),
 }
 
 
 @pytest.mark.parametrize("name", list(FLOP_SHAPES))
 def test_flops_equal_megatrons_formula(name: str) -> None:
     """The logged FLOPs per iteration are Megatron-LM's num_floating_point_operations (to
-    1e-6) for GPT, Llama-3-8B-like (GQA, SwiGLU, seq 8192), BERT and MoE shapes; full
-    recomputation changes nothing, as there."""
+    1e-6) for GPT, Llama-3-8B-like (GQA, SwiGLU, seq 8192), BERT, MoE and multi-latent
+    attention shapes; full recomputation changes nothing, as there."""
     from megatron_2bw.training.metrics import transformer_flops
 
     model, flags, vocab = FLOP_SHAPES[name]

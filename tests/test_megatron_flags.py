@@ -13,6 +13,9 @@
   on CPU with attention dropout is one line before the first iteration.
 - What Megatron-LM reads of a run: the logged learning rate (after the step's scheduler
   update) and the sample counters in a checkpoint's args.
+- The GPT-OSS and DeepSeek-V3 recipes' run flags: Megatron FSDP refused in one line, its
+  flags taken without it; the recorded gradient precision; --dist-ckpt-strictness; the
+  process settings (--logging-level, bf16 matmul, --enable-experimental).
 """
 from __future__ import annotations
 
@@ -219,13 +222,13 @@ def test_unknown_flags_are_named_together_with_close_matches() -> None:
     """Every unknown flag in one error: a typo with its closest flag, a Megatron-LM flag
     this project does not implement said to be one, a stranger said to be neither."""
     with pytest.raises(UserError) as info:
-        parse_args("gpt", BASE + ["--train-iters", "2", "--num-layer", "2", "--rope-type",
-                                  "rope", "--hiden-size", "8", "--bogus"])
+        parse_args("gpt", BASE + ["--train-iters", "2", "--num-layer", "2",
+                                  "--mamba-state-dim", "8", "--hiden-size", "8", "--bogus"])
     err = info.value
     assert err.what == "4 unknown flags"
-    assert err.where == "--num-layer, --rope-type, --hiden-size, --bogus"
+    assert err.where == "--num-layer, --mamba-state-dim, --hiden-size, --bogus"
     assert "--num-layer -> --num-layers" in err.fix and "--hiden-size -> --hidden-size" in err.fix
-    assert "--rope-type: Megatron-LM's, not implemented here" in err.fix
+    assert "--mamba-state-dim: Megatron-LM's, not implemented here" in err.fix
     assert "--bogus: not a Megatron-LM flag either" in err.fix and M.DOC in err.fix
 
 
@@ -298,6 +301,93 @@ def test_refused_flags_pass_where_they_change_nothing() -> None:
     has nothing to shard."""
     _run(["--train-iters", "2", "--sequence-parallel", "--use-distributed-optimizer",
           "--context-parallel-size", "1", "--ckpt-format", "torch"], world=1)
+
+
+# the non-architecture flags of Megatron-LM's DeepSeek-V3 (Megatron FSDP) recipe
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--init-model-with-meta-device", "--fsdp-double-buffer", "--megatron-fsdp-grad-comm-dtype",
+        "bf16", "--megatron-fsdp-main-grads-dtype", "bf16"]
+RECIPE_RUN = ["--auto-detect-ckpt-format", "--dist-ckpt-strictness", "log_all",
+              "--logging-level", "40", "--enable-experimental", "--use-nccl-ub",
+              "--attention-softmax-in-fp32", "--disable-bf16-reduced-precision-matmul"]
+
+
+def test_megatron_fsdp_is_refused_in_one_line_and_its_flags_pass_without_it() -> None:
+    """--use-megatron-fsdp and the flags that act only with it are one line naming
+    --use-distributed-optimizer; without it they change nothing (as in Megatron-LM), except
+    the meta-device build, which is refused alone too. The recipe's run flags are taken."""
+    err = _refused(["--train-iters", "2"] + FSDP + RECIPE_RUN)
+    assert err.where.split(", ") == [f for f in FSDP if f.startswith("--")]
+    assert "--use-distributed-optimizer" in err.fix and "\n" not in str(err)
+    run = _run(["--train-iters", "2", "--bf16"] + FSDP[1:3] + FSDP[4:] + RECIPE_RUN)
+    assert run.train.dist_ckpt_strictness == "log_all" and run.flags["logging_level"] == 40
+    assert _refused(["--train-iters", "2", FSDP[3]]).where == FSDP[3]
+    assert M.mapped_notes(parse_args("gpt", BASE + ["--train-iters", "2", "--use-nccl-ub"]),
+                          True)[0].startswith("--use-nccl-ub: registers")
+
+
+@pytest.mark.parametrize("extra, fp32", [(["--bf16"], True), (["--fp16"], False),
+                                         (["--fp16", "--accumulate-allreduce-grads-in-fp32"], True),
+                                         (["--bf16", "--grad-reduce-in-bf16",
+                                           "--accumulate-allreduce-grads-in-fp32"], False)])
+def test_recorded_grad_precision_is_megatrons(extra, fp32) -> None:
+    """As Megatron-LM's validate_args: bf16 reduces in fp32 unless --grad-reduce-in-bf16,
+    fp16 only with the flag; a checkpoint's optimizer layout keys its buckets by it."""
+    from megatron_2bw.checkpointing.contents import megatron_args
+    from megatron_2bw.checkpointing.megatron_optim import save_format
+
+    assert save_format(megatron_args(_run(["--train-iters", "2"] + extra))).grad_fp32 is fp32
+
+
+def test_process_settings_are_applied(monkeypatch) -> None:
+    """--logging-level sets megatron-core's and torch's loggers (MEGATRON_LOGGING_LEVEL when
+    the flag is absent; a bad one is one line naming it); with --bf16,
+    --disable-bf16-reduced-precision-matmul turns cuBLAS's reduced-precision bf16
+    reduction off; --enable-experimental turns on megatron-core's switch."""
+    import logging
+
+    from megatron.core import config as mcore_config
+
+    from megatron_2bw.training.process_settings import apply_process_settings
+
+    matmul = torch.backends.cuda.matmul
+    saved = (logging.getLogger("megatron").level, logging.getLogger("torch").level,
+             matmul.allow_bf16_reduced_precision_reduction, mcore_config.is_experimental_enabled())
+    try:
+        apply_process_settings(parse_args("gpt", BASE + [
+            "--train-iters", "2", "--bf16", "--logging-level", "40",
+            "--disable-bf16-reduced-precision-matmul", "--enable-experimental"]))
+        assert logging.getLogger("megatron").level == logging.getLogger("torch").level == 40
+        assert not matmul.allow_bf16_reduced_precision_reduction
+        assert mcore_config.is_experimental_enabled()
+        monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "loud")
+        with pytest.raises(UserError) as info:
+            apply_process_settings(parse_args("gpt", BASE + ["--train-iters", "2"]))
+        assert info.value.where == "MEGATRON_LOGGING_LEVEL"
+    finally:
+        logging.getLogger("megatron").setLevel(saved[0])
+        logging.getLogger("torch").setLevel(saved[1])
+        matmul.allow_bf16_reduced_precision_reduction = saved[2]
+        mcore_config.set_experimental_flag(saved[3])
+
+
+def test_dist_ckpt_strictness_passes_over_extra_tensors_only_where_megatron_does() -> None:
+    """The default and raise_all refuse a checkpoint tensor the model lacks; the values
+    under which megatron-core passes over it do so (log_all with a warning); a model
+    tensor the checkpoint lacks stays refused, saying that loading past it is not
+    implemented; return_* are refused values."""
+    from megatron_2bw.checkpointing.fit import Misfit, strict_verdict
+
+    extra, missing = [Misfit("decoder.mtp.weight", (4,), None)], [Misfit("x.bias", None, (4,))]
+    for strictness in (None, "raise_all"):
+        assert "decoder.mtp.weight" in strict_verdict([], extra, strictness, "p")[0]
+    assert strict_verdict([], extra, "assume_ok_unexpected", "p") == (None, None)
+    line, warning = strict_verdict([], extra, "log_all", "p")
+    assert line is None and "decoder.mtp.weight" in warning
+    line, _ = strict_verdict(missing, extra, "ignore_all", "p")
+    assert "x.bias" in line and line.endswith("not implemented here)")
+    err = _refused(["--train-iters", "2", "--dist-ckpt-strictness", "return_all"])
+    assert err.where == "--dist-ckpt-strictness return_all"
 
 
 def test_removed_and_unknown_flags() -> None:

@@ -8,13 +8,16 @@ Megatron-LM's three optimizer layouts of a torch_dist checkpoint.
   DistributedOptimizer: `sharded_state_dict` + `dist_checkpointing.load` +
   `load_state_dict`, as Megatron-LM's `load_checkpoint` calls them) loads our
   dp_reshardable checkpoint with every shard of Adam's moments and fp32 main weights equal
-  to our per-parameter state; it saves it again in its own layout, and our run resumed
-  from that continues with the uninterrupted run's losses;
+  to our state (there read through our bucket index); it saves it again in its own
+  layout, and our run resumed from that continues with the uninterrupted run's losses;
 - our side: the checkpoints Megatron-LM's `save_checkpoint` wrote
   (tests/fixtures/megatron_lm/torch_dist_adam*, tools/checkpoint/megatron_fixtures.py)
   load with Adam's moments, step and fp32 main weights equal to what Megatron-LM's
   optimizer held (adam_reference/), resharded to another DP or TP; a dp_reshardable one
-  at another TP is refused in one line.
+  at another TP is refused in one line;
+- our dp_reshardable saves, which hold Adam's state in the buckets only: their index
+  reads it back at another tensor-parallel size exactly; one written with a per-parameter
+  copy too (tests/fixtures/megatron_2bw/) still resumes.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_2bw.checkpointing import megatron_optimizer as mlo
+from megatron_2bw.checkpointing import megatron_optim as mlo
+from megatron_2bw.checkpointing.megatron_optim.index import bucket_entries, merged
 from tests.dist_harness import run_distributed
 from tests.entry_harness import ROOT, launch, losses, max_rel
 
@@ -319,3 +323,156 @@ def test_dp_reshardable_at_another_tp_is_refused_in_one_line() -> None:
                         "was saved at: resume with --tensor-model-parallel-size 1 (any "
                         "data-parallel size), or pass --no-load-optim, or save it in "
                         "Megatron-LM with --dist-ckpt-optim-fully-reshardable"), line
+
+
+# ------------------------------------------------------------------ our bucket index
+
+# (key, global shape, how it is split): a vocabulary-parallel embedding, weights saved
+# transposed by a factory (as megatron-core's grouped experts: made contiguous; or
+# cloned, which leaves no view to read the placement from), and per layer (layer axis
+# prepended) SwiGLU's fc1 (megatron-core's factory: the two halves split apart), a
+# row-parallel weight and a norm weight replicated over tensor parallelism
+INDEXED = [("embedding.weight", (16, 4), "rows"), ("experts.weight", (8, 4), "transposed"),
+           ("experts.cloned", (8, 4), "transposed"),
+           ("layers.fc1.weight", (2, 16, 4), "swiglu"),
+           ("layers.proj.weight", (2, 4, 8), "columns"), ("layers.norm.weight", (2, 4), None)]
+
+
+def _local(whole: torch.Tensor, split, tp: int, r: int) -> torch.Tensor:
+    """Rank r's piece of one layer's (or a layer-less) tensor at tensor-parallel size tp."""
+    if split == "rows":
+        return whole.chunk(tp)[r]
+    if split == "transposed":
+        return whole.chunk(tp)[r].t().contiguous()
+    if split == "columns":
+        return whole.chunk(tp, dim=1)[r]
+    if split == "swiglu":
+        w, v = whole.chunk(2)
+        return torch.cat([w.chunk(tp)[r], v.chunk(tp)[r]])
+    return whole
+
+
+def _indexed_params(wholes: dict, tp: int, r: int) -> list:
+    """(model shard, {state: local tensor}) of rank r's parameters, megatron-core's way."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    def transposed(key, t, replica_id, flattened_range):
+        data = t.t().clone() if key == "experts.cloned" else t.t().contiguous()
+        return ShardedTensor.from_rank_offsets(key, data, (0, r, tp), replica_id=replica_id)
+    out = []
+    for key, shape, split in INDEXED:
+        if split == "transposed":
+            local = {s: _local(t, split, tp, r) for s, t in wholes[key].items()}
+            out.append((ShardedTensorFactory(key, local["param"], transposed, lambda x: x,
+                                             (0, 0, 0)), local))
+            continue
+        for layer in range(shape[0]) if len(shape) == 3 or split is None else [None]:
+            pre = () if layer is None else ((0, layer, shape[0]),)
+            local = {s: _local(t if layer is None else t[layer], split, tp, r)
+                     for s, t in wholes[key].items()}
+            axis = {"rows": 0, "swiglu": 0, "columns": 1}.get(split)
+            cut = () if axis is None else ((axis + len(pre), r, tp),)
+            st = ShardedTensor.from_rank_offsets(
+                key, local["param"], *pre, *cut, prepend_axis_num=len(pre),
+                replica_id=(0, r if split is None else 0, 0))
+            out.append((apply_swiglu_sharded_factory(st, pre) if split == "swiglu" else st,
+                        local))
+    return out
+
+
+def _index_at(wholes: dict, tp: int) -> tuple[dict, dict]:
+    """The bucket index a TP = tp save writes, and its buckets' flat state tensors."""
+    index_parts, store = [], {}
+    fmt = mlo.OptimizerFormat(mlo.DP_RESHARDABLE, "fp32", True)
+    for r in range(tp):
+        params = _indexed_params(wholes, tp, r)
+        specs = [mlo.ParamSpec(i, st.key, tuple(local["param"].shape), torch.float32, False,
+                               False, False, False) for i, (st, local) in enumerate(params)]
+        (buffer,) = mlo.grad_buffers([specs], fmt, expert=False, dp=1, pp_rank=0)
+        for b, bucket in enumerate(buffer.buckets):
+            key = f"optimizer.distributed.dp_group_idx_{r}.bucket_idx_{b}"
+            for state in ("param", "exp_avg", "exp_avg_sq"):
+                flat = store.setdefault(f"{key}.{state}", torch.zeros(bucket.unpadded))
+                for slot in bucket.slots:
+                    flat[slot.start:slot.start + slot.numel] = \
+                        params[slot.index][1][state].reshape(-1)
+            index_parts.append(bucket_entries(key, bucket, lambda i: params[i][0]))
+    return merged(index_parts), store
+
+
+@pytest.mark.parametrize("saved_tp,read_tp", [(2, 1), (1, 2)])
+def test_bucket_index_reads_the_state_back_at_another_tensor_parallel_size(
+        saved_tp, read_tp) -> None:
+    """The buckets of a save at one tensor-parallel size, read through its index at
+    another, give every rank's parameters exactly the pieces of the whole state that
+    megatron-core's sharding (SwiGLU's split halves, row- and column-parallel weights,
+    replicated norms, layers stacked on an axis) assigns them."""
+    gen = torch.Generator().manual_seed(3)
+    wholes = {key: {s: torch.randn(shape, generator=gen) for s in ("param", "exp_avg",
+                                                                  "exp_avg_sq")}
+              for key, shape, _ in INDEXED}
+    index, store = _index_at(wholes, saved_tp)
+    kinds = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+    for r in range(read_tp):
+        params = _indexed_params(wholes, read_tp, r)
+        read = mlo.index_read(index, {i: st for i, (st, _) in enumerate(params)}, set(kinds))
+        loaded = {name: {s: store[st.key][st.global_offset[0]:][:st.local_shape[0]]
+                         for s, st in states.items()} for name, states in read.template.items()}
+        found = read.found(loaded)
+        for kind, state in kinds.items():
+            assert all(torch.equal(found[kind][i], local[state])
+                       for i, (_, local) in enumerate(params)), (kind, r)
+
+
+FIXTURES_OURS = os.path.join(ROOT, "tests", "fixtures", "megatron_2bw")
+
+
+def _resume_both_copies(rank: int, world: int) -> dict:
+    """Load dp_reshardable_per_parameter at DP = 1: this engine's per-parameter tensors as
+    the resume read them, and the buckets read through Megatron-LM's layout. The fixture
+    is iteration 2 of `pretrain_gpt.py` with ADAM_MODEL's flags (`--num-layers 1
+    --hidden-size 8 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8
+    --vocab-size 63 --make-vocab-size-divisible-by 64`) and `--mock-data --seed 77
+    --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --train-iters 2 --bf16
+    --use-distributed-optimizer --ckpt-format torch_dist --no-save-rng` on 2 ranks, saved
+    by a megatron-2bw that wrote Adam's state per parameter as well as in the buckets."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron_2bw.checkpointing.sharded import load_sharded, read_common
+    from megatron_2bw.models import apply_cpu_shims, build_stage
+    from megatron_2bw.models.compat import cpu_dist_checkpointing
+    from megatron_2bw.models.config import ModelConfig
+    from megatron_2bw.optim.updater import MegatronUpdater, OptimizerConfig, ParamInfo
+    ps.initialize_model_parallel(1, 1)
+    apply_cpu_shims("cpu")
+    root = os.path.join(FIXTURES_OURS, "dp_reshardable_per_parameter")
+    common = read_common(root, 2)
+    args = common["args"]  # ADAM_MODEL's flags, saved with --bf16
+    stage = build_stage(ModelConfig(**ADAM_MODEL, params_dtype=torch.bfloat16), 0, 1)
+    named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]
+    updater = MegatronUpdater([p for _, p in named], [
+        ParamInfo(n, p.dim() > 1, True, False) for n, p in named], OptimizerConfig(lr=1e-2))
+    state = load_sharded(root, 2, common, _Weights(stage, 2), updater)["optimizer"]
+    specs = mlo.param_specs(stage, [p for _, p in named])
+    fmt = mlo.saved_format(common)
+    read = mlo.bucket_template(mlo.retyped(specs, fmt), fmt, args)
+    with cpu_dist_checkpointing():
+        buckets = read.found(dist_checkpointing.load(
+            read.template, os.path.join(root, "iter_0000002")))
+    mine = {"exp_avg": state["adam"]["exp_avg"], "exp_avg_sq": state["adam"]["exp_avg_sq"],
+            "fp32_param": state["masters"]}
+    return {"equal": {k: sum(torch.equal(t, buckets[k][i]) for i, t in enumerate(ts))
+                      for k, ts in mine.items()},
+            "params": len(named), "step": state["adam"]["step"],
+            "keys": sorted(common["pipedream_2bw"])}
+
+
+@pytest.mark.slow
+def test_a_save_that_wrote_the_state_twice_still_resumes() -> None:
+    """A dp_reshardable checkpoint from before the state was written once (per parameter
+    too, no bucket index) resumes from its per-parameter tensors, which equal its
+    buckets, with Adam's step."""
+    (r,) = run_distributed(_resume_both_copies, 1)
+    assert "optimizer_buckets" not in r["keys"]
+    assert r["equal"] == {k: r["params"] for k in r["equal"]} and r["step"] == 2, r

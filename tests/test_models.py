@@ -274,6 +274,7 @@ def test_selective_recompute_matches_no_recompute_with_dropout(runs):
     (dict(num_query_groups=3), "not divisible by num_query_groups=3"),
     (dict(position_embedding_type="rope", rotary_percent=0.2), "positive even number"),
     (dict(swiglu=True, hidden_size=16), "give ffn_hidden_size"),
+    (dict(window_size=(7, 1), window_attn_skip_freq=0), "causal attention"),
 ])
 def test_model_config_refuses_what_megatron_core_cannot_build(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -345,13 +346,15 @@ print(json.dumps(out))
 
 
 def test_shape_counts_a_built_layers_parameters():
-    """`layer_params` (grouped-query attention, kv-channels, SwiGLU) against the numel of
-    a megatron-core layer built from the same config, in a child process (the CPU shims
-    and the process group stay out of this one)."""
+    """`layer_params` (grouped-query attention, kv-channels, SwiGLU, multi-latent
+    attention) against the numel of a megatron-core layer built from the same config, in
+    a child process (the CPU shims and the process group stay out of this one)."""
     base = dict(model="gpt", num_layers=1, hidden_size=64, num_attention_heads=4,
                 seq_length=8, vocab_size=128)
+    mla = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
+               qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True)
     variants = [base, {**base, "num_query_groups": 2, "swiglu": True, "ffn_hidden_size": 96},
-                {**base, "kv_channels": 8, "num_query_groups": 1}]
+                {**base, "kv_channels": 8, "num_query_groups": 1}, {**base, **mla}]
     done = subprocess.run([sys.executable, "-c", _BUILT_LAYER, json.dumps(variants)],
                           capture_output=True, text=True, timeout=300, check=True)
     for built, counted in json.loads(done.stdout.strip().splitlines()[-1]):
@@ -381,6 +384,39 @@ def test_flash_backend_pipelined_matches_unsplit(runs):
     """--attention-backend flash (SDPA restricted to its flash kernel) at PP=2 against
     the default at PP=1."""
     assert_same_model_and_step(merged(runs["gpt_ref"]), merged(runs["gpt_flash_pp2"]))
+
+
+@pytest.mark.slow
+def test_gpt_oss_attention_and_mlp_split_exactly(runs):
+    """GPT-OSS's learnable attention sinks (split over TP with the heads), a sliding
+    window on layers 1 and 3 (--window-attn-skip-freq 2, by global layer number on every
+    stage) and quick-GeGLU with offset and clamp: PP=2 and TP=2 start from the PP=1
+    weights and take the same step, and every layer's sinks get a gradient."""
+    ref = merged(runs["gpt_oss_ref"])
+    sinks = [n for n in ref["grads"] if n.endswith("core_attention.softmax_offset")]
+    assert len(sinks) == 4 and all(ref["grads"][n].abs().min() > 0 for n in sinks)
+    for name in ("gpt_oss_pp2", "gpt_oss_tp2"):
+        assert_same_model_and_step(ref, merged(runs[name]))
+        windows = {k: v for part in runs[name] for k, v in part["windows"].items()}
+        assert windows == {1: (7, 0), 2: None, 3: (7, 0), 4: None}, name
+    assert runs["gpt_oss_ref"][0]["core_attention"] == ["SinkAttention"]
+
+
+@pytest.mark.slow
+def test_multi_latent_attention_splits_exactly(runs):
+    """Multi-latent attention (query latent, latent norms, YaRN): PP=2, and TP=2 with and
+    without sequence parallelism, start from the PP=1 weights and take the same step: at
+    TP=2 the rotary key, shared by the heads of both ranks, gets both ranks' gradient
+    (models/mla.py); the latent norms are marked for the sequence-parallel sum."""
+    ref = merged(runs["mla_ref"])
+    assert {n.rsplit(".", 2)[-2] for n in ref["grads"] if "self_attention" in n} == {
+        "linear_q_down_proj", "linear_q_up_proj", "q_layernorm", "linear_kv_down_proj",
+        "linear_kv_up_proj", "kv_layernorm", "linear_proj"}
+    for name in ("mla_pp2", "mla_tp2", "mla_tp2_sp"):
+        assert_same_model_and_step(ref, merged(runs[name]))
+    marked = runs["mla_tp2_sp"][0]["sequence_parallel"]
+    assert {n.rsplit(".", 2)[-2] for n in marked if "self_attention" in n} == {
+        "q_layernorm", "kv_layernorm"}
 
 
 @pytest.mark.slow

@@ -295,7 +295,7 @@ MIXTRAL_UNSUPPORTED = {
     "--moe-token-dispatcher-type flex": ["--moe-token-dispatcher-type", "flex"],  # its value
     "--tokenizer-type TikTokenizer": ["--tokenizer-type", "TikTokenizer"],   # its value
     "--checkpoint-activations": ["--checkpoint-activations"],            # removed
-    "--rope-type": ["--rope-type", "rope"],                  # Megatron-LM's, not here
+    "--mamba-state-dim": ["--mamba-state-dim", "8"],         # Megatron-LM's, not here
     "--num-expert": ["--num-expert", "8"],                    # a typo: --num-experts
     "--recompute-modules": ["--recompute-modules", "moe"],   # a value argparse refuses
 }
@@ -323,7 +323,7 @@ def test_the_mixtral_example_hears_of_every_unsupported_flag_at_once(monkeypatch
     for named in MIXTRAL_UNSUPPORTED:
         assert sum(named in line for line in lines) == 1, (named, err)
     assert "did you mean --num-expert -> --num-experts" in err
-    assert "--rope-type: Megatron-LM's, not implemented here" in err
+    assert "--mamba-state-dim: Megatron-LM's, not implemented here" in err
     assert "--overlap-grad-reduce" not in err and "Traceback" not in err
     report = json.loads((tmp_path / "error.json").read_text())
     assert report["message"]["extraInfo"]["py_callstack"].splitlines() == lines

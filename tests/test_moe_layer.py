@@ -268,8 +268,9 @@ def test_aux_losses_are_tracked_and_reach_the_router(runs) -> None:
 
 
 @pytest.mark.slow
-def test_grouped_gemm_computes_the_sequential_experts(runs) -> None:
-    sequential, grouped = runs["glu_ep1"], runs["glu_grouped_ep1"]
+@pytest.mark.parametrize("unit", ["glu", "geglu"])  # SwiGLU; GPT-OSS's clamped quick-GeGLU
+def test_grouped_gemm_computes_the_sequential_experts(runs, unit: str) -> None:
+    sequential, grouped = runs[f"{unit}_ep1"], runs[f"{unit}_grouped_ep1"]
     for rank in (0, 1):
         torch.testing.assert_close(grouped[rank]["loss"], sequential[rank]["loss"], **TOL)
         seq, grp = dict(sequential[rank]["grads"]), dict(grouped[rank]["grads"])

@@ -23,6 +23,7 @@ from megatron_2bw.planner.explain import format_table
 from megatron_2bw.planner.hardware import GB
 from megatron_2bw.planner.placement import Layout, alltoall_bandwidth, ring_allreduce_s
 from megatron_2bw.planner.report import launch_command, to_json
+from megatron_2bw.planner.search import tensor_parallel_sizes
 from megatron_2bw.planner.shards import stage_matrices
 from megatron_2bw.planner.spec import (FULL, NO_RECOMPUTE, SELECTIVE, Recompute,
                                        optimizer_precision)
@@ -98,6 +99,36 @@ def test_moe_layer_flops_are_topk_experts_and_the_router():
     wide = Experts(64, 16, moe_ffn_hidden_size=1792)  # fine-grained: same active width
     assert wide.layer_forward_flops(m, b) == pytest.approx(
         e.layer_forward_flops(m, b) + 2 * b * s * h * (64 - 8))
+
+
+def test_training_flops_of_mixtral_are_the_hand_count_for_the_planner_and_the_trainer():
+    """`ModelShape.training_flops` counts what an MoE model computes: per token and layer
+    the attention's GEMMs and whole score matrix, 2 experts' 3 SwiGLU GEMMs at 14336
+    (not the dense MLP) and the [4096, 8] router; 3 passes (4 layer passes under full
+    recomputation) and the logits. The planner's shape with its experts, and the
+    trainer's ModelConfig from Mixtral's flags (what tools/flops_table.py prints), agree
+    with this count written out from the sizes; --moe-layer-freq 2 makes half the layers
+    dense."""
+    from megatron_2bw.training.arguments import config_from_args, parse_args
+    h, s, q, kv, f, vocab = 4096, 4096, 32 * 128, 8 * 128, 14336, 32000
+    attention = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * s * q  # QKV, proj, QK^T and AV
+    moe = attention + 2 * (3 * 2 * h * f) + 2 * h * 8  # 2 experts' gate, up, down; router
+    dense = attention + 3 * 2 * h * f
+    logits = 2 * h * vocab
+
+    def hand(layers_pass: int, moe_layers: int) -> int:
+        return s * (layers_pass * (moe_layers * moe + (32 - moe_layers) * dense) + 3 * logits)
+
+    assert MIXTRAL.training_flops(1, moe=MIXTRAL_EXPERTS) == hand(3, 32)
+    assert MIXTRAL.training_flops(1, "full", Experts(8, 2, moe_layer_freq=2)) == hand(4, 16)
+    assert MIXTRAL.training_flops(1) == hand(3, 0)  # no experts given: dense
+    flags = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 "
+             "--max-position-embeddings 4096 --group-query-attention --num-query-groups 8 "
+             "--ffn-hidden-size 14336 --swiglu --disable-bias-linear --num-experts 8 "
+             "--moe-router-topk 2 --micro-batch-size 1 --global-batch-size 1 "
+             "--train-iters 1 --lr 1e-4 --mock-data").split()
+    config = config_from_args(parse_args("gpt", flags), "gpt", 1, vocab).model
+    assert config.training_flops(1) == hand(3, 32)
 
 
 def test_moe_layer_frequency_decides_which_layers_of_each_stage_are_moe():
@@ -246,6 +277,16 @@ def test_expert_parallel_sizes_divide_the_experts_and_the_data_parallel_ranks():
     assert expert_parallel_sizes(Experts(8, 2), 16, (1, 3, 4, 16)) == [1, 4]
     with pytest.raises(ValueError, match="expert_parallel 3"):
         ParallelConfig("flush", 1, 1, 8, 1, 4, FULL, expert_parallel=3)
+
+
+def test_tensor_parallelism_divides_only_the_mlps_the_model_has():
+    """TP splits the experts' width, and the dense MLP's only where dense layers exist:
+    a dense width of 1002 (2 x 501) rules out TP 4 and 8 with --moe-layer-freq 2, not
+    when every layer is an MoE layer."""
+    model = replace(SMALL, ffn_hidden_size=1002)
+    for experts, sizes in ((Experts(8, 2, 1024), [1, 2, 4, 8]),
+                           (Experts(8, 2, 1024, moe_layer_freq=2), [1, 2])):
+        assert tensor_parallel_sizes(cost_model(model, experts, P4D), 8) == sizes
 
 
 def test_search_picks_expert_parallelism_for_mixtral_on_64_a100s():

@@ -49,7 +49,8 @@ def _refused(extra: list[str], world: int = 2, base: Optional[list[str]] = None,
 BAD_VALUES = {V.COUNT: ["0", "-1"], V.COUNT_OR_ZERO: ["-1"],
               V.POSITIVE: ["0", "-1", "nan", "inf"], V.NON_NEGATIVE: ["-1", "nan", "-inf"],
               V.PROBABILITY: ["1", "-0.1", "nan"], V.OPEN_UNIT: ["0", "1", "nan"],
-              V.UNIT: ["1.5", "-0.1", "nan"], V.SEED: ["-1", str(2 ** 32)]}
+              V.UNIT: ["1.5", "-0.1", "nan"], V.SEED: ["-1", str(2 ** 32)],
+              V.FINITE: ["nan", "inf"]}
 
 
 def _numeric_flags() -> dict[str, type]:

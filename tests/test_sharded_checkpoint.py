@@ -3,7 +3,9 @@
 A run saved at PP=2 x DP=2 resumes at PP=4 and at TP=2 x PP=2 with the losses of the
 uninterrupted run (which equals a resume at the old layout, bit-exactly tested
 elsewhere), up to floating-point accumulation order; 2BW likewise, its shadow weight
-version and optimizer state resharded with it.
+version and optimizer state resharded with it. The TP=2 x PP=2 resume reads Adam's state
+from a --use-distributed-optimizer save, which writes it only in Megatron-LM's
+dp_reshardable buckets: read back at the new layout through the index saved with them.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def _first_half(saved: str) -> None:
 def test_torch_dist_resumes_at_another_layout(tmp_path, schedule, layouts) -> None:
     saved = str(tmp_path / "saved")
     whole = losses(launch("gpt", 4, RUN + PP2_DP2 + ["--pipeline-schedule", schedule,
+                                                    "--use-distributed-optimizer",
                                                     "--save", saved],
                           str(tmp_path / "whole.jsonl")))
     assert os.path.exists(os.path.join(saved, "iter_0000003", "common.pt"))

@@ -6,8 +6,9 @@ The log's `throughput per GPU (TFLOP/s/GPU)` (and the `TFLOP/s/GPU` extra, the m
 file's `tflops`) divide Megatron-LM's num_floating_point_operations
 (`megatron_2bw.training.flops.megatron_flops`) by the iteration time and the world size.
 The planner counts the hardware's work instead (`ModelShape.training_flops`: the whole
-attention score matrix, a forward more under recomputation, a dense MLP in every layer);
-this prints both, built from the flags as pretrain_gpt.py / pretrain_bert.py build them.
+attention score matrix, a forward more under recomputation, and in a mixture of experts'
+MoE layers the top-k routed experts and the router); this prints both, built from the
+flags as pretrain_gpt.py / pretrain_bert.py build them.
 """
 from __future__ import annotations
 

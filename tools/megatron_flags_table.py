@@ -98,7 +98,16 @@ NOTES = {"--no-check-for-nan-in-loss-and-grad":
          "the check is on by default and ends the run at the first NaN/inf (one error line, "
          "a checkpoint with --save); off under fp16's dynamic loss scaling, as Megatron-LM; "
          "this project's --max-consecutive-skipped-iterations (default 10) bounds skipped "
-         "iterations then (docs/training.md)"}
+         "iterations then (docs/training.md)",
+         "--dist-ckpt-strictness":
+         "torch_dist loads; by default (and with raise_all) every tensor the checkpoint and "
+         "the model do not share is refused, naming it; Megatron-LM's other values pass over "
+         "the checkpoint's extra tensors (log_all names them); loading past a tensor the "
+         "checkpoint lacks (log_*, ignore_all) is refused as not implemented, return_* as "
+         "values for megatron-core's Python API (docs/checkpoints.md)",
+         "--logging-level":
+         "the level of megatron-core's and torch's Python loggers on every rank; the "
+         "trainer's own lines stay, as Megatron-LM's printed lines do"}
 
 
 # ------------------------------------------------------------------ reading a checkout
@@ -389,7 +398,8 @@ def _parsed(model: str) -> set[str]:
 
 # honored flags whose row quotes the parser's help (beside the kernel and MoE flags)
 NOTED = ("--use-distributed-optimizer", "--expert-model-parallel-size",
-         "--expert-tensor-parallel-size")
+         "--expert-tensor-parallel-size", "--disable-bf16-reduced-precision-matmul",
+         "--enable-experimental", "--skip-train")
 QUOTED_GROUPS = ("kernels", "mixture of experts")
 
 

@@ -5,7 +5,7 @@
 - `contents.py`: what a checkpoint says: Megatron-LM's `args`, its names for the
   parameters, the RNG and engine state;
 - `sharded.py`: `--ckpt-format torch_dist` through megatron-core's dist_checkpointing;
-  `megatron_optimizer.py`: Adam's state in Megatron-LM's own optimizer layouts there;
+  `megatron_optim/`: Adam's state in Megatron-LM's own optimizer layouts there;
 - `fit.py`: whether a checkpoint's tensors fit the model, shape by shape, and which flag
   makes a difference;
 - `save_load.py`: saving and resuming a run, the names other layers import; behind it

@@ -26,9 +26,19 @@ _FLAG_OF = (
     (r"tokentype_embeddings", "--bert-no-binary-head"),
     (r"linear_qkv\.weight|linear_qkv\.bias",
      "--num-attention-heads / --kv-channels / --num-query-groups / --hidden-size"),
-    (r"q_layernorm|k_layernorm", "--qk-layernorm / --kv-channels"),
-    (r"linear_proj", "--num-attention-heads / --kv-channels / --hidden-size"),
-    (r"linear_fc1\.weight|linear_fc1\.bias", "--ffn-hidden-size / --swiglu"),
+    (r"linear_q_down_proj", "--q-lora-rank / --hidden-size"),
+    (r"linear_q_up_proj|linear_q_proj",
+     "--q-lora-rank / --num-attention-heads / --qk-head-dim / --qk-pos-emb-head-dim"),
+    (r"linear_kv_down_proj", "--kv-lora-rank / --qk-pos-emb-head-dim / --hidden-size"),
+    (r"linear_kv_up_proj", "--kv-lora-rank / --num-attention-heads / --qk-head-dim / "
+                           "--v-head-dim"),
+    (r"kv_layernorm", "--qk-layernorm / --kv-lora-rank"),
+    (r"q_layernorm|k_layernorm", "--qk-layernorm / --kv-channels (--q-lora-rank with "
+                                 "--multi-latent-attention)"),
+    (r"linear_proj", "--num-attention-heads / --kv-channels / --hidden-size (--v-head-dim "
+                     "with --multi-latent-attention)"),
+    (r"linear_fc1\.weight|linear_fc1\.bias", "--ffn-hidden-size / --swiglu / --quick-geglu"),
+    (r"softmax_offset", "--softmax-type learnable / --num-attention-heads"),
     (r"linear_fc2", "--ffn-hidden-size"),
     (r"layer_norm|layernorm", "--normalization / --hidden-size"),
 )
@@ -37,6 +47,18 @@ _FLAG_OF = (
 VOCAB_ROWS = re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$")
 LAYERS = "transformer layers"  # a Misfit of the layer count (the torch format's names)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+# --dist-ckpt-strictness (megatron-core's StrictHandling names). None, the default here,
+# and raise_all refuse every tensor the checkpoint and the model do not share. The
+# others pass over the checkpoint's tensors the model lacks, as megatron-core does
+# (log_all names them in one warning); a model tensor the checkpoint lacks is refused
+# under all of them: megatron-core raises for it under the first two, and loading past
+# it, which it does under the last three, is not implemented here.
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+              "raise_all", "return_unexpected", "return_all", "ignore_all")
+PASSES_OVER_EXTRAS = ("assume_ok_unexpected", "raise_unexpected", "log_unexpected",
+                      "log_all", "ignore_all")
+LOADS_PAST_MISSING = ("log_unexpected", "log_all", "ignore_all")
 
 
 @dataclass(frozen=True)
@@ -120,6 +142,25 @@ def misfit_line(found: list[Misfit], path: str) -> Optional[str]:
     extra = f"; {more} more tensor{'s' * (more != 1)} differ" if more else ""
     return (f"the checkpoint does not fit this model: {first.describe()}{extra} ({path}); "
             f"resume with the checkpoint's {first.flag()}")
+
+
+def strict_verdict(found: list[Misfit], extras: list[Misfit], strictness: Optional[str],
+                   path: str) -> tuple[Optional[str], Optional[str]]:
+    """(the error line or None, a warning or None) of a torch_dist load under
+    --dist-ckpt-strictness: `found`, the model's tensors that do not fit; `extras`, the
+    checkpoint's tensors no rank's model has."""
+    warning = None
+    if strictness not in PASSES_OVER_EXTRAS:
+        found = found + extras
+    elif extras and strictness == "log_all":
+        warning = (f"--dist-ckpt-strictness log_all: {len(extras)} tensor(s) of the "
+                   "checkpoint that this model does not have are not loaded: "
+                   f"{', '.join(m.name for m in extras)} ({path})")
+    line = misfit_line(found, path)
+    if line and strictness in LOADS_PAST_MISSING and any(m.saved is None for m in found):
+        line += (f" (--dist-ckpt-strictness {strictness} would load past a tensor the "
+                 "checkpoint lacks, keeping its initial values: not implemented here)")
+    return line, None if line else warning
 
 
 def tensor_shapes(state: dict) -> dict[str, tuple]:

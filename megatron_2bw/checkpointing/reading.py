@@ -56,7 +56,7 @@ class LoadedCheckpoint:
         """Every tensor's shape against the model's (a collective: all ranks refuse
         alike); then, torch_dist: the tensors `train`'s --finetune / --no-load-* flags
         ask for, resharded to this rank's layout (a collective)."""
-        self.check_fit(root, executor, train.finetune)
+        self.check_fit(root, executor, train.finetune, train.dist_ckpt_strictness)
         if self.sharded:
             self.state = load_sharded(root, self.iteration, self.state, executor, updater,
                                       optimizer=not (train.finetune or train.no_load_optim),
@@ -64,13 +64,15 @@ class LoadedCheckpoint:
                                       rng=not (train.finetune or train.no_load_rng),
                                       finetune=train.finetune)
 
-    def check_fit(self, root: str, executor: CheckpointedRuntime, finetune: bool) -> None:
+    def check_fit(self, root: str, executor: CheckpointedRuntime, finetune: bool,
+                  strictness: Optional[str] = None) -> None:
         """Refuse, before anything loads, a checkpoint whose tensors have other shapes
-        than the model's (fit.py); every rank calls this."""
+        than the model's (fit.py); every rank calls this. `strictness`:
+        --dist-ckpt-strictness (torch_dist only, as in Megatron-LM)."""
         if self.sharded:
             error = attempt(lambda: raise_error(sharded_fit_error(
                 iteration_dir(root, self.iteration), executor, finetune,
-                self.vocab_rows_may_differ)))
+                self.vocab_rows_may_differ, strictness)))
         else:
             error = attempt(lambda: raise_error(self._file_fit_error(executor, finetune)))
         agree(error)

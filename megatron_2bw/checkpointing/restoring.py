@@ -38,7 +38,7 @@ def restore(loaded: LoadedCheckpoint, executor: CheckpointedRuntime,
         _restore_finetune(loaded, weights, updater)
         return
     newest = state["newest_version"]
-    optim = _loads_optimizer(loaded, t.no_load_optim)
+    optim = _loads_optimizer(loaded, t.no_load_optim, t.skip_train)
     if optim and not loaded.sharded:
         check_optimizer_kind(loaded, updater.checkpoint_state())
     source = scheduler_source(loaded, updater, run) if optim else "checkpoint"
@@ -70,8 +70,13 @@ def _restore_finetune(loaded: LoadedCheckpoint, weights: WeightsCheckpoint,
                 "schedule and random state start fresh")
 
 
-def _loads_optimizer(loaded: LoadedCheckpoint, no_load_optim: bool) -> bool:
-    """Whether the optimizer state is restored; a checkpoint without it needs the flag."""
+def _loads_optimizer(loaded: LoadedCheckpoint, no_load_optim: bool,
+                     skip_train: bool = False) -> bool:
+    """Whether the optimizer state is restored; a checkpoint without it needs the flag.
+    --skip-train never loads it (Megatron-LM turns --no-load-optim on for it)."""
+    if skip_train:
+        logger.info("--skip-train: the optimizer state is not loaded (--no-load-optim)")
+        return False
     if no_load_optim:
         logger.info("--no-load-optim: the optimizer state and the learning-rate schedule "
                     "start fresh (Megatron-LM's meaning: the warm-up runs again)")

@@ -29,7 +29,9 @@ SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_experts",
                "swiglu", "group_query_attention", "num_query_groups", "kv_channels",
                "add_bias_linear", "normalization", "qk_layernorm",
                "layernorm_zero_centered_gamma", "position_embedding_type",
-               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+               "quick_geglu", "softmax_type", "multi_latent_attention", "q_lora_rank",
+               "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 # of those, the layout: a torch_dist checkpoint reshards to another one (its experts are
 # named by their global index, so the expert-parallel sizes are layout too)
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -132,6 +134,10 @@ def check_vocabulary(saved: dict, flags: dict, padded: int, path: str,
     """
     old = saved.get("padded_vocab_size")
     change = _changes(saved, flags, TOKENIZER_FLAGS)
+    if old is None and reshardable and not change:
+        # args saved without it (Megatron-LM's, where no tokenizer was built): the same
+        # tokenizer, so rows that differ are padding, resharded as where it is known
+        return True
     if old is None or old == padded:
         if change:
             rows = f"the embedding keeps its {padded} rows, but " if old else ""
@@ -180,9 +186,10 @@ def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:
         logger.info(f"--finetune: starting at iteration 0 from the weights of iteration "
                     f"{loaded.iteration}")
     if loaded:
-        _check_iterations(loaded, t.train_iters, start)
+        if not t.skip_train:  # --skip-train trains nothing: --train-iters does not matter
+            _check_iterations(loaded, t.train_iters, start)
         _check_flags(loaded, run, start)
-    if t.save:
+    if t.save and not t.skip_train:  # --skip-train saves nothing
         check_save_dir(t.save, start, t.overwrite_checkpoints)
         _check_torch_format_layout(run)
     return start

@@ -28,10 +28,12 @@ them:
   each optimizer tensor sharded like its parameter (the last stage's tied output-layer
   copy is a replica of the word embedding, saved once);
 - with --optimizer adam, Adam's state also in the layout Megatron-LM's optimizer writes
-  with the run's flags (megatron_optimizer.py: the non-distributed nesting, or with
+  with the run's flags (megatron_optim/: the non-distributed nesting, or with
   --use-distributed-optimizer dp_reshardable / fully_reshardable), its `optimizer`
   common state and `content_metadata`, so Megatron-LM's `load_checkpoint` resumes Adam;
-  where a layout's keys are the per-parameter ones above they are written once;
+  Adam's tensors are written once: under the per-parameter keys above where the layout
+  has them, else (dp_reshardable) in its buckets only, with an index in `common.pt`
+  (`pipedream_2bw.optimizer_buckets`) that reads them back at any layout;
 - `rng_state`: per (pipeline, tensor) rank, with expert parallelism per (pipeline,
   tensor, data-parallel) rank, as Megatron-LM; restored only at the layout it was saved
   at (another layout has other ranks; Megatron-LM does the same);
@@ -53,7 +55,7 @@ import logging
 import os
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -68,9 +70,10 @@ from .. import comm
 from ..models.compat import cpu_dist_checkpointing
 from ..optim.checkpoint import CheckpointedOptimizer, OptimizerCheckpoint
 from ..runtime.checkpoint import CheckpointedRuntime, WeightsCheckpoint
-from . import megatron_optimizer as mlo
+from . import megatron_optim as mlo
 from .contents import megatron_engine_state
-from .fit import misfit_line, misfits
+from .fit import misfits, strict_verdict
+from .ranks import warn_once
 from .files import (MANIFEST, CheckpointError, FileEntry, iteration_dir, previous_hint,
                     read_manifest, write_manifest, write_tracker, writer_error)
 
@@ -85,6 +88,9 @@ COMMON_FILE = "common.pt"
 NOT_MODEL = ("optimizer.", "chained_", "pipedream_2bw.")
 # the optimizer's per-parameter tensors: {kind: [(parameter index, tensor)]}
 PerParameter = dict[str, list[tuple[int, torch.Tensor]]]
+# what reads Adam's tensors from dp_reshardable buckets (a checkpoint of ours, or one
+# Megatron-LM wrote): the template, the kinds it reads, the tensors and scalars it found
+BucketSource = Union[mlo.IndexRead, mlo.BucketRead]
 
 
 def is_sharded(root: str, iteration: int) -> bool:
@@ -205,9 +211,12 @@ def _sharded_state(iteration: int, executor: CheckpointedRuntime,
     if trained is not None:
         state["predicted_model"] = _prediction_shards(model, names, newest_params)
     if tensors is not None and record.optimizer == "adam":
-        state["optimizer"], covered = mlo.megatron_optimizer_state(_save_inputs(
+        megatron = mlo.megatron_optimizer_state(_save_inputs(
             fmt, args, weights, record, model, tensors, trained or newest_params))
-        tensors = {k: v for k, v in tensors.items() if k not in covered}
+        state["optimizer"] = megatron.optimizer
+        if megatron.index is not None:
+            state["pipedream_2bw"]["optimizer_buckets"] = megatron.index
+        tensors = {k: v for k, v in tensors.items() if k not in megatron.covered}
     if tensors:
         state["optimizer_tensors"] = _optimizer_shards(tensors, names, model)
     if rng is not None:
@@ -383,11 +392,14 @@ def _global_shapes(shards: dict, leave_out: Sequence[str] = ()) -> dict[str, tup
 
 
 def sharded_fit_error(path: str, executor: CheckpointedRuntime, finetune: bool,
-                      vocab_rows_may_differ: bool) -> Optional[str]:
+                      vocab_rows_may_differ: bool,
+                      strictness: Optional[str] = None) -> Optional[str]:
     """Every model tensor's global shape against the checkpoint's metadata, before
     anything loads: dist_checkpointing would load a vocabulary tensor of another shape in
-    part and skip a saved tensor nobody asks for. A collective (the tensors no rank's
-    stage holds are the checkpoint's extra ones); the error line, or None."""
+    part and skip a saved tensor nobody asks for (refused, unless `strictness`,
+    --dist-ckpt-strictness, passes over such tensors: fit.strict_verdict). A collective
+    (the tensors no rank's stage holds are the checkpoint's extra ones); the error line,
+    or None."""
     try:
         metadata = dist_checkpointing.load_tensors_metadata(path)
     except Exception as err:  # noqa: BLE001 (the user's file: one line; peers must not wait)
@@ -405,23 +417,30 @@ def sharded_fit_error(path: str, executor: CheckpointedRuntime, finetune: bool,
         return unreadable
     found = misfits(saved, mine, vocab_rows_may_differ=vocab_rows_may_differ,
                     unexpected=False)
-    if not finetune:  # --finetune drops the pretraining heads a task model lacks
-        found += [m for m in misfits(saved, {}) if m.name not in held]
-    return misfit_line(found, path)
+    # the checkpoint's tensors no rank holds (--finetune drops the pretraining heads a
+    # task model lacks: none then)
+    extras = [] if finetune else [m for m in misfits(saved, {}) if m.name not in held]
+    line, warning = strict_verdict(found, extras, strictness, path)
+    if warning:
+        warn_once(warning)
+    return line
 
 
 def _template(common: dict, weights: WeightsCheckpoint, names: Sequence[str],
               tensors: PerParameter, kinds: Optional[set[str]], shadow: bool, rng: bool,
-              fresh: list[str], optimizer: Optional[dict] = None) -> dict:
+              fresh: list[str], buckets: Optional[BucketSource] = None) -> dict:
     """What this rank asks for, in its own layout (loads reshard to it); `kinds` None:
     no optimizer state; `fresh`: model tensors not to ask for (a finetuning head);
-    `optimizer`: the optimizer's template where `_megatron_buckets` made one."""
+    `buckets`: what `_bucket_read` reads from dp_reshardable buckets (its kinds are not
+    asked for per parameter)."""
     model = _model_shards(weights.buffers[0])
     template = {"model": _without(model, fresh)}
     if kinds is not None:
-        template["optimizer_tensors"] = (optimizer if optimizer is not None else
-                                         _optimizer_shards(tensors, names, model, kinds,
-                                                           mlo.saved_format(common)))
+        own = kinds - (buckets.kinds if buckets is not None else set())
+        template["optimizer_tensors"] = _optimizer_shards(tensors, names, model, own,
+                                                          mlo.saved_format(common))
+        if buckets is not None:
+            template["optimizer_buckets"] = buckets.template
         if common["pipedream_2bw"].get("predicted_newest"):  # only a resume needs it
             template["predicted_model"] = _prediction_shards(
                 model, names, [torch.empty_like(p) for p in weights.buffer_params[0]])
@@ -432,24 +451,32 @@ def _template(common: dict, weights: WeightsCheckpoint, names: Sequence[str],
     return template
 
 
-def _megatron_buckets(common: dict, weights: WeightsCheckpoint, path: str
-                      ) -> Optional[tuple[mlo.BucketRead, list]]:
-    """A dp_reshardable checkpoint Megatron-LM wrote: what reads this rank's parameters
-    from its buckets, and their specs; None for any other checkpoint (their optimizer
-    tensors are per parameter). A collective; a layout that cannot load here, one line."""
-    if common["pipedream_2bw"].get("megatron_optimizer") != mlo.DP_RESHARDABLE:
-        return None
-    fmt = mlo.saved_format(common)
-    specs = mlo.param_specs(weights.module(weights.newest), weights.params(weights.newest))
+def _bucket_read(common: dict, weights: WeightsCheckpoint, names: Sequence[str],
+                 kinds: set[str], path: str) -> Optional[BucketSource]:
+    """Where Adam's tensors are in dp_reshardable buckets: ours through the index saved
+    beside them (at any layout), Megatron-LM's through the bucket transcription (at its
+    own TP x PP); None where they are per parameter. A collective; a layout that cannot
+    load here, one line."""
+    index = common["pipedream_2bw"].get("optimizer_buckets")
     try:
+        if index is not None:
+            model = _model_shards(weights.buffers[0])
+            return mlo.index_read(index, {i: model[n[len(MODEL_PREFIX):]]
+                                          for i, n in enumerate(names)},
+                                  kinds & set(mlo.BUCKET_KIND))
+        if common["pipedream_2bw"].get("megatron_optimizer") != mlo.DP_RESHARDABLE:
+            return None
+        fmt = mlo.saved_format(common)
+        specs = mlo.param_specs(weights.module(weights.newest),
+                                weights.params(weights.newest))
         mlo.check_dp_layout(common, len(specs))
         read = mlo.bucket_template(mlo.retyped(specs, fmt), fmt, common["args"])
     except mlo.LayoutError as err:
         raise CheckpointError(f"the checkpoint ({path}): {err}") from None
-    misfit = mlo.bucket_misfit(read, dist_checkpointing.load_tensors_metadata(path))
+    misfit = read.misfit(dist_checkpointing.load_tensors_metadata(path))
     if misfit:
         raise CheckpointError(f"the checkpoint ({path}): {misfit}")
-    return read, specs
+    return read
 
 
 def _weights(loaded: dict, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -487,15 +514,15 @@ def _optimizer_state(common: dict, updater: CheckpointedOptimizer, tensors: PerP
 
 def _loaded_optimizer(common: dict, updater: CheckpointedOptimizer, names: Sequence[str],
                       tensors: PerParameter, loaded: dict,
-                      buckets: Optional[tuple]) -> dict:
-    """`_optimizer_state` from what the load returned: per-parameter tensors, or a
-    dp_reshardable checkpoint's bucket pieces with its param groups (Adam's step and
-    the decoupled learning rates are in those)."""
+                      buckets: Optional[BucketSource]) -> dict:
+    """`_optimizer_state` from what the load returned: per-parameter tensors, and where
+    `buckets` read some, those (a Megatron-LM checkpoint's with the scalars of its
+    param groups)."""
     saved = dict(common["pipedream_2bw"])
-    if buckets is None:
-        return _optimizer_state(common, updater, tensors, _by_index(loaded, names), saved)
-    found, groups = mlo.bucket_state(loaded, buckets[1])
-    saved.update(adam_step=mlo.group_step(groups), lr_groups=mlo.lr_groups(groups))
+    found = _by_index(loaded.get("optimizer_tensors") or {}, names)
+    if buckets is not None:
+        found.update(buckets.found(loaded["optimizer_buckets"]))
+        saved.update(buckets.scalars(loaded["optimizer_buckets"]))
     return _optimizer_state(common, updater, tensors, found, saved)
 
 
@@ -514,11 +541,12 @@ def load_sharded(root: str, iteration: int, common: dict, executor: Checkpointed
     if optimizer and engine.get("megatron_optimizer_error"):  # a layout not read here
         raise CheckpointError(f"the checkpoint ({path}): {engine['megatron_optimizer_error']}")
     kinds = _requested_kinds(common, record, set(tensors), path) if optimizer else None
-    buckets = _megatron_buckets(common, weights, path) if optimizer else None
+    buckets = (_bucket_read(common, weights, record.param_names, kinds, path)
+               if optimizer else None)
     rng = rng and engine.get("rng_saved", True)
     fresh = _fresh_keys(weights.buffers[0], path) if finetune else []
     template = _template(common, weights, record.param_names, tensors, kinds, shadow, rng,
-                         fresh, buckets[0].template if buckets else None)
+                         fresh, buckets)
     loaded = _load(template, path)
     if rng and loaded.get("rng_state") is None and "rng_state" not in template:
         _warn_layout(common)
@@ -528,7 +556,7 @@ def load_sharded(root: str, iteration: int, common: dict, executor: Checkpointed
             "newest_version": engine["newest_version"], "model": trained,
             "weight_versions": versions, "loss_scale_of": engine["loss_scale_of"],
             "optimizer": (_loaded_optimizer(common, updater, record.param_names, tensors,
-                                            loaded["optimizer_tensors"], buckets)
+                                            loaded, buckets)
                           if optimizer else None),
             "rng_state": loaded.get("rng_state")}
 

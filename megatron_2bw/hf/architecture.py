@@ -57,6 +57,13 @@ SUPPORTED = ("supported: GPT-2-like (learned positions, LayerNorm, GELU, biases)
              "a MoE layer) and BERT")
 
 
+MLA_UNMAPPED = ("multi-latent attention has no Hugging Face mapping here (DeepSeek-V2/V3's "
+                "weight layout is not converted)")
+GPT_OSS_UNMAPPED = ("GPT-OSS's attention sinks, sliding window and clamped quick-GeGLU have "
+                    "no Hugging Face mapping here (GptOssForCausalLM's layout is not "
+                    "converted)")
+
+
 @dataclass(frozen=True)
 class SpecialTokens:
     """Token ids the HF config names (None where the tokenizer has none)."""
@@ -138,8 +145,21 @@ def _refuse_bert(m: ModelConfig) -> None:
                         "and one key/value head per query head)", flag)
 
 
+def _gpt_oss_flag(m: ModelConfig) -> Optional[str]:
+    """The first GPT-OSS flag the model is built with (None: none)."""
+    checks = ((m.softmax_type != "vanilla", "--softmax-type"),
+              (m.window_size is not None, "--window-size"), (m.quick_geglu, "--quick-geglu"),
+              (m.glu_linear_offset != 0.0, "--glu-linear-offset"))
+    return next((flag for bad, flag in checks if bad), None)
+
+
 def hf_family(m: ModelConfig) -> str:
     """GPT2, LLAMA, MIXTRAL or BERT; a UserError naming the flag HF has no class for."""
+    if m.multi_latent_attention:
+        raise UserError(MLA_UNMAPPED, "--multi-latent-attention", SUPPORTED)
+    gpt_oss = _gpt_oss_flag(m)
+    if gpt_oss:
+        raise UserError(GPT_OSS_UNMAPPED, gpt_oss, SUPPORTED)
     if m.qk_layernorm:
         raise _no_class("query/key normalization", "--qk-layernorm")
     if m.layernorm_zero_centered_gamma:
@@ -185,26 +205,14 @@ def hf_config(m: ModelConfig, special: SpecialTokens, meta: dict):
             **common)
     elif family == LLAMA:
         config = transformers.LlamaConfig(
-            hidden_size=m.hidden_size, intermediate_size=m.ffn_size,
-            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.query_groups, head_dim=m.head_dim, hidden_act="silu",
-            max_position_embeddings=m.max_positions, rms_norm_eps=m.layernorm_epsilon,
-            rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
-            attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear,
-            attention_dropout=m.attention_dropout, bos_token_id=special.bos,
-            eos_token_id=special.eos, pad_token_id=special.pad, **common)
-    elif family == MIXTRAL:
+            intermediate_size=m.ffn_size, attention_bias=m.add_bias_linear,
+            mlp_bias=m.add_bias_linear, **_rope_config(m, special), **common)
+    elif family == MIXTRAL:  # Llama's fields, an MoE MLP
         config = transformers.MixtralConfig(
-            hidden_size=m.hidden_size, intermediate_size=m.moe_ffn_size,
-            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.query_groups, head_dim=m.head_dim, hidden_act="silu",
-            max_position_embeddings=m.max_positions, rms_norm_eps=m.layernorm_epsilon,
-            rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
-            sliding_window=None, num_local_experts=m.num_experts,
-            num_experts_per_tok=m.moe_router_topk,
+            intermediate_size=m.moe_ffn_size, sliding_window=None,
+            num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
             router_aux_loss_coef=_aux_loss_coeff(m), router_jitter_noise=0.0,
-            attention_dropout=m.attention_dropout, bos_token_id=special.bos,
-            eos_token_id=special.eos, pad_token_id=special.pad, **common)
+            **_rope_config(m, special), **common)
     else:
         config = transformers.MegatronBertConfig(
             hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
@@ -217,6 +225,18 @@ def hf_config(m: ModelConfig, special: SpecialTokens, meta: dict):
     config.dtype = m.params_dtype  # the dtype the weights are written in
     setattr(config, META, meta)
     return config
+
+
+def _rope_config(m: ModelConfig, special: SpecialTokens) -> dict:
+    """The config fields Llama and Mixtral share (the reverse of `_rope_flags`): shape,
+    rotary, RMSNorm, SiLU gating, query groups, attention dropout, special tokens."""
+    return dict(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                num_attention_heads=m.num_attention_heads, num_key_value_heads=m.query_groups,
+                head_dim=m.head_dim, hidden_act="silu", max_position_embeddings=m.max_positions,
+                rms_norm_eps=m.layernorm_epsilon,
+                rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
+                attention_dropout=m.attention_dropout, bos_token_id=special.bos,
+                eos_token_id=special.eos, pad_token_id=special.pad)
 
 
 def _aux_loss_coeff(m: ModelConfig) -> float:
@@ -382,6 +402,15 @@ def imported_architecture(c) -> ImportedArchitecture:
     elif c.model_type == BERT and arch in BERT_CLASSES + (None,):
         binary = arch != BERT_CLASSES[1]
         flags, model, positions = _bert_flags(c, binary), "bert", c.max_position_embeddings
+    elif c.model_type == "gpt_oss":
+        raise UserError(f"cannot import model type 'gpt_oss': {GPT_OSS_UNMAPPED}",
+                        "config.json", "import a supported model, or train with the GPT-OSS "
+                        "flags (--softmax-type learnable, --window-size, --quick-geglu) from "
+                        "scratch")
+    elif getattr(c, "kv_lora_rank", None) is not None:  # DeepSeek-V2/V3, Kimi K2
+        raise UserError(f"cannot import model type {c.model_type!r}: {MLA_UNMAPPED}",
+                        "config.json", "import a supported model, or train with "
+                        "--multi-latent-attention from scratch")
     else:
         raise UserError(f"cannot import model type {c.model_type!r} ({arch})", "config.json",
                         "supported: GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, "

@@ -27,6 +27,7 @@ The layouts that differ:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -36,6 +37,7 @@ from ..models.config import ModelConfig
 from .architecture import BERT, GPT2, LLAMA, MIXTRAL, hf_family
 
 State = dict[str, Tensor]
+LayerMap = Callable[[State, ModelConfig, int], State]  # one part of layer i, renamed
 
 
 def split_qkv(w: Tensor, m: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
@@ -104,94 +106,71 @@ _GPT2_TOP = {"embedding.word_embeddings.weight": "transformer.wte.weight",
              "decoder.final_layernorm.bias": "transformer.ln_f.bias"}
 
 
-def _gpt2_to_hf(src: State, m: ModelConfig) -> State:
-    out = {theirs: src[ours] for ours, theirs in _GPT2_TOP.items()}
-    for i in _layers(m):
-        out.update(_gpt2_layer(src, m, i))
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = src["output_layer.weight"]
-    return out
+# ------------------------------------------------------------------ Llama and Mixtral
+#
+# Mixtral is Llama with a mixture of experts for the MLP: the embedding, the final norm,
+# the output layer and each layer's norms and attention have the same names in both, so
+# `_LLAMA_TOP` and `_attention_*` serve both (see `_DECODERS`) and each family adds only
+# its MLP (`_swiglu_*` for Llama, `_moe_*` for Mixtral): a fix to the shared names is a
+# fix to both families.
 
-
-def _gpt2_from_hf(src: State, m: ModelConfig) -> State:
-    out = {ours: src[theirs] for ours, theirs in _GPT2_TOP.items()}
-    for i in _layers(m):
-        out.update(_gpt2_layer_back(src, m, i))
-    if not m.tie_embeddings:
-        out["output_layer.weight"] = src["lm_head.weight"]
-    return out
-
-
-# ----------------------------------------------------------------------------- Llama
-
-_LLAMA_PLAIN = (("input_layernorm.weight", "input_layernorm.weight"),
-                ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-                ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
-                ("mlp.linear_fc2.weight", "mlp.down_proj.weight"))
-_LLAMA_BIASES = (("self_attention.linear_proj.bias", "self_attn.o_proj.bias"),
-                 ("mlp.linear_fc2.bias", "mlp.down_proj.bias"))
+_LLAMA_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+              "decoder.final_layernorm.weight": "model.norm.weight"}
+_LLAMA_NORMS = (("input_layernorm.weight", "input_layernorm.weight"),
+                ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"))
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 def _llama_parts(m: ModelConfig) -> tuple[str, ...]:
+    """The linear layers' tensors: Mixtral has no biases (`_refuse_mixtral`), Llama may."""
     return ("weight", "bias") if m.add_bias_linear else ("weight",)
 
 
-def _llama_to_hf(src: State, m: ModelConfig) -> State:
-    out = {"model.embed_tokens.weight": src["embedding.word_embeddings.weight"],
-           "model.norm.weight": src["decoder.final_layernorm.weight"]}
-    for i in _layers(m):
-        a, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        plain = _LLAMA_PLAIN + (_LLAMA_BIASES if m.add_bias_linear else ())
-        out.update({h + theirs: src[a + ours] for ours, theirs in plain})
-        for part in _llama_parts(m):
-            q, k, v = split_qkv(src[a + f"self_attention.linear_qkv.{part}"], m)
-            out.update({h + f"self_attn.q_proj.{part}": q, h + f"self_attn.k_proj.{part}": k,
-                        h + f"self_attn.v_proj.{part}": v})
-            gate, up = torch.chunk(src[a + f"mlp.linear_fc1.{part}"], 2)
-            out.update({h + f"mlp.gate_proj.{part}": gate, h + f"mlp.up_proj.{part}": up})
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = src["output_layer.weight"]
-    return out
-
-
-def _llama_from_hf(src: State, m: ModelConfig) -> State:
-    out = {"embedding.word_embeddings.weight": src["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": src["model.norm.weight"]}
-    for i in _layers(m):
-        a, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        plain = _LLAMA_PLAIN + (_LLAMA_BIASES if m.add_bias_linear else ())
-        out.update({a + ours: src[h + theirs] for ours, theirs in plain})
-        for part in _llama_parts(m):
-            out[a + f"self_attention.linear_qkv.{part}"] = merge_qkv(
-                src[h + f"self_attn.q_proj.{part}"], src[h + f"self_attn.k_proj.{part}"],
-                src[h + f"self_attn.v_proj.{part}"], m)
-            out[a + f"mlp.linear_fc1.{part}"] = torch.cat(
-                [src[h + f"mlp.gate_proj.{part}"], src[h + f"mlp.up_proj.{part}"]])
-    if not m.tie_embeddings:
-        out["output_layer.weight"] = src["lm_head.weight"]
-    return out
-
-
-# ---------------------------------------------------------------------------- Mixtral
-
-_MIXTRAL_PLAIN = _LLAMA_PLAIN[:3]  # the norms and the attention output; no biases
+def _llama_prefixes(i: int) -> tuple[str, str]:
+    return f"decoder.layers.{i}.", f"model.layers.{i}."
 
 
 def _attention_to_hf(src: State, m: ModelConfig, i: int) -> State:
-    a, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-    out = {h + theirs: src[a + ours] for ours, theirs in _MIXTRAL_PLAIN}
-    q, k, v = split_qkv(src[a + "self_attention.linear_qkv.weight"], m)
-    out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
-                h + "self_attn.v_proj.weight": v})
+    """Layer i's two norms and its attention (Llama and Mixtral alike)."""
+    a, h = _llama_prefixes(i)
+    out = {h + theirs: src[a + ours] for ours, theirs in _LLAMA_NORMS}
+    for part in _llama_parts(m):
+        qkv = split_qkv(src[a + f"self_attention.linear_qkv.{part}"], m)
+        out.update({h + f"{name}.{part}": t for name, t in zip(_QKV, qkv)})
+        out[h + f"self_attn.o_proj.{part}"] = src[a + f"self_attention.linear_proj.{part}"]
     return out
 
 
 def _attention_from_hf(src: State, m: ModelConfig, i: int) -> State:
-    a, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-    out = {a + ours: src[h + theirs] for ours, theirs in _MIXTRAL_PLAIN}
-    out[a + "self_attention.linear_qkv.weight"] = merge_qkv(
-        src[h + "self_attn.q_proj.weight"], src[h + "self_attn.k_proj.weight"],
-        src[h + "self_attn.v_proj.weight"], m)
+    """The inverse of `_attention_to_hf`."""
+    a, h = _llama_prefixes(i)
+    out = {a + ours: src[h + theirs] for ours, theirs in _LLAMA_NORMS}
+    for part in _llama_parts(m):
+        q, k, v = (src[h + f"{name}.{part}"] for name in _QKV)
+        out[a + f"self_attention.linear_qkv.{part}"] = merge_qkv(q, k, v, m)
+        out[a + f"self_attention.linear_proj.{part}"] = src[h + f"self_attn.o_proj.{part}"]
+    return out
+
+
+def _swiglu_to_hf(src: State, m: ModelConfig, i: int) -> State:
+    """Llama's dense MLP: fc1 = [gate; up], fc2 = down."""
+    a, h = _llama_prefixes(i)
+    out = {}
+    for part in _llama_parts(m):
+        gate, up = torch.chunk(src[a + f"mlp.linear_fc1.{part}"], 2)
+        out.update({h + f"mlp.gate_proj.{part}": gate, h + f"mlp.up_proj.{part}": up,
+                    h + f"mlp.down_proj.{part}": src[a + f"mlp.linear_fc2.{part}"]})
+    return out
+
+
+def _swiglu_from_hf(src: State, m: ModelConfig, i: int) -> State:
+    """The inverse of `_swiglu_to_hf`."""
+    a, h = _llama_prefixes(i)
+    out = {}
+    for part in _llama_parts(m):
+        out[a + f"mlp.linear_fc1.{part}"] = torch.cat(
+            [src[h + f"mlp.gate_proj.{part}"], src[h + f"mlp.up_proj.{part}"]])
+        out[a + f"mlp.linear_fc2.{part}"] = src[h + f"mlp.down_proj.{part}"]
     return out
 
 
@@ -237,32 +216,67 @@ def _hf_experts(src: State, m: ModelConfig, i: int) -> tuple[Tensor, list[tuple[
          src[b + f"experts.{e}.w2.weight"]) for e in range(m.num_experts)]
 
 
-def _mixtral_to_hf(src: State, m: ModelConfig) -> State:
-    out = {"model.embed_tokens.weight": src["embedding.word_embeddings.weight"],
-           "model.norm.weight": src["decoder.final_layernorm.weight"]}
-    for i in _layers(m):
-        out.update(_attention_to_hf(src, m, i))
-        b = f"model.layers.{i}.block_sparse_moe."
-        out[b + "gate.weight"] = src[f"decoder.layers.{i}.mlp.router.weight"]
-        for e, (fc1, fc2) in enumerate(our_experts(src, m, i)):
-            gate, up = torch.chunk(fc1, 2)
-            out.update({b + f"experts.{e}.w1.weight": gate, b + f"experts.{e}.w3.weight": up,
-                        b + f"experts.{e}.w2.weight": fc2})
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = src["output_layer.weight"]
+def _moe_to_hf(src: State, m: ModelConfig, i: int) -> State:
+    """Mixtral's MLP: the router, and each expert's w1 (gate), w3 (up) and w2 (down)."""
+    b = f"model.layers.{i}.block_sparse_moe."
+    out = {b + "gate.weight": src[f"decoder.layers.{i}.mlp.router.weight"]}
+    for e, (fc1, fc2) in enumerate(our_experts(src, m, i)):
+        gate, up = torch.chunk(fc1, 2)
+        out.update({b + f"experts.{e}.w1.weight": gate, b + f"experts.{e}.w3.weight": up,
+                    b + f"experts.{e}.w2.weight": fc2})
     return out
 
 
-def _mixtral_from_hf(src: State, m: ModelConfig) -> State:
-    out = {"embedding.word_embeddings.weight": src["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": src["model.norm.weight"]}
+def _moe_from_hf(src: State, m: ModelConfig, i: int) -> State:
+    """The inverse of `_moe_to_hf` (or of transformers >= 5's fused experts)."""
+    router, experts = _hf_experts(src, m, i)
+    return {f"decoder.layers.{i}.mlp.router.weight": router, **_experts_state(experts, m, i)}
+
+
+# ------------------------------------------------------------------------ causal LMs
+
+
+@dataclass(frozen=True)
+class _Decoder:
+    """How a causal LM's state dict maps: its top-level tensors (our name: HF's; the
+    output layer, `_HEAD`, comes last when it is not tied to the embedding) and, for every
+    layer, the maps whose outputs together are the layer (each: state, model, layer index
+    -> that part's tensors in the other naming), one tuple for each direction."""
+
+    top: dict[str, str]
+    to_hf: tuple[LayerMap, ...]
+    from_hf: tuple[LayerMap, ...]
+
+
+_DECODERS = {
+    GPT2: _Decoder(_GPT2_TOP, (_gpt2_layer,), (_gpt2_layer_back,)),
+    LLAMA: _Decoder(_LLAMA_TOP, (_attention_to_hf, _swiglu_to_hf),
+                    (_attention_from_hf, _swiglu_from_hf)),
+    MIXTRAL: _Decoder(_LLAMA_TOP, (_attention_to_hf, _moe_to_hf),
+                      (_attention_from_hf, _moe_from_hf)),
+}
+
+
+_HEAD = {"output_layer.weight": "lm_head.weight"}
+
+
+def _renamed(src: State, names: dict[str, str], to_hf: bool) -> State:
+    """The tensors `names` lists (our name: HF's) from `src`, under the other naming."""
+    pairs = names.items() if to_hf else ((theirs, ours) for ours, theirs in names.items())
+    return {dst: src[name] for name, dst in pairs}
+
+
+def _decoder(src: State, m: ModelConfig, family: str, to_hf: bool) -> State:
+    """GPT2, LLAMA or MIXTRAL's state dict in the other naming (`to_hf`: ours -> HF's):
+    the top-level tensors, layer by layer, then the untied output layer (a large export's
+    shards are cut in this order)."""
+    d = _DECODERS[family]
+    out = _renamed(src, d.top, to_hf)
     for i in _layers(m):
-        out.update(_attention_from_hf(src, m, i))
-        router, experts = _hf_experts(src, m, i)
-        out[f"decoder.layers.{i}.mlp.router.weight"] = router
-        out.update(_experts_state(experts, m, i))
+        for part in d.to_hf if to_hf else d.from_hf:
+            out.update(part(src, m, i))
     if not m.tie_embeddings:
-        out["output_layer.weight"] = src["lm_head.weight"]
+        out.update(_renamed(src, _HEAD, to_hf))
     return out
 
 
@@ -324,24 +338,19 @@ def _bert_from_hf(src: State, m: ModelConfig) -> State:
     return out
 
 
-_TO_HF: dict[str, Callable[[State, ModelConfig], State]] = {
-    GPT2: _gpt2_to_hf, LLAMA: _llama_to_hf, MIXTRAL: _mixtral_to_hf, BERT: _bert_to_hf}
-_FROM_HF: dict[str, Callable[[State, ModelConfig], State]] = {
-    GPT2: _gpt2_from_hf, LLAMA: _llama_from_hf, MIXTRAL: _mixtral_from_hf,
-    BERT: _bert_from_hf}
-
-
 def to_hf(state: State, m: ModelConfig) -> State:
     """Our model's megatron-core state dict (TP = PP = 1) -> the HF state dict; every
     tensor contiguous and its own (safetensors refuses shared or strided storage)."""
-    out = _TO_HF[hf_family(m)](state, m)
+    family = hf_family(m)
+    out = _bert_to_hf(state, m) if family == BERT else _decoder(state, m, family, True)
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
 def from_hf(state: State, m: ModelConfig) -> State:
     """The HF state dict -> our megatron-core names (TP = PP = 1); the HF model's vocabulary
     must already have our padded size (see `pad_vocab_rows`)."""
-    out = _FROM_HF[hf_family(m)](state, m)
+    family = hf_family(m)
+    out = _bert_from_hf(state, m) if family == BERT else _decoder(state, m, family, False)
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 

@@ -67,24 +67,28 @@ def allowed_kernels(backend: str, device_type: str) -> Optional[tuple[SDPBackend
 
 
 def kernel_problem(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                   grouped: bool, dropout: float, masked: bool) -> Optional[str]:
+                   grouped: bool, dropout: float, masked: bool,
+                   value_dim: Optional[int] = None) -> Optional[str]:
     """Why the kernels `backend` restricts SDPA to cannot compute this attention on
     `device` (None: they can, or nothing is restricted), asked of PyTorch itself: a forward
     and backward of a tiny batch with the model's dtype, head size, key/value grouping,
-    dropout and mask. Its reasons (the warnings it gives before "No available kernel") are
-    the answer; asking up front turns the first iteration's traceback into one line."""
+    dropout and mask (`value_dim`: values of their own width, as multi-latent attention's).
+    Its reasons (the warnings it gives before "No available kernel") are the answer;
+    asking up front turns the first iteration's traceback into one line."""
     kernels = allowed_kernels(backend, device.type)
     if kernels is None:
         return None
     q = torch.zeros(1, 2, 8, head_dim, device=device, dtype=dtype, requires_grad=True)
     kv = torch.zeros(1, 1 if grouped else 2, 8, head_dim, device=device, dtype=dtype,
                      requires_grad=True)
+    v = kv if value_dim is None else torch.zeros(*kv.shape[:-1], value_dim, device=device,
+                                                 dtype=dtype, requires_grad=True)
     mask = torch.ones(8, 8, dtype=torch.bool, device=device).tril() if masked else None
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         try:
             with sdpa_kernel(list(kernels)):
-                out = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, dropout_p=dropout,
+                out = F.scaled_dot_product_attention(q, kv, v, attn_mask=mask, dropout_p=dropout,
                                                      is_causal=mask is None, enable_gqa=grouped)
                 out.sum().backward()
             return None
@@ -130,15 +134,18 @@ class SdpaAttention(MegatronModule):
     groups; rotary embeddings are already applied by the caller), the mask True where a
     position is masked out (None with a causal mask type: causal), output [sq, b, np * hn].
     Grouped-query attention shares each key/value group among np / ng heads without
-    copying them; attention dropout draws from megatron-core's model-parallel RNG, as the
-    unfused module does, so tensor-parallel ranks drop independently.
+    copying them; multi-latent attention passes keys wider than its values (`k_channels`,
+    `v_channels`: SDPA reads both widths from the tensors); attention dropout draws from
+    megatron-core's model-parallel RNG, as the unfused module does, so tensor-parallel
+    ranks drop independently.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int,
                  attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, backend: str = "auto"):
+                 pg_collection=None, backend: str = "auto", k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
         super().__init__(config=config)
         tp = (pg_collection.tp.size() if pg_collection is not None
               else parallel_state.get_tensor_model_parallel_world_size())

@@ -21,11 +21,17 @@ device, at import of this module: megatron-core's router refers to `te_general_g
 which its moe_utils defines only when Transformer Engine is installed
 (`_define_missing_te_general_gemm`). models/moe.py lets GroupedMLP be built without the
 grouped_gemm package (listed here too).
+
+Multi-latent attention (models/mla.py) builds its rotary embedding on the current CUDA
+device: on CPU `_wrap_mla_rotary` makes that device read "cpu". Its module believes
+Transformer Engine present whenever megatron-core's TE extension imports, which it does
+without it: `_mla_without_transformer_engine`, at import of this module, on every device.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 from dataclasses import dataclass
 import logging
 import operator
@@ -37,10 +43,12 @@ from megatron.core import tensor_parallel
 from megatron.core import utils as mcore_utils
 from megatron.core.fusions import fused_softmax
 from megatron.core.models.common.embeddings import rotary_pos_embedding
+from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
 from megatron.core.models.common.language_module import language_module
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer import utils as transformer_utils
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe import router as moe_router
@@ -83,11 +91,20 @@ PATCHES: tuple[Patch, ...] = (
           "builds the causal mask on CUDA"),
     Patch("megatron.core.fusions.fused_softmax.get_default_causal_mask", "apply_cpu_shims",
           _CPU, "the same function, imported by name"),
+    Patch("megatron.core.transformer.utils.get_sliding_window_causal_mask", "apply_cpu_shims",
+          _CPU, "builds the sliding-window mask (--window-size) on CUDA"),
+    Patch("megatron.core.fusions.fused_softmax.get_sliding_window_causal_mask",
+          "apply_cpu_shims", _CPU, "the same function, imported by name"),
     Patch("megatron.core.models.common.language_module.language_module.LanguageModule."
           "setup_embeddings_and_output_layer", "apply_cpu_shims", _CPU,
           "moves the tied embedding to CUDA before its all-reduce"),
     Patch("megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding."
           "get_emb", "apply_cpu_shims", _CPU, "moves the rotary frequencies to CUDA"),
+    Patch("megatron.core.transformer.multi_latent_attention.MultiLatentAttention.__init__",
+          "apply_cpu_shims", _CPU, "builds its rotary embedding on the current CUDA device"),
+    Patch("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding."
+          "YarnRotaryEmbedding.get_emb", "apply_cpu_shims", _CPU,
+          "moves the YaRN frequencies to CUDA"),
     Patch("megatron.core.models.common.embeddings.rotary_pos_embedding."
           "get_pos_emb_on_this_cp_rank", "apply_cpu_shims", _CPU,
           "builds its chunk index in pinned memory and moves it to CUDA"),
@@ -116,6 +133,11 @@ PATCHES: tuple[Patch, ...] = (
           "import of megatron_2bw.models.compat", "Transformer Engine is not installed",
           "the router's gating GEMM tests `te_general_gemm is not None`, a name moe_utils "
           "defines only when Transformer Engine imports: a NameError on CPU and CUDA alike"),
+    Patch("megatron.core.transformer.multi_latent_attention.HAVE_TE",
+          "import of megatron_2bw.models.compat", "Transformer Engine is not installed",
+          "True whenever megatron-core's TE extension imports, which binds TELinear to a "
+          "stand-in that is not a class: MLA's isinstance check on it raises, on CPU and "
+          "CUDA alike"),
     Patch("megatron.core.transformer.moe.grouped_gemm_util.grouped_gemm",
           "models.moe.TorchGroupedMLP.__init__",
           "while one is built without the grouped_gemm package",
@@ -154,9 +176,12 @@ def apply_cpu_shims(device: Optional[str] = None) -> bool:
     mcore_random._set_all_rng_states = _cpu_set_all_rng_states
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    transformer_utils.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
     _wrap_setup_embeddings()
     rotary_pos_embedding.RotaryEmbedding.get_emb = _cpu_rotary_get_emb
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+    _wrap_mla_rotary()
     mappings._gather_along_last_dim = _cpu_gather_along_last_dim
     mappings._reduce_scatter_along_last_dim = _cpu_reduce_scatter_along_last_dim
     mappings._gather_along_first_dim = _cpu_gather_along_first_dim
@@ -183,10 +208,16 @@ def apply_group_shims() -> None:
 
 
 def _reduce_if_group_runs(input_: torch.Tensor, group) -> torch.Tensor:
-    """`mappings._reduce`, skipping exactly the groups `comm.runs` skips."""
-    if comm.runs(group):
-        comm.all_reduce(input_.contiguous(), group)
-    return input_
+    """`mappings._reduce`, skipping exactly the groups `comm.runs` skips.
+
+    Returns the tensor it reduced: upstream all-reduces `input_.contiguous()` and returns
+    `input_`, so a non-contiguous input (a gradient arriving as a view) comes back
+    unreduced, in silence."""
+    if not comm.runs(group):
+        return input_
+    reduced = input_.contiguous()
+    comm.all_reduce(reduced, group)
+    return reduced
 
 
 _reduce_if_group_runs._group_shim = True
@@ -206,6 +237,21 @@ def _define_missing_te_general_gemm() -> None:
 
 
 _define_missing_te_general_gemm()
+
+
+def _mla_without_transformer_engine() -> None:
+    """Tell megatron-core's multi_latent_attention that Transformer Engine is absent.
+
+    Why: its `HAVE_TE` is True whenever megatron-core's TE extension module imports, which
+    it does without Transformer Engine too (binding `TELinear` to a stand-in that is not
+    a class); `MultiLatentAttention.__init__` then calls `isinstance(..., TELinear)`, a
+    TypeError on CPU and CUDA alike. False skips that fp8 branch, as without TE it should.
+    """
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+
+
+_mla_without_transformer_engine()
 
 
 def model_parallel_manual_seed(seed: int) -> None:
@@ -334,6 +380,20 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool, device="cpu"), diagonal=1)
 
 
+@functools.lru_cache(maxsize=8)
+def _cpu_sliding_window_causal_mask(sq: int, skv: int,
+                                    window_size: tuple[int, int]) -> torch.Tensor:
+    """`transformer.utils.get_sliding_window_causal_mask` on CPU (True = masked out): key
+    j is kept for query i when i - left <= j - (skv - sq) <= i + right.
+
+    Why: the local softmax of a sliding-window layer builds this mask itself, and
+    upstream creates it with `device="cuda"`.
+    """
+    keep = torch.ones(sq, skv, dtype=torch.bool, device="cpu")
+    keep = torch.triu(keep, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(keep, diagonal=skv - sq + window_size[1])
+
+
 # --- rotary embeddings --------------------------------------------------------------
 
 
@@ -352,6 +412,35 @@ def _cpu_rotary_get_emb(self: rotary_pos_embedding.RotaryEmbedding, max_seq_len:
     else:
         emb = torch.cat((angles, angles), dim=-1)
     return emb[:, None, None, :]  # [seq, 1, 1, dim]
+
+
+def _wrap_mla_rotary() -> None:
+    """Build and run multi-latent attention's rotary embedding on CPU.
+
+    Why: `MultiLatentAttention.__init__` builds its RotaryEmbedding / YarnRotaryEmbedding
+    without `use_cpu_initialization`, i.e. on `torch.cuda.current_device()`, and
+    `YarnRotaryEmbedding.get_emb` moves its frequencies there on the first call. For those
+    two calls only the current device reads "cpu" (the same frequencies, on CPU).
+    """
+    mla = multi_latent_attention.MultiLatentAttention
+    yarn = yarn_rotary_pos_embedding.YarnRotaryEmbedding
+    init, get_emb = mla.__init__, yarn.get_emb
+    if getattr(init, "_cpu_shim", False):
+        return
+
+    @functools.wraps(init)
+    def cpu_init(self, *args, **kwargs) -> None:
+        with _current_device_is_cpu():
+            init(self, *args, **kwargs)
+
+    @functools.wraps(get_emb)
+    def cpu_get_emb(self, *args, **kwargs):
+        with _current_device_is_cpu():
+            return get_emb(self, *args, **kwargs)
+
+    cpu_init._cpu_shim = True
+    multi_latent_attention.MultiLatentAttention.__init__ = cpu_init
+    yarn_rotary_pos_embedding.YarnRotaryEmbedding.get_emb = cpu_get_emb
 
 
 def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int,
@@ -479,6 +568,13 @@ def _wrap_linear_backward() -> None:
 
     backward._cpu_shim = True
     tp_layers.LinearWithGradAccumulationAndAsyncCommunication.backward = staticmethod(backward)
+
+
+def cuda_device_reads_cpu() -> contextlib.AbstractContextManager:
+    """Inside: `torch.cuda.current_device()` returns "cpu" where the CPU shims are applied
+    (nothing changes elsewhere). For megatron-core constructors that put a tensor there
+    (DotProductAttention's softmax offset, models/gpt_oss.py)."""
+    return _current_device_is_cpu() if _APPLIED else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

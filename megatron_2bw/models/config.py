@@ -17,11 +17,11 @@ argument names for what becomes `gated_linear_unit` + SiLU and GPTModel's argume
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import torch
 
-from ..shape import ModelShape
+from ..shape import ModelShape, MoeShape
 from ..vocab import pad_vocab_size  # noqa: F401  (re-exported)
 
 # downstream heads on BERT's pooled [CLS] state (tools/finetune.py)
@@ -42,6 +42,7 @@ CP_COMM_TYPES = ("p2p", "all_gather")  # see models/context_parallel.py
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 MOE_DISPATCHERS = ("allgather", "alltoall")
 MOE_ROUTER_DTYPES = (None, "fp32", "fp64")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # megatron-core's softmax_type
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -231,6 +232,46 @@ class ModelConfig(ModelShape):
     dropless."""
     moe_pad_expert_input_to_capacity: bool = False
     """Pad every expert's input to its capacity (needs moe_expert_capacity_factor)."""
+    # multi-latent attention (GPT; Megatron-LM's --multi-latent-attention and its "mla"
+    # flags, megatron-core's MLATransformerConfig; models/mla.py)
+    multi_latent_attention: bool = False
+    """DeepSeek-V2/V3's attention: queries (through a q_lora_rank latent, or directly) and
+    keys / values through a shared kv_lora_rank latent, each head qk_head_dim channels plus
+    qk_pos_emb_head_dim rotary ones (the rotary key is shared by the heads), values
+    v_head_dim wide. num_query_groups / kv_channels do not apply."""
+    q_lora_rank: Optional[int] = None
+    """Rank of the query's latent; None: queries are projected from the hidden state."""
+    kv_lora_rank: int = 32
+    """Rank of the keys' and values' shared latent."""
+    qk_head_dim: int = 128
+    """Per head: query / key channels without position."""
+    qk_pos_emb_head_dim: int = 64
+    """Per head: query / key channels that rotate."""
+    v_head_dim: int = 128
+    """Per head: value channels."""
+    rope_type: Optional[str] = None
+    """The rotary embedding of the attention: "rope" or "yarn"; None: Megatron-LM's default
+    for the attention (yarn with multi-latent attention, else rope)."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN: the context's scaling factor (its mscale also scales the softmax)."""
+    mscale: float = 1.0
+    """YaRN: mscale of the rotary embedding."""
+    mscale_all_dim: float = 0.0
+    """YaRN: mscale of all dimensions (also in the softmax scale)."""
+    # GPT-OSS's attention and MLP (Megatron-LM's examples/gptoss recipe; models/gpt_oss.py)
+    softmax_type: str = "vanilla"
+    """The attention softmax: "vanilla"; "off-by-one" adds 1 to every denominator;
+    "learnable" adds exp(a learned logit per head), `softmax_offset` (attention sinks)."""
+    window_size: Optional[tuple[int, int]] = None
+    """Sliding-window attention: a query attends itself and the window_size[0] keys
+    before it (window_size[1] is 0: causal); None: every key before it."""
+    window_attn_skip_freq: Optional[Union[int, tuple[int, ...]]] = None
+    """With window_size: N, every N-th layer (counting from 1) attends fully; or one
+    1 (window) / 0 (full) per layer; None: every layer slides."""
+    glu_linear_offset: float = 0.0
+    """Gated MLPs: act(gate) * (up + glu_linear_offset)."""
+    activation_func_clamp_value: Optional[float] = None
+    """quick_geglu: the gate clamped to at most this, the up half to [-this, this]."""
 
     def _problems(self) -> list[str]:
         """The shape's problems (`ModelShape`), then the rest of the architecture's; the
@@ -238,7 +279,44 @@ class ModelConfig(ModelShape):
         shape = self._shape_problems()
         sized = [] if shape else self._size_problems() + self._rope_problems()
         return (shape + sized + self._choice_problems() + self._recompute_problems()
-                + self._bert_problems() + self._task_problems() + self._moe_problems())
+                + self._bert_problems() + self._task_problems() + self._moe_problems()
+                + self._mla_problems() + self._gpt_oss_problems())
+
+    def _gpt_oss_problems(self) -> list[str]:
+        """GPT-OSS's settings megatron-core refuses, would ignore, or cannot compute in
+        its local attention here (models/gpt_oss.py), up front."""
+        sinks, window = self.softmax_type != "vanilla", self.window_size is not None
+        if self.softmax_type not in SOFTMAX_TYPES:
+            return [f"softmax_type={self.softmax_type!r} is not one of {SOFTMAX_TYPES}"]
+        problems = self._window_problems()
+        if self.model != "gpt" and (sinks or window or self.quick_geglu):
+            problems.append("softmax_type, window_size and quick_geglu are GPT only")
+        if (sinks or window) and self.attention_backend in ("flash", "fused"):
+            problems.append(f"attention_backend={self.attention_backend!r} (PyTorch's SDPA) "
+                            "computes neither attention sinks nor a sliding window")
+        if self.quick_geglu and self.swiglu:
+            problems.append("quick_geglu and swiglu are exclusive")
+        if self.glu_linear_offset != 0.0 and not self.gated:
+            problems.append("glu_linear_offset needs a gated MLP (swiglu or quick_geglu)")
+        clamp = self.activation_func_clamp_value
+        if clamp is not None and not (self.quick_geglu and clamp > 0):
+            problems.append(f"activation_func_clamp_value={clamp} needs quick_geglu and a "
+                            "positive value")
+        return problems
+
+    def _window_problems(self) -> list[str]:
+        """A causal window (left >= 0, 0) and a layer pattern megatron-core can read."""
+        window, freq = self.window_size, self.window_attn_skip_freq
+        if window is None:
+            return [] if freq is None else ["window_attn_skip_freq needs window_size"]
+        if (len(window) != 2 or not all(isinstance(v, int) for v in window)
+                or window[0] < 0 or window[1] != 0):
+            return [f"window_size={window} must be (left >= 0, 0): causal attention"]
+        if isinstance(freq, int) and freq < 1:
+            return [f"window_attn_skip_freq={freq} must be at least 1"]
+        if isinstance(freq, tuple) and (len(freq) != self.num_layers or set(freq) - {0, 1}):
+            return [f"window_attn_skip_freq={freq} must be one 0 or 1 per layer"]
+        return []
 
     def _size_problems(self) -> list[str]:
         problems = []
@@ -393,6 +471,63 @@ class ModelConfig(ModelShape):
             return ["moe_expert_capacity_factor does not work with sinkhorn routing"]
         return []
 
+    def _mla_problems(self) -> list[str]:
+        """What megatron-core 0.16.1's MLA refuses, or cannot compute here, up front."""
+        if self.rope_type not in (None, "rope", "yarn"):
+            return [f"rope_type={self.rope_type!r} is not one of ('rope', 'yarn')"]
+        if not self.multi_latent_attention:
+            return (["rope_type='yarn' needs multi_latent_attention (megatron-core's common "
+                     "attention takes rope only)"] if self.rope_type == "yarn" else [])
+        problems = [] if self.model == "gpt" else ["multi_latent_attention is GPT only"]
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                     "q_lora_rank"):
+            value = getattr(self, name)
+            if not (name == "q_lora_rank" and value is None) and (
+                    not isinstance(value, int) or value < 1):
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if self.qk_pos_emb_head_dim % 2:
+            problems.append(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be even "
+                            "(it rotates in pairs)")
+        if self.num_query_groups is not None:
+            problems.append("multi_latent_attention excludes grouped-query attention "
+                            "(num_query_groups)")
+        if self.rotary_interleaved:
+            problems.append("rotary_interleaved does not work with multi_latent_attention")
+        if self.attention_backend in ("unfused", "local"):
+            problems.append(f"attention_backend={self.attention_backend!r}: megatron-core's "
+                            "DotProductAttention takes no query/key width apart from the "
+                            "value's, which multi_latent_attention needs; use auto")
+        if not self.rotary_scaling_factor > 0:
+            problems.append(f"rotary_scaling_factor={self.rotary_scaling_factor} must be "
+                            "positive")
+        return problems
+
+    @property
+    def attention_rope_type(self) -> str:
+        """The rotary embedding the attention applies (rope_type, else Megatron-LM's
+        default: yarn for multi-latent attention, rope otherwise)."""
+        return self.rope_type or ("yarn" if self.multi_latent_attention else "rope")
+
+    def layer_params(self) -> int:
+        """`ModelShape.layer_params`, its attention counted as multi-latent attention's
+        projections and latent norms where the model has them (the memory check reads it)."""
+        if not self.multi_latent_attention:
+            return super().layer_params()
+        h, n = self.hidden_size, self.num_attention_heads
+        q, kv = n * self.head_dim, self.query_groups * self.head_dim
+        dense = h * (q + 2 * kv) + q + 2 * kv + q * h + h  # ModelShape's QKV, projection
+        q_head = self.qk_head_dim + self.qk_pos_emb_head_dim
+        # the latent norms, LayerNorms as ModelShape counts every norm
+        norms = 2 * (self.kv_lora_rank + (self.q_lora_rank or 0)) if self.qk_layernorm else 0
+        if self.q_lora_rank is None:
+            query = h * n * q_head
+        else:
+            query = self.q_lora_rank * (h + n * q_head)
+        latent = (h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
+                  + self.kv_lora_rank * n * (self.qk_head_dim + self.v_head_dim))
+        output = n * self.v_head_dim * h + h
+        return super().layer_params() - dense + query + latent + output + norms
+
     @property
     def is_moe(self) -> bool:
         """Whether some layers are mixture-of-experts layers."""
@@ -406,13 +541,22 @@ class ModelConfig(ModelShape):
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` (0-based) is a MoE layer: every moe_layer_freq-th,
         from layer 0, as Megatron-LM's get_gpt_decoder_layer_specs reads an int frequency."""
-        return self.is_moe and layer % self.moe_layer_freq == 0
+        moe = self.routed_experts()
+        return moe is not None and moe.is_moe_layer(layer)
+
+    def routed_experts(self) -> Optional[MoeShape]:
+        """The routed experts the shape's counts take (`ModelShape.training_flops`)."""
+        if not self.is_moe:
+            return None
+        return MoeShape(self.num_experts, self.moe_router_topk, self.moe_ffn_hidden_size,
+                        self.moe_layer_freq)
 
     @property
     def tanh_gelu(self) -> bool:
         """Whether the MLP's GELU is the tanh approximation: --bias-gelu-fusion, which
-        Megatron-LM turns off for models without biases and which SwiGLU does not use."""
-        return self.bias_gelu_fusion and self.add_bias_linear and not self.swiglu
+        Megatron-LM turns off for models without biases and which the gated units (SwiGLU,
+        quick-GeGLU) do not use."""
+        return self.bias_gelu_fusion and self.add_bias_linear and not self.gated
 
     @property
     def rows_per_sample(self) -> int:

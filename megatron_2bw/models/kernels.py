@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .attention import SdpaAttention, uses_sdpa
 from .config import ModelConfig
+from .gpt_oss import quick_gelu
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ def kernel_fields(config: ModelConfig, fused: bool) -> dict[str, Any]:
     if config.swiglu:
         activation = F.silu
         act_fusion = fused and config.bias_swiglu_fusion and not moe_unfusable
+    elif config.quick_geglu:  # GPT-OSS: unfused on every device (models/gpt_oss.py)
+        activation, act_fusion = quick_gelu, False
     elif config.tanh_gelu:
         # megatron-core's fused kernel is the tanh GELU itself and wants F.gelu named
         activation, act_fusion = ((F.gelu, True) if fused and not moe_unfusable

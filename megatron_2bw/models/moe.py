@@ -32,6 +32,7 @@ import re
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core.tensor_parallel.layers import RowParallelLinear
@@ -41,6 +42,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .config import ModelConfig
+from .gpt_oss import gated_activation
 
 EXPERTS = ".mlp.experts."
 _LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -166,8 +168,14 @@ class TorchGroupedMLP(GroupedMLP):
     """
 
     def __init__(self, num_local_experts: int, config, pg_collection=None) -> None:
+        # GroupedMLP builds gated units of SiLU or GELU only; the weights do not depend
+        # on the activation, which _activate reads from `config` (GPT-OSS's quick GELU)
+        buildable = config
+        if config.gated_linear_unit and config.activation_func not in (F.silu, F.gelu):
+            buildable = dataclasses.replace(config, activation_func=F.silu)
         with _grouped_gemm_stand_in():
-            super().__init__(num_local_experts, config, pg_collection=pg_collection)
+            super().__init__(num_local_experts, buildable, pg_collection=pg_collection)
+        self.config = config
 
     @property
     def local_expert_indices(self) -> list[int]:
@@ -176,11 +184,11 @@ class TorchGroupedMLP(GroupedMLP):
         return list(range(first, first + self.num_local_experts))
 
     def _activate(self, fc1_output: Tensor, probs: Tensor) -> Tensor:
-        """The activation (GLU: act(gate) * up) scaled per token by its routing probability,
-        in the input's dtype, as MLP.forward does for SequentialMLP's experts."""
+        """The activation (GLU: act(gate) * (up + offset), clamped as GPT-OSS's) scaled per
+        token by its routing probability, in the input's dtype, as MLP.forward does for
+        SequentialMLP's experts."""
         if self.config.gated_linear_unit:
-            gate, up = torch.chunk(fc1_output, 2, dim=-1)
-            hidden = self.config.activation_func(gate) * up
+            hidden = gated_activation(self.config, fc1_output)
         else:
             hidden = self.config.activation_func(fc1_output)
         return (hidden * probs.unsqueeze(-1)).to(fc1_output.dtype)

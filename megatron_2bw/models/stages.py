@@ -57,7 +57,7 @@ from megatron.core.transformer.transformer_block import (LayerNormImpl,
                                                          TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_2bw import comm
 from megatron_2bw.models.attention import SdpaAttention
@@ -68,6 +68,8 @@ from megatron_2bw.models.heads import (FRESH_PREFIXES, attach_task_head, encoder
 from megatron_2bw.models.init import deterministic_init_, named_global_parameters
 from megatron_2bw.models.kernels import (compile_layers, kernel_fields, on_cuda,
                                          with_core_attention)
+from megatron_2bw.models.mla import mla_fields, mla_split_problem, with_mla_modules
+from megatron_2bw.models.gpt_oss import gpt_oss_fields, with_sink_attention
 from megatron_2bw.models.moe import moe_fields, with_expert_modules
 from megatron_2bw.models.norms import TorchNorm
 
@@ -467,6 +469,9 @@ def _check_parallel_state(config: ModelConfig, stage: int, num_stages: int) -> i
         raise ValueError(f"num_query_groups={groups} is neither a multiple nor a divisor of "
                          f"tensor parallel size {tp}")
     _check_expert_parallel(config, tp)
+    problem = mla_split_problem(config, tp)
+    if problem:
+        raise ValueError(problem)
     return tp
 
 
@@ -520,9 +525,12 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
     the fusions come from `kernels.kernel_fields` (`fused`: megatron-core's fused CUDA
     implementations may run); the core attention is chosen in the layer spec. A mixture
     of experts adds the --moe-* fields and the expert-parallel size `ep` and expert-tensor-
-    parallel size `etp` (None: tp) from `moe.moe_fields`.
+    parallel size `etp` (None: tp) from `moe.moe_fields`. Multi-latent attention makes it
+    megatron-core's MLATransformerConfig with the fields of `mla.mla_fields`. GPT-OSS's
+    attention sinks, sliding window and clamped quick-GeGLU are `gpt_oss.gpt_oss_fields`.
     """
-    return TransformerConfig(
+    config_class = MLATransformerConfig if config.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.ffn_size,
@@ -537,7 +545,7 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
         layernorm_zero_centered_gamma=config.layernorm_zero_centered_gamma,
         qk_layernorm=config.qk_layernorm,
         add_bias_linear=config.add_bias_linear,
-        gated_linear_unit=config.swiglu,
+        gated_linear_unit=config.gated,
         rotary_interleaved=config.rotary_interleaved,
         apply_rope_fusion=False,
         tensor_model_parallel_size=tp,
@@ -564,7 +572,9 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
         attention_backend=AttnBackend.local,
         gradient_accumulation_fusion=False,
         **kernel_fields(config, fused),
+        **gpt_oss_fields(config),
         **moe_fields(config, ep, etp),
+        **mla_fields(config),
     )
 
 
@@ -605,12 +615,15 @@ def _layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
     """One layer's spec (a MoE layer with `num_experts`), the norms as `gpt_layer_spec`
     describes."""
     spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=config.qk_layernorm,
-                                    normalization=config.normalization)
+                                    normalization=config.normalization,
+                                    multi_latent_attention=config.multi_latent_attention)
     if num_experts is not None:
         spec = with_expert_modules(spec, config.moe_grouped_gemm)
-    spec = with_core_attention(spec, config, mcore_config)
+    spec = with_sink_attention(with_core_attention(spec, config, mcore_config), config)
+    if config.multi_latent_attention:
+        spec = with_mla_modules(spec, config, mcore_config)
     layer = spec.submodules
-    if config.qk_layernorm:
+    if config.qk_layernorm and not config.multi_latent_attention:
         shared = ModuleSpec(module=TorchNorm, params={"tp_shared": True})
         attention = dataclasses.replace(layer.self_attention.submodules,
                                         q_layernorm=shared, k_layernorm=shared)

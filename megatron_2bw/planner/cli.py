@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grouped-query attention with --num-query-groups key/value heads")
     m.add_argument("--num-query-groups", type=_positive_int,
                    help="key/value heads with --group-query-attention")
+    m.add_argument("--multi-latent-attention", action="store_true",
+                   help="refused: the planner models multi-head / grouped-query attention")
     m.add_argument("--seq-length", type=_positive_int, required=True)
     m.add_argument("--vocab-size", type=_positive_int,
                    help="unpadded; default 50257 (GPT-2 BPE) or 30522 (BERT WordPiece)")
@@ -187,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_from_args(args: argparse.Namespace) -> ModelShape:
     vocab = args.vocab_size or DEFAULT_VOCAB[args.model]
+    if args.multi_latent_attention:
+        raise ValueError("--multi-latent-attention: the planner's parameter, FLOP and "
+                         "activation counts have no multi-latent attention; leave it out "
+                         "to plan the model as multi-head attention of --num-attention-heads "
+                         "(an approximation: its attention weights, FLOPs and activations "
+                         "differ from MLA's)")
     if args.num_query_groups and not args.group_query_attention:
         raise ValueError("--num-query-groups needs --group-query-attention (as in "
                          "Megatron-LM, which ignores it otherwise)")

@@ -652,13 +652,13 @@ def _layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
 
 def _moe_layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
     """One MoE layer at this tp, cp, ep and b: the dense layer's compute times the ratio
-    of their forward FLOPs (`Experts.layer_forward_flops`; the core attention, which
-    selective recomputation repeats, is the dense layer's), the attention's
-    tensor-parallel all-reduce in each direction, and the MLP's replaced by the token
-    dispatch and combine (`CostModel.expert_dispatch_s`) in forward, in backward and in a
-    full recomputation."""
+    of their forward FLOPs (`ModelShape.moe_layer_forward_flops`, the count
+    `ModelShape.training_flops` sums; the core attention, which selective recomputation
+    repeats, is the dense layer's), the attention's tensor-parallel all-reduce in each
+    direction, and the MLP's replaced by the token dispatch and combine
+    (`CostModel.expert_dispatch_s`) in forward, in backward and in a full recomputation."""
     b, t, c = cfg.micro_batch_size, cfg.tensor_parallel, cfg.context_parallel
-    ratio = cm.experts.layer_forward_flops(cm.model, b) / cm.model.layer_forward_flops(b)
+    ratio = cm.model.moe_layer_forward_flops(b, cm.experts) / cm.model.layer_forward_flops(b)
     ar = cm.tensor_parallel_allreduce_s(cfg)
     k = cm.tensor_parallel_collectives_per_allreduce(cfg)
     ring = cm.context_parallel_s(cfg)

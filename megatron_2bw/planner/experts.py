@@ -2,8 +2,9 @@
 
 Megatron-LM's MoE flags name the fields (`--num-experts`, `--moe-router-topk`,
 `--moe-ffn-hidden-size`, `--moe-layer-freq`, `--moe-token-dispatcher-type`); the dense
-shape beside them is `megatron_2bw.shape.ModelShape`, whose formulas stay those of a dense
-model. An MoE layer is a dense layer whose MLP is replaced by a router (a [E, h] weight,
+shape beside them is `megatron_2bw.shape.ModelShape`, whose FLOP counts take the routed
+experts (`shape.MoeShape`, which `Experts` extends) and count a dense model without them.
+An MoE layer is a dense layer whose MLP is replaced by a router (a [E, h] weight,
 replicated over tensor-parallel ranks, as megatron-core's `TopKRouter`) and E copies of
 the MLP at width `moe_ffn_hidden_size` (SwiGLU or not, as the dense MLP); every
 `moe_layer_freq`-th layer counting from layer 0 is one (layers 0, k, 2k, ...: Megatron-LM's
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..shape import ModelShape
+from ..shape import ModelShape, MoeShape
 
 DISPATCHERS = ("allgather", "alltoall")
 """`--moe-token-dispatcher-type` choices the trainer runs."""
@@ -33,18 +34,13 @@ ROUTER_SCORE_BYTES = 4
 
 
 @dataclass(frozen=True)
-class Experts:
-    """The MoE part of a model; a `ModelShape` says the rest. Invalid values raise one
-    ValueError naming the flag."""
+class Experts(MoeShape):
+    """The MoE part of a model as the planner plans it; a `ModelShape` says the rest.
+    The routed experts' sizes and which layers hold them are `MoeShape`'s (shape.py, the
+    fields num_experts, moe_router_topk, moe_ffn_hidden_size, moe_layer_freq, in that
+    order), so the planner and `ModelShape.training_flops` count one MoE; this adds how a
+    plan launches them. Invalid values raise one ValueError naming the flag."""
 
-    num_experts: int
-    """`--num-experts`: experts per MoE layer (E)."""
-    moe_router_topk: int = 2
-    """`--moe-router-topk`: experts each token is routed to (k)."""
-    moe_ffn_hidden_size: Optional[int] = None
-    """`--moe-ffn-hidden-size`: each expert's MLP width; None: the dense MLP's."""
-    moe_layer_freq: int = 1
-    """`--moe-layer-freq`: every this-many-th layer, from layer 0, is an MoE layer."""
     moe_token_dispatcher_type: Optional[str] = None
     """`--moe-token-dispatcher-type`; None: chosen per plan (`dispatcher`): alltoall with
     expert parallelism, as Megatron-LM's Mixtral example, else allgather (the trainer's
@@ -55,36 +51,15 @@ class Experts:
     run on grouped experts. It changes no cost here, only the matrices Muon keeps whole
     (`shards.expert_matrices`)."""
 
-    def __post_init__(self) -> None:
-        problems = []
-        for name, flag in (("num_experts", "--num-experts"),
-                           ("moe_router_topk", "--moe-router-topk"),
-                           ("moe_layer_freq", "--moe-layer-freq")):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                problems.append(f"{flag} {value!r}: give a positive integer")
-        size = self.moe_ffn_hidden_size
-        if size is not None and (not isinstance(size, int) or size < 1):
-            problems.append(f"--moe-ffn-hidden-size {size!r}: give a positive integer")
-        if not problems and self.moe_router_topk > self.num_experts:
-            problems.append(f"--moe-router-topk {self.moe_router_topk}: a token cannot go to "
-                            f"more than the {self.num_experts} experts (--num-experts)")
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
         dispatcher = self.moe_token_dispatcher_type
         if dispatcher is not None and dispatcher not in DISPATCHERS:
             problems.append(f"--moe-token-dispatcher-type {dispatcher!r}: choose one of "
                             f"{DISPATCHERS}")
-        if problems:
-            raise ValueError("; ".join(problems))
+        return problems
 
-    # ---- which layers, which dispatcher
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether global layer `layer` (0-based) is an MoE layer."""
-        return layer % self.moe_layer_freq == 0
-
-    def moe_layers(self, first: int, count: int) -> int:
-        """MoE layers among global layers first, ..., first + count - 1."""
-        return sum(self.is_moe_layer(i) for i in range(first, first + count))
-
+    # ---- which dispatcher (which layers: `MoeShape.is_moe_layer`, `moe_layers`)
     def dispatcher(self, expert_parallel: int) -> str:
         """The token dispatcher of a plan: the one given, else alltoall at EP > 1 (tokens
         go only where their experts are) and allgather at EP = 1 (no expert-parallel
@@ -94,15 +69,11 @@ class Experts:
         return "alltoall" if expert_parallel > 1 else "allgather"
 
     # ---- parameters (with biases, as `ModelShape.layer_params` counts the dense layer)
-    def ffn_size(self, model: ModelShape) -> int:
-        """One expert's MLP width."""
-        return self.moe_ffn_hidden_size or model.ffn_size
-
     @staticmethod
     def mlp_params(model: ModelShape, ffn: int) -> int:
         """One MLP of width `ffn`: fc1 h f g + f g, fc2 f h + h (g = 2 with SwiGLU), the
         MLP term of `ModelShape.layer_params`."""
-        g = 2 if model.swiglu else 1
+        g = 2 if model.gated else 1
         h = model.hidden_size
         return h * ffn * g + ffn * g + ffn * model.hidden_size + h
 
@@ -138,25 +109,17 @@ class Experts:
         return ((model.num_layers - k) * model.layer_params()
                 + k * self.layer_params(model)) / model.num_layers
 
-    # ---- FLOPs: the dense layer's (`ModelShape.layer_forward_flops`) with the MLP's
-    # 2bshf(g + 1) replaced by k experts' 2bshf_e(g + 1) and the router's 2bshE, as
-    # Megatron-LM's num_floating_point_operations counts an MoE layer (routed experts x
-    # the expert width) plus the router's GEMM.
+    # ---- FLOPs: one formula, the shape's (`ModelShape.moe_layer_forward_flops`: the
+    # dense layer's attention, k experts' 2bshf_e(g + 1) and the router's 2bshE)
     def layer_forward_flops(self, model: ModelShape, b: int) -> float:
-        h, s = model.hidden_size, model.seq_length
-        g = 2 if model.swiglu else 1
-        dense_mlp = 2 * h * model.ffn_size * (g + 1)
-        experts = self.moe_router_topk * 2 * h * self.ffn_size(model) * (g + 1)
-        router = 2 * h * self.num_experts
-        return model.layer_forward_flops(b) + float(b * s * (experts + router - dense_mlp))
+        """One MoE layer's forward; the cost model scales the dense layer's time by its
+        ratio to `ModelShape.layer_forward_flops`."""
+        return model.moe_layer_forward_flops(b, self)
 
     def training_flops(self, model: ModelShape, b: int,
                        recompute_granularity: Optional[str] = None) -> float:
-        """`ModelShape.training_flops` with the MoE layers' FLOPs."""
-        passes = 4 if recompute_granularity == "full" else 3
-        k = self.num_moe_layers(model)
-        extra = k * (self.layer_forward_flops(model, b) - model.layer_forward_flops(b))
-        return model.training_flops(b, recompute_granularity) + passes * extra
+        """`ModelShape.training_flops` of the model with these experts."""
+        return model.training_flops(b, recompute_granularity, self)
 
     # ---- activation bytes: the dense layer's (`ModelShape.layer_activation_bytes`) with
     # the MLP's fc1 output and activation, 2f(g + 1) bytes per token / t, replaced by the
@@ -178,7 +141,7 @@ class Experts:
     def _mlp_bytes_change(self, model: ModelShape, b: int, tp: int, *, sp: bool,
                           cp: int) -> float:
         h, s = model.hidden_size, model.seq_length
-        g = 2 if model.swiglu else 1
+        g = 2 if model.gated else 1
         tokens = s * b / cp
         dense_mlp = 2.0 * model.ffn_size * (g + 1) * tokens / tp
         routed = self.moe_router_topk * tokens * (2.0 * self.ffn_size(model) * (g + 1) / tp

@@ -42,10 +42,12 @@ class FabricLatency:
 # 3.6 µs (ring, LL protocol), hop 0.47 µs over NVLink and 2.7 µs over the network, i.e.
 # ~10 µs for 8 GPUs on NVLink and ~30 µs once 2 servers are in the ring (their intra-node
 # hops x 1.8); one transfer is about a kernel launch plus a hop. EFA's and TCP's per-message
-# latencies are several times InfiniBand's. gloo between CPU processes on one machine:
-# this project's calibration measured a 131 kB all-reduce at 0.46 ms where its bus
-# bandwidth alone gives 0.13 ms (docs/planner.md, "Validation on this machine"), and a
-# `profile-network` run here fitted 458 µs per all-reduce and 84 µs per transfer.
+# latencies are several times InfiniBand's. gloo between CPU processes on one machine
+# pays far more per call than for its bytes: the planner validation's calibration
+# (docs/results/planner_validation/report_head_to_head_run9.json, `calibration`) fitted
+# 443 µs per all-reduce and 121 µs per transfer (a 131 kB all-reduce took 0.44 ms, its
+# bytes alone 0.09 ms), a `profile-network` run 228 µs and 55 µs (docs/planner.md,
+# "Network profile"); the default sits between the two, which move with the machine's load.
 FABRICS: dict[str, FabricLatency] = {
     "nvlink": FabricLatency(10.0, 5.0, "NCCL tuning model, ring LL over NVLink, 8 GPUs"),
     "infiniband": FabricLatency(30.0, 10.0, "NCCL tuning model, ring LL, 2 servers"),

@@ -125,15 +125,18 @@ def virtual_stage_options(name: str, num_layers: int, d: int, m: int,
 
 def tensor_parallel_sizes(cm: CostModel, num_gpus: int) -> list[int]:
     """TP divides the server (groups stay inside it), the device count, the heads and the
-    MLP width (and the experts' MLP width: expert tensor parallelism is TP); the
+    MLP width of the model's dense layers and of its experts (expert tensor parallelism
+    is TP; a model whose every layer is an MoE layer has no dense MLP to split); the
     key/value heads are a multiple or a divisor of it (megatron-core replicates them
     below TP)."""
     per_node = min(cm.hardware.devices_per_node, num_gpus)
     groups = cm.model.query_groups
-    expert_ffn = cm.model.ffn_size if cm.experts is None else cm.experts.ffn_size(cm.model)
+    layers, experts = cm.model.num_layers, cm.experts
+    widths = ([cm.model.ffn_size] if experts is None or experts.moe_layers(0, layers) < layers
+              else []) + ([experts.ffn_size(cm.model)] if experts is not None else [])
     return [t for t in divisors(per_node) if num_gpus % t == 0
-            and cm.model.num_attention_heads % t == 0 and cm.model.ffn_size % t == 0
-            and (groups % t == 0 or t % groups == 0) and expert_ffn % t == 0]
+            and cm.model.num_attention_heads % t == 0 and all(f % t == 0 for f in widths)
+            and (groups % t == 0 or t % groups == 0)]
 
 
 def sequence_parallel_option(model: ModelShape, t: int, c: int, allowed: bool) -> bool:

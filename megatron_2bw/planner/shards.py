@@ -111,7 +111,7 @@ def stage_matrices(model: ModelShape, t: int, stage: int, depth: int, layers: in
     h, f = model.hidden_size, model.ffn_size
     q = model.num_attention_heads * model.head_dim
     kv = model.query_groups * model.head_dim
-    gates = 2 if model.swiglu else 1
+    gates = 2 if model.gated else 1
     attention = (h * (q + 2 * kv) // t, q * h // t)
     layer = attention + (gates * f * h // t, f * h // t)
     found = layer * (layers - moe_layers)
@@ -132,7 +132,7 @@ def expert_matrices(model: ModelShape, t: int, experts: Experts, moe_layers: int
     fc1 and fc2 in one weight each (megatron-core's GroupedMLP), else each expert's fc1
     and fc2 (SequentialMLP)."""
     h, fe = model.hidden_size, experts.ffn_size(model)
-    gates = 2 if model.swiglu else 1
+    gates = 2 if model.gated else 1
     local = experts.num_experts // ep
     if experts.moe_grouped_gemm:
         return (local * gates * fe * h // t, local * fe * h // t) * moe_layers

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..checkpointing.fit import STRICTNESS
 from ..models.config import pad_vocab_size
 from ..optim.loss_scale import LossScaleConfig
 from ..optim.compensation import COMPENSATIONS
@@ -27,6 +28,7 @@ from ..schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, SCHEDULES
 from .config import DataConfig, ParallelConfig, RunConfig, TrainConfig
 from .errors import UserError
 from .housekeeping import HousekeepingConfig
+from .process_settings import add_process_flags
 from .megatron_flags import (add_megatron_flags, check_megatron_flags, is_flag, raise_problems,
                              refusal_errors, refusals, unknown_flags, unknown_flags_error)
 from .skip_guard import DEFAULT_MAX_CONSECUTIVE_SKIPS, SkipGuardConfig, skip_guard_config
@@ -83,6 +85,19 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true", help="with --load, "
                    "stop with an error when it holds no checkpoint instead of starting from "
                    "scratch")
+    g.add_argument("--dist-ckpt-strictness", choices=list(STRICTNESS),
+                   help="torch_dist loads: what a tensor the checkpoint and the model do not "
+                        "share does. Default: refused before anything loads, naming it; "
+                        "raise_all the same. assume_ok_unexpected (Megatron-LM's default), "
+                        "raise_unexpected, log_unexpected, ignore_all: the checkpoint's "
+                        "tensors the model lacks are passed over (log_all: and named in one "
+                        "warning); a model tensor the checkpoint lacks is refused under all "
+                        "(Megatron-LM loads past it under the log_* values and ignore_all)")
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training: validate and test the model as loaded from --load (or "
+                        "as initialized) on the first --eval-iters batches of each split, "
+                        "print the results and exit (the optimizer state is not loaded, "
+                        "nothing is saved or written to TensorBoard)")
     g.add_argument("--use-checkpoint-args", action="store_true", help="take the model "
                    "flags from --load's checkpoint (the parallel layout stays this run's)")
     g.add_argument("--exit-interval", type=int, help="save and exit at the first iteration "
@@ -389,8 +404,8 @@ def build_parser(model: str) -> argparse.ArgumentParser:
         prog=f"pretrain_{model}.py", allow_abbrev=False,  # as Megatron-LM
         description=f"Pretrain {model.upper()} with megatron-2bw (Megatron-LM flags).")
     for add in (model_flags, add_megatron_flags, _train_flags, _logging_flags,
-                _housekeeping_flags, _skip_guard_flags, _optimizer_flags, _parallel_flags,
-                _data_flags):
+                add_process_flags, _housekeeping_flags, _skip_guard_flags, _optimizer_flags,
+                _parallel_flags, _data_flags):
         add(parser)
     return parser
 
@@ -454,6 +469,8 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
     args.sequence_parallel = args.sequence_parallel and args.tensor_model_parallel_size > 1
     for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
         setattr(args, name, one_value(getattr(args, name)))
+    if args.bf16:  # Megatron-LM's validate_args: bf16 reduces in fp32 unless told bf16
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
     parallel = ParallelConfig(world_size, args.tensor_model_parallel_size,
                               args.pipeline_model_parallel_size,
                               context_parallel=args.context_parallel_size,
@@ -483,7 +500,10 @@ def config_from_args(args: argparse.Namespace, model: str, world_size: int,
                         eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                         save=args.save, load=args.load, save_interval=args.save_interval,
                         ckpt_format=args.ckpt_format, finetune=args.finetune,
-                        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+                        # --skip-train loads no optimizer state (as Megatron-LM)
+                        no_load_optim=args.no_load_optim or args.skip_train,
+                        no_load_rng=args.no_load_rng, skip_train=args.skip_train,
+                        dist_ckpt_strictness=args.dist_ckpt_strictness,
                         no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
                         metrics_file=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
                         seed=args.seed, exit_interval=args.exit_interval,

@@ -140,6 +140,8 @@ class TrainConfig:
     distributed_timeout_minutes: float = 10.0    # --distributed-timeout-minutes
     train_samples: Optional[int] = None   # --train-samples (train_iters then derived from it)
     rampup_batch_size: Optional[tuple[int, int, int]] = None  # --rampup-batch-size
+    skip_train: bool = False              # --skip-train: validate and test the loaded model
+    dist_ckpt_strictness: Optional[str] = None  # --dist-ckpt-strictness (torch_dist loads)
     housekeeping: HousekeepingConfig = HousekeepingConfig()  # --manual-gc, --profile
     skip_guard: SkipGuardConfig = SkipGuardConfig()  # --check-for-nan-in-loss-and-grad,
     #                                                  --max-consecutive-skipped-iterations

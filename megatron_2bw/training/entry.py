@@ -32,6 +32,7 @@ from .watchdog import (LauncherWatch, beat_period, children_die_with_rank, know_
                        local_ranks, store_host_gone, writer_queue_dies_with_rank)
 from .megatron_flags import check_megatron_flags, inert_notes, mapped_notes
 from .model_flags import kernel_note
+from .process_settings import apply_process_settings
 from .validation import (check_attention_kernel, check_output_paths, check_ranges,
                          validate_flags)
 
@@ -77,6 +78,7 @@ def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     watch_peers()
     know_peers(env.world_size)  # each rank's pid: a survivor names the rank that died
     setup_logging(env.rank, env.world_size)
+    apply_process_settings(args)  # --logging-level, bf16 matmul, --enable-experimental
     check_ranks_agree(args, env.world_size)  # one software, one command line
     validate_flags(args, model, env.world_size)  # cross-flag rules, before reading any file
     check_attention_kernel(args, model, env.device)  # --attention-backend on this device

@@ -12,6 +12,10 @@ project builds, so the two logs compare number for number:
   and the core attention (QK^T and its product with V) at half its square size, q s per
   token: Megatron-LM counts only the causal half of the score matrix, and it counts BERT
   (pretrain_bert.py goes through the same function) the same way;
+- multi-latent attention (--multi-latent-attention): Megatron-LM's MLA branch, the
+  latents' projections and norms, the shared rotary key's projection, the output
+  projection and the causal half of the core attention at the query / value head widths
+  (`mla_flops_per_token`);
 - MLP: h f x 2 GEMMs (3 with SwiGLU: gate and up, then down); a mixture-of-experts layer
   (every `--moe-layer-freq`-th from layer 0) counts its `--moe-router-topk` routed
   experts at `--moe-ffn-hidden-size` and nothing for the router;
@@ -32,11 +36,32 @@ MULTIPLY_ADD = 2      # FLOPs per multiply-add
 
 def attention_flops_per_token(model: ModelConfig) -> int:
     """One layer's attention, forward and backward, per token."""
+    if model.multi_latent_attention:
+        return mla_flops_per_token(model)
     h, s = model.hidden_size, model.seq_length
     q = model.num_attention_heads * model.head_dim
     kv = model.query_groups * model.head_dim
     # QKV projection, causal half of QK^T and of its product with V, output projection
     return FORWARD_BACKWARD * MULTIPLY_ADD * (h * (q + 2 * kv) + q * s + q * h)
+
+
+def mla_flops_per_token(model: ModelConfig) -> int:
+    """One layer's multi-latent attention, forward and backward, per token: Megatron-LM's
+    MLA branch. The query through its latent, h r_q + r_q n (d_qk + d_pe), and r_q more
+    for its norm (or h n (d_qk + d_pe) without a latent); the key/value latent and its
+    norm, r_kv (h + n (d_qk + d_v) + 1), and the shared rotary key, h d_pe; the output
+    projection n d_v h; the causal half of QK^T (n (d_qk + d_pe) s / 2) and of its
+    product with V (n d_v s / 2). The norms count whether the model has them or not, as
+    there."""
+    h, s, n = model.hidden_size, model.seq_length, model.num_attention_heads
+    q_head = model.qk_head_dim + model.qk_pos_emb_head_dim
+    r_q, r_kv = model.q_lora_rank, model.kv_lora_rank
+    query = h * n * q_head if r_q is None else r_q * (h + n * q_head + 1)
+    latent = r_kv * (h + n * (model.qk_head_dim + model.v_head_dim) + 1)
+    projections = query + latent + h * model.qk_pos_emb_head_dim + n * model.v_head_dim * h
+    # the halves of the two causal products, times 2 FLOPs each multiply-add
+    core = s * n * (q_head + model.v_head_dim)
+    return FORWARD_BACKWARD * (MULTIPLY_ADD * projections + core)
 
 
 def mlp_flops_per_token(model: ModelConfig) -> int:

@@ -384,9 +384,12 @@ class Trainer:
                                     self.env.timeout)
         self.housekeeping.start()
         try:
-            self._train_segments(stop)
-            if self.iteration >= t.train_iters:  # not after an exit or a stop
-                self.evaluate_test()
+            if t.skip_train:
+                self._skip_train()
+            else:
+                self._train_segments(stop)
+                if self.iteration >= t.train_iters:  # not after an exit or a stop
+                    self.evaluate_test()
         except RuntimeError as err:
             if heartbeat is None or not (is_timeout(err) or isinstance(err, PeerTimeout)):
                 raise
@@ -498,7 +501,7 @@ class Trainer:
         final = iteration % t.eval_interval != 0
         self.sink.validation(rec, f"iteration {iteration} on validation set" if final else None)
 
-    def evaluate_test(self) -> None:
+    def evaluate_test(self, tensorboard: bool = True) -> None:
         """Megatron-LM's test-set evaluation after training (`do_test`: --eval-iters > 0
         and a test split): --eval-iters global batches from the start of the test split,
         printed as `validation loss at iteration N on test set`."""
@@ -510,7 +513,23 @@ class Trainer:
             return
         rec["split"] = "test"
         self.history.setdefault("test", {})[self.iteration] = rec
-        self.sink.validation(rec, f"iteration {self.iteration} on test set")
+        self.sink.validation(rec, f"iteration {self.iteration} on test set", tensorboard)
+
+    def _skip_train(self) -> None:
+        """--skip-train, as Megatron-LM: no step; the model as loaded (iteration N of
+        --load, or 0) is validated on the first --eval-iters global batches of the
+        validation split, then tested, each printed as after training; nothing is saved
+        or written to TensorBoard."""
+        t = self.run.train
+        logger.info(f"--skip-train: no training; validating the model of iteration "
+                    f"{self.iteration}")
+        if self.sources.valid is not None and t.eval_iters:
+            rec = self.measure(self.sources.valid, 0, t.eval_iters, self.iteration)
+            if rec is not None:
+                self.history.setdefault("valid", {})[self.iteration] = rec
+                self.sink.validation(rec, f"iteration {self.iteration} on validation set",
+                                     tensorboard=False)
+        self.evaluate_test(tensorboard=False)
 
     def measure(self, dataset, first: int, iters: int, iteration: int) -> Optional[dict]:
         """The loss (and its parts or metrics) of `iters` global batches of `dataset` from

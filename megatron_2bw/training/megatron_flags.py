@@ -80,6 +80,7 @@ MAPPED: tuple[Flag, ...] = (
     _switch("--overlap-grad-reduce"),
     _switch("--overlap-param-gather"),
     _value("--empty-unused-memory-level", int),
+    _switch("--export-force-local-attention"),
     # mixture of experts: fused kernels and overlaps (Transformer Engine, DeepEP), the same
     # numbers; what runs instead is INSTEAD's where it is more than "selects a kernel"
     _switch("--moe-permute-fusion"),
@@ -90,6 +91,8 @@ MAPPED: tuple[Flag, ...] = (
     _value("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep"]),
     _value("--moe-deepep-num-sms", int),
     _value("--moe-hybridep-num-sms", int),
+    # NCCL user-buffer registration of the data-parallel buffers: communication speed only
+    _switch("--use-nccl-ub", dest="nccl_ub"),
 )
 
 # (flag, why Megatron-LM's meaning is already what happens here)
@@ -105,6 +108,18 @@ HONORED_NOOP: tuple[tuple[Flag, str], ...] = (
      "--expert-tensor-parallel-size replaced it"),
     (_switch("--moe-pad-experts-for-cuda-graph-inference"), "acts only in Megatron-LM's "
      "inference under CUDA graphs; training does not read it"),
+    (_switch("--enable-gpt-oss"), "acts only in Megatron-LM's ModelOpt model builder (a "
+     "ModelOpt checkpoint or distillation), where it switches the rotary embedding to "
+     "YaRN; the pretrain_gpt.py model, which is the one built here, ignores it"),
+    (_switch("--attention-softmax-in-fp32"), "attention's softmax runs in fp32 here with or "
+     "without it: megatron-core's unfused attention is built with its fp32 softmax on, and "
+     "PyTorch's SDPA kernels compute the softmax in fp32 for bf16 and fp16 inputs"),
+    (_switch("--accumulate-allreduce-grads-in-fp32"), "gradients are accumulated and "
+     "reduced in fp32 buffers here with or without it (Megatron-LM's main_grad; "
+     "--grad-reduce-in-bf16 wins over it, as in Megatron-LM); the args a checkpoint "
+     "records keep it, so its optimizer layout is Megatron-LM's for the same flags"),
+    (_switch("--auto-detect-ckpt-format"), "the format of --load's checkpoint (torch or "
+     "torch_dist) is always read from its files here, whatever --ckpt-format says"),
 )
 
 # the fp8 flags (and the MoE router's padding for fp8) share one reason, so a command line
@@ -123,12 +138,22 @@ EXPERT_BIAS_WHY = ("aux-loss-free balancing keeps a per-expert routing bias that
                    "with --moe-aux-loss-coeff instead")
 SHARED_WHY = "shared experts are not implemented: the MoE layers here have routed experts only"
 MTP_WHY = "multi-token prediction (extra MTP layers and their loss) is not implemented"
+FSDP_WHY = ("Megatron FSDP (parameters, gradients and optimizer state sharded over the "
+            "data-parallel ranks, with its fsdp_dtensor checkpoints) is not implemented, and "
+            "these flags act only with it; drop them and use --use-distributed-optimizer "
+            "(the optimizer state sharded over the data-parallel ranks, gradients "
+            "reduce-scattered: --data-parallel-sharding-strategy optim) with --ckpt-format "
+            "torch_dist")
 FLEX_WHY = ("the flex token dispatcher runs DeepEP or HybridEP kernels on GPUs, which this "
             "build does not use; use --moe-token-dispatcher-type alltoall (or allgather)")
 
 
 def _mtp(a: argparse.Namespace) -> bool:
     return bool(a.mtp_num_layers)
+
+
+def _fsdp(a: argparse.Namespace) -> bool:
+    return a.use_megatron_fsdp
 
 
 def _rope(a: argparse.Namespace) -> bool:
@@ -139,10 +164,11 @@ def _rope(a: argparse.Namespace) -> bool:
 REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...] = (
     (_value("--fp8-format", choices=["e4m3", "hybrid"]), lambda a, w: a.fp8_format is not None,
      FP8_WHY),
-    (_value("--fp8-amax-history-len", int), lambda a, w: a.fp8_amax_history_len is not None,
-     FP8_WHY),
+    # Megatron-LM's defaults (1, most_recent) change nothing: its checkpoints' args hold them
+    (_value("--fp8-amax-history-len", int),
+     lambda a, w: a.fp8_amax_history_len not in (None, 1), FP8_WHY),
     (_value("--fp8-amax-compute-algo", choices=["max", "most_recent"]),
-     lambda a, w: a.fp8_amax_compute_algo is not None, FP8_WHY),
+     lambda a, w: a.fp8_amax_compute_algo not in (None, "most_recent"), FP8_WHY),
     (_switch("--fp8-param-gather"), lambda a, w: a.fp8_param_gather, FP8_WHY),
     # Megatron-LM's deprecated switch, which it too refuses except with rotary embeddings
     # (not under Megatron-LM's dest, add_position_embedding: checkpoints' args derive that
@@ -203,6 +229,23 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
     (_value("--moe-upcycling-granularity", int),
      lambda a, w: a.moe_upcycling_granularity not in (None, 1),
      "turning a dense checkpoint into a MoE model (upcycling) is not implemented"),
+    # Megatron FSDP: its flags do nothing without --use-megatron-fsdp (Megatron-LM reads
+    # them only there), except the meta-device build, which serves FSDP's sharded
+    # materialisation and leaves other models' weights unset
+    (_switch("--use-megatron-fsdp"), lambda a, w: _fsdp(a), FSDP_WHY),
+    (_value("--data-parallel-sharding-strategy",
+            choices=["no_shard", "optim", "optim_grads", "optim_grads_params"]),
+     lambda a, w: _fsdp(a) and a.data_parallel_sharding_strategy is not None, FSDP_WHY),
+    (_switch("--init-model-with-meta-device"), lambda a, w: a.init_model_with_meta_device,
+     FSDP_WHY),
+    (_switch("--fsdp-double-buffer"), lambda a, w: _fsdp(a) and a.fsdp_double_buffer,
+     FSDP_WHY),
+    (_value("--megatron-fsdp-grad-comm-dtype", choices=["fp32", "fp16", "bf16", "auto"]),
+     lambda a, w: _fsdp(a) and a.megatron_fsdp_grad_comm_dtype not in (None, "auto"),
+     FSDP_WHY),
+    (_value("--megatron-fsdp-main-grads-dtype", choices=["fp32", "bf16", "fp16", "auto"]),
+     lambda a, w: _fsdp(a) and a.megatron_fsdp_main_grads_dtype not in (None, "auto"),
+     FSDP_WHY),
     (_switch("--moe-enable-routing-replay"), lambda a, w: a.moe_enable_routing_replay,
      "routing replay (recording routing decisions to replay them, for reinforcement "
      "learning) is not implemented"),
@@ -268,6 +311,11 @@ REFUSED_VALUES: tuple[RefusedValue, ...] = (
                  lambda a, w: _unexpressible_pattern(a),
                  "a per-layer pattern other than every N-th layer from the first (such as "
                  "dense first layers) is not implemented; the model takes a frequency N"),
+    RefusedValue("--dist-ckpt-strictness", "return_unexpected, return_all",
+                 lambda a, w: a.dist_ckpt_strictness in ("return_unexpected", "return_all"),
+                 "these values make megatron-core's load return the mismatched tensors' "
+                 "names beside the state, for callers of its Python API (Megatron-LM's "
+                 "training cannot use them either); use log_all to see them, or raise_all"),
     RefusedValue("--tokenizer-type", "types not offered",
                  lambda a, w: (a.tokenizer_type is not None
                                and a.tokenizer_type not in tokenizers.TOKENIZER_TYPES),
@@ -475,6 +523,13 @@ INSTEAD: dict[str, str] = {
     "refused here",
     "--moe-deepep-num-sms": "acts only with the flex token dispatcher, which is refused here",
     "--moe-hybridep-num-sms": "acts only with the flex token dispatcher, which is refused here",
+    "--export-force-local-attention": "megatron-core's local DotProductAttention runs where "
+    "a model needs it (--softmax-type off-by-one / learnable, --window-size), otherwise "
+    "--attention-backend chooses; Megatron-LM reads the flag only in its ModelOpt model "
+    "builder, where it replaces Transformer Engine's attention, which is not used here",
+    "--use-nccl-ub": "registers the data-parallel communication buffers with NCCL (fewer "
+    "GPU cores busy with the collectives); the collectives here run on ordinary buffers, "
+    "and the numbers do not depend on it",
 }
 
 

@@ -209,15 +209,19 @@ class MetricsSink:
             extras.append(f"weight version: {rec['weight_version']}")
         return extras
 
-    def validation(self, rec: dict, label: Optional[str] = None) -> None:
+    def validation(self, rec: dict, label: Optional[str] = None,
+                   tensorboard: bool = True) -> None:
         """Megatron-LM's validation block: each loss and its perplexity between two dashed
         lines as long as the text. `label`: what follows "validation loss at" (default
-        "iteration N"; Megatron-LM says "iteration N on validation set" after training)."""
+        "iteration N"; Megatron-LM says "iteration N on validation set" after training).
+        `tensorboard` False: not written to TensorBoard or wandb (--skip-train, as
+        Megatron-LM)."""
         if not self.enabled:
             return
         self._write_row(rec)
         losses = megatron_losses(rec, prefix="val_")
-        self._writers.validation(rec["iteration"], rec["consumed_samples"], losses)
+        if tensorboard:
+            self._writers.validation(rec["iteration"], rec["consumed_samples"], losses)
         text = f" validation loss at {label or 'iteration ' + str(rec['iteration'])} | "
         text += "".join(f"{key} value: {value:.6E} | {key} PPL: {perplexity(value):.6E} | "
                         for key, value in losses.items())

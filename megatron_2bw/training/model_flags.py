@@ -20,9 +20,10 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..models.config import (ATTENTION_BACKENDS, MOE_DISPATCHERS, RECOMPUTE_MODULES,
-                             ModelConfig, stage_layer_counts)
+                             SOFTMAX_TYPES, ModelConfig, stage_layer_counts)
 from ..shape import swiglu_ffn_size
 from .errors import UserError
+from .mla_flags import mla_config, mla_flags, mla_problem
 
 ROTARY_DEFAULTS = {"rotary_base": 10000, "rotary_percent": 1.0,
                    "rotary_seq_len_interpolation_factor": None, "rotary_interleaved": False,
@@ -53,6 +54,8 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     _recompute_flags(p)
     _kernel_flags(p)
     _moe_flags(p)
+    _gpt_oss_flags(p)
+    mla_flags(p)
 
 
 def _architecture_flags(p: argparse.ArgumentParser) -> None:
@@ -150,6 +153,52 @@ def _recompute_flags(p: argparse.ArgumentParser) -> None:
                         "paper's per-layer recomputation is uniform with 1")
     g.add_argument("--recompute-modules", nargs="+", choices=list(RECOMPUTE_MODULES),
                    help="selective only: what to recompute (default core_attn)")
+
+
+def window_size_type(text: str) -> tuple[int, ...]:
+    """Megatron-LM's --window-size: "127,0" or "(127,0)" as a tuple of integers (an
+    argparse type; ARCH_RULES check there are two)."""
+    try:
+        return tuple(int(v) for v in text.strip().strip("'\"").strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: give LEFT,RIGHT such as "
+                                         "127,0") from None
+
+
+def _gpt_oss_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags of its GPT-OSS recipe that shape the model (megatron-core
+    TransformerConfig fields, their names and defaults; models/gpt_oss.py)."""
+    g = p.add_argument_group("GPT-OSS attention and MLP (models/gpt_oss.py)")
+    g.add_argument("--softmax-type", choices=list(SOFTMAX_TYPES), default="vanilla",
+                   help="attention softmax: vanilla; off-by-one adds 1 to every denominator; "
+                        "learnable adds a learned logit per head (attention sinks)")
+    g.add_argument("--window-size", type=window_size_type, default=None, metavar="LEFT,0",
+                   help="sliding-window attention: each token attends itself and the LEFT "
+                        "tokens before it (default: all of them)")
+    g.add_argument("--window-attn-skip-freq", type=moe_layer_freq_type, default=None,
+                   help="with --window-size: N, every N-th layer attends fully, the others "
+                        "slide; or a list of one 1 (window) / 0 (full) per layer such as "
+                        "\"[1,1,1,0]*3\" (default: every layer slides)")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="gated MLP with quick GELU, x * sigmoid(1.702 x), instead of GELU")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="gated MLPs: act(gate) * (up + this)")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="--quick-geglu: clamp the gate to at most this and the up half to "
+                        "[-this, this] before the activation")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="rotary embedding of the attention: rope (the default of standard "
+                        "attention); yarn acts with multi-latent attention only")
+
+
+def gpt_oss_config(args: argparse.Namespace) -> dict:
+    """The ModelConfig fields of the GPT-OSS flags (a per-layer window pattern as a
+    tuple)."""
+    freq = args.window_attn_skip_freq
+    return dict(softmax_type=args.softmax_type, window_size=args.window_size,
+                window_attn_skip_freq=tuple(freq) if isinstance(freq, list) else freq,
+                quick_geglu=args.quick_geglu, glu_linear_offset=args.glu_linear_offset,
+                activation_func_clamp_value=args.activation_func_clamp_value)
 
 
 # Megatron-LM's choices; global_aux_loss and flex are refused with why (megatron_flags.py)
@@ -506,7 +555,7 @@ ARCH_RULES: tuple[ArchRule, ...] = (
              lambda a, m: m != "bert" or not a.layernorm_zero_centered_gamma,
              "BERT's LM-head norm is megatron-core's torch norm, which cannot store gamma - 1",
              "drop --apply-layernorm-1p"),
-    ArchRule(_ROTARY, lambda a, m: _rope(a) or _rotary_unset(a),
+    ArchRule(_ROTARY, lambda a, m: _rope(a) or a.multi_latent_attention or _rotary_unset(a),
              "rotary settings without rotary embeddings would be ignored",
              "add --position-embedding-type rope, or drop them"),
     ArchRule("--rope-scaling-factor",
@@ -574,9 +623,91 @@ ARCH_RULES: tuple[ArchRule, ...] = (
 )
 
 
+def _attention_changes(a: argparse.Namespace) -> bool:
+    """Whether the GPT-OSS flags change the attention (sinks or a sliding window)."""
+    return a.softmax_type != "vanilla" or a.window_size is not None
+
+
+def _skip_freq_ok(a: argparse.Namespace) -> bool:
+    freq = a.window_attn_skip_freq
+    if freq is None or isinstance(freq, int):
+        return freq is None or freq >= 1
+    return len(freq) == a.num_layers and not set(freq) - {0, 1}
+
+
+def _mla(a: argparse.Namespace) -> bool:
+    return bool(getattr(a, "multi_latent_attention", False))
+
+
+_WINDOW = "--window-size {a.window_size}"
+# GPT-OSS's flags (Megatron-LM's examples/gptoss recipe): what megatron-core refuses or
+# would ignore, and what its local attention cannot compute here
+GPT_OSS_RULES: tuple[ArchRule, ...] = (
+    ArchRule("--rope-type", lambda a, m: a.rope_type != "yarn" or _mla(a),
+             "--rope-type yarn: standard attention takes rope only (Megatron-LM's rule; "
+             "YaRN acts with multi-latent attention)", "use --rope-type rope, or leave it out"),
+    ArchRule("--rope-type", lambda a, m: a.rope_type is None or _rope(a) or _mla(a),
+             "--rope-type {a.rope_type} without rotary position embeddings would be ignored",
+             "add --position-embedding-type rope, or drop --rope-type"),
+    ArchRule("--softmax-type, --window-size, --quick-geglu",
+             lambda a, m: m == "gpt" or not (_attention_changes(a) or a.quick_geglu),
+             "GPT-OSS's attention and MLP flags are GPT's here (BERT attends both ways and "
+             "its spec is not built with them)", "drop them for BERT"),
+    ArchRule("--quick-geglu, --swiglu", lambda a, m: not (a.quick_geglu and a.swiglu),
+             "--quick-geglu and --swiglu both choose the MLP's activation (Megatron-LM "
+             "refuses the two together)", "give one of them"),
+    ArchRule("--glu-linear-offset",
+             lambda a, m: a.glu_linear_offset == 0 or a.swiglu or a.quick_geglu,
+             "--glu-linear-offset acts on a gated MLP only and would be ignored",
+             "add --quick-geglu (or --swiglu), or drop it"),
+    ArchRule("--activation-func-clamp-value",
+             lambda a, m: a.activation_func_clamp_value is None or a.quick_geglu,
+             "--activation-func-clamp-value clamps --quick-geglu's inputs and would be "
+             "ignored without it", "add --quick-geglu, or drop it"),
+    ArchRule("--window-size", lambda a, m: a.window_size is None or len(a.window_size) == 2,
+             _WINDOW + " is not two values", "give two, LEFT,0"),
+    ArchRule("--window-size", lambda a, m: a.window_size is None or a.window_size[1] == 0,
+             _WINDOW + ": GPT's attention is causal, so no key after the query is in the "
+             "window (Transformer Engine sets the second value to 0 for causal attention)",
+             "give LEFT,0"),
+    ArchRule("--window-size", lambda a, m: a.window_size is None or a.window_size[0] >= 0,
+             _WINDOW + ": a negative left edge (-1: no bound) is full causal attention, "
+             "which megatron-core's local softmax does not take as a window",
+             "leave --window-size out for full attention, or give LEFT >= 0"),
+    ArchRule("--window-attn-skip-freq",
+             lambda a, m: a.window_attn_skip_freq is None or a.window_size is not None,
+             "--window-attn-skip-freq without --window-size would be ignored",
+             "add --window-size LEFT,0, or drop it"),
+    ArchRule("--window-attn-skip-freq", lambda a, m: _skip_freq_ok(a),
+             "--window-attn-skip-freq must be N >= 1, or one 0 / 1 per layer of the "
+             "--num-layers {a.num_layers}", "give N (every N-th layer attends fully) or a "
+             "list such as \"[1,0]*2\" for 4 layers (1: window, 0: full)"),
+    ArchRule("--attention-backend, --softmax-type, --window-size",
+             lambda a, m: not _attention_changes(a) or a.attention_backend not in ("flash",
+                                                                                  "fused"),
+             "--attention-backend {a.attention_backend} runs PyTorch's SDPA, which computes "
+             "neither attention sinks (--softmax-type) nor a sliding window (--window-size)",
+             "use --attention-backend auto (megatron-core's DotProductAttention then runs) "
+             "or unfused"),
+    ArchRule("--context-parallel-size, --softmax-type, --window-size",
+             lambda a, m: not _attention_changes(a) or a.context_parallel_size == 1,
+             "attention sinks and sliding windows are megatron-core's DotProductAttention's, "
+             "which has no context-parallel form", "use --context-parallel-size 1"),
+    ArchRule("--reset-attention-mask, --window-size",
+             lambda a, m: a.window_size is None or not a.reset_attention_mask,
+             "megatron-core's sliding-window softmax builds its own causal window mask, "
+             "which would drop --reset-attention-mask's per-document mask",
+             "drop one of the two"),
+    ArchRule("--softmax-type, --window-size", lambda a, m: not (_attention_changes(a) and _mla(a)),
+             "attention sinks and sliding windows are megatron-core's DotProductAttention's, "
+             "which multi-latent attention does not run here", "drop them, or the "
+             "multi-latent attention"),
+)
+
+
 def check_arch_rules(args: argparse.Namespace, model: str) -> None:
     """The first architecture rule the flags break, as a UserError naming the flag."""
-    for rule in ARCH_RULES:
+    for rule in ARCH_RULES + GPT_OSS_RULES:
         if not rule.ok(args, model):
             fmt = dict(a=args, split=_stage_problem(args))
             raise UserError(rule.what.format(**fmt), rule.where, rule.fix.format(**fmt))
@@ -584,6 +715,9 @@ def check_arch_rules(args: argparse.Namespace, model: str) -> None:
 
 def model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfig:
     check_arch_rules(args, model)
+    problem = mla_problem(args, model)
+    if problem:
+        raise problem
     return ModelConfig(
         model=model, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
@@ -611,7 +745,8 @@ def model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfi
         cp_comm_type=args.cp_comm_type,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        **moe_config(args), **kernel_config(args))
+        **moe_config(args), **kernel_config(args), **gpt_oss_config(args),
+        **mla_config(args))
 
 
 def kernel_config(args: argparse.Namespace) -> dict:
@@ -628,18 +763,24 @@ def kernel_config(args: argparse.Namespace) -> dict:
 def kernel_note(args: argparse.Namespace, on_gpu: bool) -> str:
     """One line: the attention and activation kernels this run uses, and what the fusion
     switches do on this device (fused on CUDA, the same mathematics unfused on CPU)."""
-    sdpa = args.attention_backend not in ("unfused", "local")
+    sdpa = args.attention_backend not in ("unfused", "local") and not _attention_changes(args)
     attention = (f"PyTorch SDPA ({args.attention_backend})" if sdpa
                  else "megatron-core's DotProductAttention (unfused softmax)")
+    if _attention_changes(args):
+        attention += (", attention sinks" if args.softmax_type != "vanilla" else "") + (
+            ", sliding window" if args.window_size is not None else "")
     if args.attention_backend == "fused" and not on_gpu:
         attention += ", its CPU kernel (the fused kernels are CUDA's)"
     if args.swiglu:
         activation = "SwiGLU"
+    elif args.quick_geglu:
+        activation = "quick-GeGLU"
     elif args.bias_gelu_fusion and args.add_bias_linear:
         activation = "GELU, tanh approximation (--bias-gelu-fusion)"
     else:
         activation = "GELU, exact"
-    fusions = [name for name, on in (("bias-GELU", not args.swiglu and args.bias_gelu_fusion
+    fusions = [name for name, on in (("bias-GELU", not (args.swiglu or args.quick_geglu)
+                                      and args.bias_gelu_fusion
                                       and args.add_bias_linear),
                                      ("bias-SwiGLU", args.swiglu and args.bias_swiglu_fusion),
                                      ("bias-dropout-add", args.bias_dropout_fusion),

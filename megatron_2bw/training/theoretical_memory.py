@@ -40,10 +40,23 @@ def _layer_params(m: ModelConfig) -> tuple[float, float, float]:
     attention = 2 * h * h * (1 + m.query_groups / m.num_attention_heads) * ratio
     gated = 1.5 if m.swiglu else 1.0
     norm = 1 if m.normalization == "RMSNorm" else 2
+    if m.multi_latent_attention:
+        attention = _mla_params(m, norm)
     dense = 2 * h * (m.ffn_size * gated + norm) + attention
     experts = (m.num_experts or 1) * (m.moe_ffn_size if m.is_moe else 0)
     moe = 2 * h * (experts * gated + norm) + attention
     return dense, moe, norm
+
+
+def _mla_params(m: ModelConfig, norm: int) -> float:
+    """Megatron-LM's multi-latent attention count: the query (through its latent and norm,
+    or directly), the key/value latent and its norm, the shared rotary key, the output."""
+    h, n = m.hidden_size, m.num_attention_heads
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    query = (h * n * q_head if m.q_lora_rank is None
+             else m.q_lora_rank * (h + n * q_head + norm))
+    latent = m.kv_lora_rank * (h + n * (m.qk_head_dim + m.v_head_dim) + norm)
+    return query + latent + h * m.qk_pos_emb_head_dim + n * m.v_head_dim * h
 
 
 def parameter_lines(m: ModelConfig, par: ParallelConfig) -> tuple[list[str], float]:

@@ -54,6 +54,7 @@ PROBABILITY = Range(lambda v: 0 <= v < 1, "a number in [0, 1)")   # NaN fails bo
 OPEN_UNIT = Range(lambda v: 0 < v < 1, "a number in (0, 1)")
 UNIT = Range(lambda v: 0 <= v <= 1, "a number in [0, 1]")
 SEED = Range(lambda v: 0 <= v < 2 ** 32, "an integer in [0, 2**32) (numpy's seed range)")
+FINITE = Range(_finite, "a finite number")
 
 # (flag, range, hint): every int or float flag of arguments.py; None (unset) is not checked
 RANGES: tuple[tuple[str, Range, str], ...] = (
@@ -73,6 +74,14 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--rotary-percent", POSITIVE, "(at most 1)"),
     ("--rotary-seq-len-interpolation-factor", COUNT, "or leave it out"),
     ("--rope-scaling-factor", POSITIVE, ""),
+    ("--q-lora-rank", COUNT, "or leave it out for queries without a latent"),
+    ("--kv-lora-rank", COUNT, ""),
+    ("--qk-head-dim", COUNT, ""),
+    ("--qk-pos-emb-head-dim", COUNT, ""),
+    ("--v-head-dim", COUNT, ""),
+    ("--rotary-scaling-factor", POSITIVE, ""),
+    ("--mscale", NON_NEGATIVE, ""),
+    ("--mscale-all-dim", NON_NEGATIVE, ""),
     ("--decoder-first-pipeline-num-layers", COUNT, "or leave it out for the even split"),
     ("--decoder-last-pipeline-num-layers", COUNT, "or leave it out for the even split"),
     ("--recompute-num-layers", COUNT, ""),
@@ -129,6 +138,8 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--moe-aux-loss-coeff", NON_NEGATIVE, "(0: no load-balancing loss)"),
     ("--moe-z-loss-coeff", NON_NEGATIVE, "or leave it out for no z-loss"),
     ("--moe-expert-capacity-factor", POSITIVE, "or leave it out to drop no tokens"),
+    ("--glu-linear-offset", FINITE, ""),
+    ("--activation-func-clamp-value", POSITIVE, "or leave it out for no clamp"),
     ("--vocab-size", COUNT, ""),
     ("--make-vocab-size-divisible-by", COUNT, ""),
     ("--mask-prob", OPEN_UNIT, ""),
@@ -136,6 +147,7 @@ RANGES: tuple[tuple[str, Range, str], ...] = (
     ("--profile-step-start", COUNT_OR_ZERO, ""),
     ("--profile-step-end", COUNT_OR_ZERO, ""),
     ("--profile-ranks", COUNT_OR_ZERO, ""),
+    ("--logging-level", COUNT_OR_ZERO, "(Python's: 10 DEBUG, 20 INFO, 30 WARNING, 40 ERROR)"),
     # Megatron-LM flags that are mapped or refused (megatron_flags.py)
     ("--empty-unused-memory-level", COUNT_OR_ZERO, ""),
     ("--num-workers", COUNT_OR_ZERO, ""),
@@ -804,13 +816,18 @@ def check_attention_kernel(args: argparse.Namespace, model: str, device) -> None
     flags = Flags(args, model, 1)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(flags.precision, torch.float32)
     head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    value_dim = None
+    if args.multi_latent_attention:  # keys wider than values
+        head_dim, value_dim = args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
     grouped = args.group_query_attention and args.num_query_groups < args.num_attention_heads
     masked = model == "bert" or bool(args.reset_attention_mask)
     why = kernel_problem(args.attention_backend, device, dtype, head_dim, grouped,
-                         args.attention_dropout, masked)
+                         args.attention_dropout, masked, value_dim)
     if why is None:
         return
-    fix = "use --attention-backend auto (PyTorch then picks a kernel that can) or unfused"
+    fix = "use --attention-backend auto (PyTorch then picks a kernel that can)"
+    if not args.multi_latent_attention:  # MLA runs on SDPA only
+        fix += " or unfused"
     if args.attention_dropout > 0 and device.type != "cuda":
         fix += f", or --attention-dropout 0 (it is {args.attention_dropout:g})"
     kernels = {"flash": "flash-attention kernel",

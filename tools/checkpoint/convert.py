@@ -4,7 +4,8 @@
         --ckpt-format torch_dist --pipeline-model-parallel-size 4
 
 Run with tensor x pipeline processes of the target layout (one data-parallel rank is
-enough: replicas are identical). See docs/checkpoints.md.
+enough: replicas are identical). OLD may be megatron-2bw's or Megatron-LM's own, in
+either format, with or without optimizer state. See docs/checkpoints.md.
 """
 import os
 import sys

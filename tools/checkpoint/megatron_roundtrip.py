@@ -13,9 +13,12 @@ checkpoint's flags, its DDP, optimizer and scheduler (megatron_harness.py), then
 content_metadata names (the non-distributed one, dp_reshardable or fully_reshardable).
 Then, parameter by parameter, it compares what Megatron-LM's optimizer holds (its shards
 gathered over data parallelism: the fp32 main weights, exp_avg, exp_avg_sq) with
-megatron-2bw's own per-parameter tensors in the checkpoint (`optimizer.state.<kind>.<key>`;
-the fp32 main weights of an fp32 run are its weights) and prints one line per state,
-then whether every tensor is equal. Exit status 0 when all are, 1 otherwise. The model is
+megatron-2bw's own reading of the checkpoint: its per-parameter tensors
+(`optimizer.state.<kind>.<key>`; the fp32 main weights of an fp32 run are its weights),
+or where a dp_reshardable save wrote the state only in the buckets, the buckets read
+through the index saved beside them (megatron_optim/index.py), which is not how
+Megatron-LM finds them; it prints one line per state, then whether every tensor is
+equal. Exit status 0 when all are, 1 otherwise. The model is
 the GPT the checkpoint's flags describe (megatron-core's GPTModel, built by megatron-2bw).
 """
 from __future__ import annotations
@@ -85,19 +88,29 @@ def _model_config(saved: argparse.Namespace, tp: int, pp: int, ep: int, world: i
     return config_from_args(args, "gpt", world, saved.padded_vocab_size).model
 
 
+def _params(ddp) -> list:
+    """The model shards of this rank's parameters (megatron-core's DDP modules)."""
+    import torch
+    modules = [d.module for d in (ddp if isinstance(ddp, list) else [ddp])]
+    return [st for m in modules for st in m.sharded_state_dict().values()
+            if isinstance(getattr(st, "data", None), torch.nn.Parameter)]
+
+
 def _ours(ddp, path: str, main_key: str) -> dict:
-    """megatron-2bw's per-parameter tensors of this rank's parameters, whole, keyed like
+    """megatron-2bw's state of this rank's parameters, whole, keyed like
     `optimizer_reference`: {(key, offset): {param, exp_avg, exp_avg_sq}}."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
     from megatron_2bw.models.compat import cpu_dist_checkpointing
+    common = torch.load(os.path.join(path, "common.pt"), map_location="cpu",
+                        weights_only=False)
+    index = common.get("pipedream_2bw", {}).get("optimizer_buckets")
+    if index is not None:
+        return _ours_from_buckets(_params(ddp), path, index)
     keys = set(dist_checkpointing.load_tensors_metadata(path))
     template = {}
-    modules = [d.module for d in (ddp if isinstance(ddp, list) else [ddp])]
-    for st in (st for m in modules for st in m.sharded_state_dict().values()):
-        if not isinstance(getattr(st, "data", None), torch.nn.Parameter):
-            continue
+    for st in _params(ddp):
         entry = {}
         for state, prefix in (("param", main_key), ("exp_avg", "optimizer.state.exp_avg"),
                               ("exp_avg_sq", "optimizer.state.exp_avg_sq")):
@@ -110,6 +123,21 @@ def _ours(ddp, path: str, main_key: str) -> dict:
     with cpu_dist_checkpointing():
         loaded = dist_checkpointing.load(_flat(template), path)
     return _unflat(loaded, template)
+
+
+def _ours_from_buckets(params: list, path: str, index: dict) -> dict:
+    """The state of `params` read from the dp_reshardable buckets through the index a
+    save of megatron-2bw wrote beside them, keyed as `_ours`."""
+    from megatron.core import dist_checkpointing
+    from megatron_2bw.checkpointing.megatron_optim import index_read
+    from megatron_2bw.models.compat import cpu_dist_checkpointing
+    read = index_read(index, dict(enumerate(params)), {"fp32_param", "exp_avg", "exp_avg_sq"})
+    with cpu_dist_checkpointing():
+        found = read.found(dist_checkpointing.load(read.template, path))
+    names = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+    return {(st.key, tuple(st.global_offset)): {state: found[kind][i]
+                                                for state, kind in names.items()}
+            for i, st in enumerate(params)}
 
 
 def _weights(st, data):
