@@ -13,8 +13,10 @@ padded size (`vocab_is_padded`), which `padded_vocab` returns as it is.
 """
 from __future__ import annotations
 
+import ast
+import re
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 from .vocab import pad_vocab_size
 
@@ -347,8 +349,8 @@ class ModelShape:
 class MoeShape:
     """The routed experts of a mixture of experts, named after Megatron-LM's flags: what
     the closed-form FLOP counts need beside a `ModelShape`. Every `moe_layer_freq`-th
-    layer from layer 0 is an MoE layer (Megatron-LM's integer `--moe-layer-freq`); each of
-    its tokens goes through `moe_router_topk` of the `num_experts` experts. No shared
+    layer from layer 0 is an MoE layer (Megatron-LM's integer `--moe-layer-freq`), or,
+    with a tuple, layer i is one where entry i is 1 (its list form); each of its tokens goes through `moe_router_topk` of the `num_experts` experts. No shared
     experts: the trainer refuses `--moe-shared-expert-intermediate-size`. Invalid values
     raise one ValueError naming the flags."""
 
@@ -358,8 +360,9 @@ class MoeShape:
     """`--moe-router-topk`: experts each token is routed to (k)."""
     moe_ffn_hidden_size: Optional[int] = None
     """`--moe-ffn-hidden-size`: each expert's MLP width; None: the dense MLP's."""
-    moe_layer_freq: int = 1
-    """`--moe-layer-freq`: every this-many-th layer, from layer 0, is an MoE layer."""
+    moe_layer_freq: Union[int, tuple[int, ...]] = 1
+    """`--moe-layer-freq`: every this-many-th layer, from layer 0, is an MoE layer; or one
+    0 (dense) / 1 (MoE) per layer (`is_moe_layer`)."""
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -369,8 +372,11 @@ class MoeShape:
     def _problems(self) -> list[str]:
         """Everything wrong with the values (empty: valid); subclasses add theirs."""
         problems = []
+        problems += _layer_pattern_problems(self.moe_layer_freq)
         for name in ("num_experts", "moe_router_topk", "moe_layer_freq"):
             value = getattr(self, name)
+            if name == "moe_layer_freq" and isinstance(value, tuple):
+                continue
             if not isinstance(value, int) or value < 1:
                 problems.append(f"{_flag(name)} {value!r}: give a positive integer")
         size = self.moe_ffn_hidden_size
@@ -382,13 +388,100 @@ class MoeShape:
         return problems
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether global layer `layer` (0-based) is an MoE layer."""
+        """Whether global layer `layer` (0-based) is an MoE layer: the pattern's entry, or
+        every N-th layer from layer 0 (megatron-core's get_gpt_decoder_layer_specs); a
+        pipeline stage asks with its layers' global indices, so a pattern splits with them."""
+        if isinstance(self.moe_layer_freq, tuple):
+            return self.moe_layer_freq[layer] == 1
         return layer % self.moe_layer_freq == 0
 
     def moe_layers(self, first: int, count: int) -> int:
         """MoE layers among global layers first, ..., first + count - 1."""
         return sum(self.is_moe_layer(i) for i in range(first, first + count))
 
+    def pattern_problem(self, num_layers: int) -> Optional[str]:
+        """Why a per-layer pattern does not fit `num_layers` layers (Megatron-LM asserts
+        one entry per layer), else None."""
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple) and len(freq) != num_layers:
+            return (f"--moe-layer-freq: the pattern has {len(freq)} entries for "
+                    f"--num-layers {num_layers} (give one 0 / 1 per layer)")
+        return None
+
     def ffn_size(self, model: ModelShape) -> int:
         """One expert's MLP width."""
         return self.moe_ffn_hidden_size or model.ffn_size
+
+
+def _layer_pattern_problems(freq: object) -> list[str]:
+    """What is wrong with a per-layer `--moe-layer-freq` pattern (a tuple): only 0 and 1,
+    at least one MoE layer. An int is checked with the other counts."""
+    if not isinstance(freq, tuple):
+        return []
+    if not freq or any(type(v) is not int or v not in (0, 1) for v in freq):
+        return [f"--moe-layer-freq {list(freq)!r}: give one 0 (dense) or 1 (MoE) per layer"]
+    return [] if 1 in freq else ["--moe-layer-freq: the pattern has no MoE layer (no 1)"]
+
+
+def layer_pattern_text(pattern: tuple[int, ...]) -> str:
+    """A per-layer pattern as Megatron-LM's list expression, runs folded:
+    (0, 1, 1, 0) -> "([0]*1+[1]*2+[0]*1)" (what a launch passes to --moe-layer-freq)."""
+    runs: list[list[int]] = []
+    for v in pattern:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return "(" + "+".join(f"[{v}]*{n}" for v, n in runs) + ")"
+
+
+# --moe-layer-freq's list form, as Megatron-LM's moe_freq_type reads it (its characters;
+# evaluated here without eval, to at most this many entries)
+_PATTERN_CHARS = re.compile(r"[^,\d\[\]()+*]")
+_MAX_PATTERN = 1 << 16
+
+
+def parse_layer_freq(text: str) -> Union[int, list[int]]:
+    """Megatron-LM's --moe-layer-freq text: an integer N, or a Python list expression of
+    one 0 (dense) / 1 (MoE) per layer, e.g. "([0]+[1]*23)"; ValueError saying what is
+    wrong. Shared by the trainer's and the planner's command lines."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1].strip()  # quotes kept by a script's unquoted array expansion
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"invalid value {text!r}: give an integer N or a list "
+                             "pattern") from None
+    compact = "".join(text.split())
+    try:
+        if _PATTERN_CHARS.search(compact):
+            raise ValueError("only digits, commas, [ ] ( ) + and * may appear")
+        value = _pattern_value(ast.parse(compact, mode="eval").body)
+        if not isinstance(value, list):
+            raise ValueError("it is not a list")
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(f"invalid pattern {text!r}: {err}") from None
+    return value
+
+
+def _pattern_value(node: ast.AST) -> Union[int, list[int]]:
+    """An int or a list of ints from list displays, + and * (what the pattern may hold)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        items = [_pattern_value(item) for item in node.elts]
+        if any(isinstance(item, list) for item in items):
+            raise ValueError("nested lists")
+        return items  # type: ignore[return-value]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left), _pattern_value(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+            items, times = (left, right) if isinstance(left, list) else (right, left)
+            if len(items) * max(times, 0) > _MAX_PATTERN:  # type: ignore[operator]
+                raise ValueError(f"more than {_MAX_PATTERN} entries")
+            return items * times  # type: ignore[operator]
+    raise ValueError("not a list of integers built with + and *")

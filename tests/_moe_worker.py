@@ -41,6 +41,8 @@ SINKHORN = (("moe_router_load_balancing_type", "sinkhorn"), ("moe_aux_loss_coeff
 SEQ_AUX = (("moe_router_load_balancing_type", "seq_aux_loss"),)
 # token dropping: each expert takes at most its even share of the microbatch's tokens
 CAPACITY = (("moe_expert_capacity_factor", 1.0), ("moe_pad_expert_input_to_capacity", True))
+# DeepSeek-V3 / Qwen2-MoE's shared experts beside the routed ones, with Qwen2-MoE's gate
+SHARED = GLU + (("moe_shared_expert_intermediate_size", 24), ("moe_shared_expert_gate", True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +79,11 @@ SCENARIOS = (
     Scenario("glu_tp2_sp_alltoall", 2, 1, 1, GLU + ALLTOALL + (("sequence_parallel", True),)),
     # layer 0 (MoE) on stage 0, layer 1 (dense) on stage 1
     Scenario("glu_pp2", 1, 2, 1, GLU),
+    Scenario("shared_ep1", 1, 1, 1, SHARED),
+    Scenario("shared_ep2_alltoall", 1, 1, 2, SHARED + ALLTOALL),
+    Scenario("shared_tp2_sp_alltoall", 2, 1, 1,
+             SHARED + ALLTOALL + (("sequence_parallel", True),)),
+    Scenario("shared_pp2", 1, 2, 1, SHARED),
 )
 
 

@@ -100,9 +100,18 @@ def test_same_rows_other_tokenizer_is_a_note(caplog) -> None:
     assert caplog.text == ""
 
 
+def test_an_output_layer_on_one_side_names_the_untie_flag() -> None:
+    saved = {**MODEL, "output_layer.weight": (128, 32)}
+    for found in (misfits(saved, MODEL), misfits(MODEL, saved)):
+        line = misfit_line(found, "ck")
+        assert "output_layer.weight" in line and line.endswith(
+            "resume with the checkpoint's --untie-embeddings-and-output-weights"), line
+
+
 def test_data_order_note(caplog) -> None:
     with caplog.at_level(logging.WARNING):
-        note_data_order(ARGS, {**ARGS, "seed": 7, "data_path": ["a", "b"]}, 2)
+        note_data_order(ARGS, {**ARGS, "seed": 7, "data_path": ["a", "b"],
+                               "mock_data": False}, 2)
     assert ("--seed 1234 in the checkpoint, 7 in this run; --data-path (unset) in the checkpoint, a b "
             "in this run"
             in caplog.text) and "after iteration 2" in caplog.text
@@ -110,3 +119,15 @@ def test_data_order_note(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         note_data_order(ARGS, dict(ARGS), 2)
     assert caplog.text == ""
+
+
+def test_unset_data_flags_and_mock_data_are_no_data_order_change(caplog) -> None:
+    """Megatron-LM leaves --data-path None, this parser []; mock data reads no path and
+    splits 1,1,1 whatever --split says: no note for either."""
+    megatron = {**ARGS, "data_path": None, "split": None, "mock_data": True}
+    with caplog.at_level(logging.WARNING):
+        note_data_order(megatron, {**megatron, "data_path": [], "split": "969,30,1"}, 2)
+    assert caplog.text == ""
+    with caplog.at_level(logging.WARNING):
+        note_data_order(megatron, {**megatron, "split": "1,0,0", "mock_data": False}, 2)
+    assert "--split (unset) in the checkpoint, 1,0,0 in this run" in caplog.text

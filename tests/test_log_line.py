@@ -339,8 +339,8 @@ def test_tiny_bert_run_prints_megatron_lines(tmp_path) -> None:
 
 def _megatron_num_floating_point_operations(a: dict, batch_size: int) -> float:
     """Megatron-LM's num_floating_point_operations (training.py at core_v0.16.1, the
-    standard-transformer branch with its MLA part, without MTP, linear attention or shared
-    experts), transcribed here from its text over Megatron-LM's argument names,
+    standard-transformer branch with its MLA part and shared experts, without MTP or
+    linear attention), transcribed here from its text over Megatron-LM's argument names,
     independently of the package's count."""
     h, s, layers = a["hidden_size"], a["seq_length"], a["num_layers"]
     heads = a["num_attention_heads"]
@@ -348,11 +348,14 @@ def _megatron_num_floating_point_operations(a: dict, batch_size: int) -> float:
     if a["num_experts"] is None:
         dense, moe, routed_to = layers, 0, 0
     else:
-        pattern = [1 if i % a["moe_layer_freq"] == 0 else 0 for i in range(layers)]
+        freq = a["moe_layer_freq"]  # an int N (every N-th layer) or one 0 / 1 per layer
+        pattern = ([1 if i % freq == 0 else 0 for i in range(layers)]
+                   if isinstance(freq, int) else freq)
         moe, routed_to = sum(pattern), a["moe_router_topk"]
         dense = layers - moe
     moe_ffn = a["moe_ffn_hidden_size"] if a["moe_ffn_hidden_size"] is not None \
         else a["ffn_hidden_size"]
+    shared_ffn = a["moe_shared_expert_intermediate_size"] or 0
     ffn_expansion = 3 if a["swiglu"] else 2
     query, key, value = (a["kv_channels"] * heads, a["kv_channels"] * groups,
                          a["kv_channels"] * groups)
@@ -366,7 +369,8 @@ def _megatron_num_floating_point_operations(a: dict, batch_size: int) -> float:
                              + s * heads * v / 2)
     return batch_size * s * (
         3 * 2 * h * (a["ffn_hidden_size"] * ffn_expansion * dense
-                     + moe_ffn * routed_to * ffn_expansion * moe)
+                     + moe_ffn * routed_to * ffn_expansion * moe
+                     + shared_ffn * ffn_expansion * moe)
         + self_attn * layers + 3 * 2 * h * a["padded_vocab_size"])
 
 
@@ -413,8 +417,12 @@ FLOP_SHAPES = {  # name: (model, flags, tokenizer vocabulary)
         "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 "
         "--qk-pos-emb-head-dim 64 --v-head-dim 128 --ffn-hidden-size 18432 --swiglu "
         "--normalization RMSNorm --disable-bias-linear --num-experts 8 --moe-router-topk 2 "
-        "--moe-ffn-hidden-size 2048 --moe-layer-freq 2 --seq-length 4096 "
-        "--max-position-embeddings 4096", 129280),
+        "--moe-ffn-hidden-size 2048 --moe-layer-freq 2 --moe-shared-expert-intermediate-size "
+        "2048 --seq-length 4096 --max-position-embeddings 4096", 129280),
+    "moe per-layer pattern, dense first and last layers": (
+        "gpt", "--num-layers 5 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
+        "--max-position-embeddings 128 --num-experts 4 --moe-router-topk 2 "
+        "--moe-ffn-hidden-size 96 --moe-layer-freq ([0]*1+[1]*3+[0]*1)", 1000),
     "mla without a query latent": (
         "gpt", "--num-layers 2 --hidden-size 256 --num-attention-heads 4 "
         "--multi-latent-attention --kv-lora-rank 64 --qk-head-dim 32 --qk-pos-emb-head-dim 16 "

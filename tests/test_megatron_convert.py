@@ -73,6 +73,54 @@ def test_a_feature_the_checkpoint_used_is_refused_in_one_line(tmp_path) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_args_saved_before_a_flag_existed_build_at_its_default() -> None:
+    """dp_reshardable_per_parameter predates the multi-latent-attention flags: its args
+    lack q_lora_rank and the rest, which build at today's defaults (MLA off)."""
+    from megatron_2bw.checkpointing.contents import saved_args
+    from megatron_2bw.training.arguments import config_from_args
+    from megatron_2bw.training.convert import args_from_saved
+    saved = saved_args(os.path.join(ROOT, "tests", "fixtures", "megatron_2bw",
+                                    "dp_reshardable_per_parameter"))
+    assert "q_lora_rank" not in saved
+    run = config_from_args(args_from_saved(saved, "gpt"), "gpt", 1, saved["padded_vocab_size"])
+    assert run.model.num_layers == saved["num_layers"] == 1
+    assert not run.flags["multi_latent_attention"] and run.flags["q_lora_rank"] is None
+
+
+def test_a_conversion_logs_no_training_lines(tmp_path, caplog) -> None:
+    """Converting is a resume that trains nothing: no data-order note (the converted
+    checkpoint keeps the source's data flags), no "nothing left to train", no warm-up
+    restarting without optimizer state; a resume at the same flags still says them."""
+    import dataclasses
+    import logging
+    from types import SimpleNamespace
+    from megatron_2bw.checkpointing.contents import saved_args
+    from megatron_2bw.checkpointing.resume import prepare_resume
+    from megatron_2bw.checkpointing.restoring import _loads_optimizer
+    from megatron_2bw.training.arguments import config_from_args
+    from megatron_2bw.training.convert import _converting
+    saved = saved_args(os.path.join(FIXTURES, "torch_dist"))
+    args = _converter_args("torch_dist", tmp_path)
+    saved = {**saved, "data_path": ["corpus"], "mock_data": False, "split": "1,0,0"}
+    run = _converting(config_from_args(args, "gpt", 1, saved["padded_vocab_size"] or 128),
+                      saved)
+    assert [run.flags[k] for k in ("data_path", "mock_data", "split")] == [["corpus"],
+                                                                           False, "1,0,0"]
+    loaded = SimpleNamespace(iteration=5, args={**saved, "seed": 3}, path="ck",
+                             sharded=True, state={"optimizer": None})
+    lines = []
+    for converting in (True, False):
+        one = dataclasses.replace(run, train=dataclasses.replace(run.train,
+                                                                 converting=converting))
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert prepare_resume(loaded, one) == 5
+            assert _loads_optimizer(loaded, True, converting=converting) is False
+        lines.append(caplog.text)
+    for line in ("data order differs", "nothing left to train", "warm-up runs again"):
+        assert line not in lines[0] and line in lines[1], line
+
+
 def _convert(load: str, save: str, *flags: str, world: int = 2) -> None:
     """The converter's ranks started bare (env://, rank 0 hosting the store), without
     torchrun's own start-up."""

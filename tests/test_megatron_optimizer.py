@@ -425,6 +425,39 @@ def test_bucket_index_reads_the_state_back_at_another_tensor_parallel_size(
                        for i, (_, local) in enumerate(params)), (kind, r)
 
 
+def test_vocabulary_padding_rows_the_save_lacks_start_fresh() -> None:
+    """An embedding saved with 16 padded rows at TP 1, read at TP 2 padded to 32 rows:
+    the saved rows come back, the rows past them keep the parameter's own values (a
+    fresh model's padding) with zero moments; a tensor that is not the vocabulary's
+    still needs the index to cover it."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    key, gen = "embedding.word_embeddings.weight", torch.Generator().manual_seed(5)
+    saved = {s: torch.randn(16, 4, generator=gen) for s in ("param", "exp_avg", "exp_avg_sq")}
+    fmt = mlo.OptimizerFormat(mlo.DP_RESHARDABLE, "fp32", True)
+    st = ShardedTensor.from_rank_offsets(key, saved["param"], (0, 0, 1), replica_id=(0, 0, 0))
+    spec = mlo.ParamSpec(0, key, (16, 4), torch.float32, False, False, False, False)
+    (bucket,) = mlo.grad_buffers([[spec]], fmt, expert=False, dp=1, pp_rank=0)[0].buckets
+    bucket_key = "optimizer.distributed.dp_group_idx_0.bucket_idx_0"
+    index = merged([bucket_entries(bucket_key, bucket, lambda i: st)])
+    store = {s: t.reshape(-1) for s, t in saved.items()}
+    kinds = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+    fresh = torch.randn(32, 4, generator=gen)
+    for r in range(2):
+        shard = ShardedTensor.from_rank_offsets(key, fresh.chunk(2)[r].clone(), (0, r, 2),
+                                                replica_id=(0, 0, 0))
+        read = mlo.index_read(index, {0: shard}, set(kinds))
+        loaded = {name: {s: store[s][t.global_offset[0]:][:t.local_shape[0]]
+                         for s, t in states.items()} for name, states in read.template.items()}
+        found = read.found(loaded)
+        for kind, state in kinds.items():
+            want = (saved[state] if r == 0 else fresh[16:] if kind == "fp32_param"
+                    else torch.zeros(16, 4))
+            assert torch.equal(found[kind][0], want), (kind, r)
+    other = ShardedTensor.from_rank_offsets("decoder.weight", fresh, replica_id=(0, 0, 0))
+    with pytest.raises(mlo.LayoutError, match="covers 0 of the 128 elements of decoder"):
+        mlo.index_read(index, {0: other}, set(kinds))
+
+
 FIXTURES_OURS = os.path.join(ROOT, "tests", "fixtures", "megatron_2bw")
 
 

@@ -220,3 +220,32 @@ def test_torch_format_refuses_an_expert_split_its_file_names_cannot_hold(tmp_pat
         prepare_resume(None, _run(split + ["--save", str(tmp_path / "a"),
                                            "--ckpt-format", "torch"]))
     assert prepare_resume(None, _run(split + ["--save", str(tmp_path / "b")])) == 0
+
+
+SHARED = ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",
+          "--disable-bias-linear"]
+
+
+@pytest.mark.matrix
+def test_torch_dist_shared_experts_under_megatron_core_keys_reshard_to_tp2(tmp_path) -> None:
+    """Shared experts are saved under megatron-core's keys (SharedExpertMLP's linear_fc1 /
+    linear_fc2 / gate_weight) and a one-rank torch_dist checkpoint resumes at TP 2 as
+    the uninterrupted run continues (they are TP-split like the dense MLP)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    whole = launch("gpt", 1, ITERS + MOE + SHARED, str(tmp_path / "w.jsonl"))
+    saved = str(tmp_path / "ckpt")
+    launch("gpt", 1, ITERS + MOE + SHARED + STOP + ["--save", saved, "--ckpt-format",
+                                                    "torch_dist"], str(tmp_path / "a.jsonl"))
+    keys = FileSystemReader(glob.glob(f"{saved}/iter_0000003")[0]).read_metadata()
+    prefix = "decoder.layers.mlp.shared_experts."  # megatron-core stacks the layers
+    assert {prefix + k for k in ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")
+            } <= set(keys.state_dict_metadata)
+    resumed = launch("gpt", 2, ITERS + MOE + SHARED + ["--load", saved,
+                                                       "--tensor-model-parallel-size", "2",
+                                                       "--sequence-parallel"],
+                     str(tmp_path / "b.jsonl"))
+    assert [r["iteration"] for r in resumed] == [4, 5]
+    err = max_rel(losses(resumed), losses(whole)[3:])
+    print(f"torch_dist shared experts TP1 -> TP2: max relative loss error {err:.2e}")
+    assert err < 1e-5

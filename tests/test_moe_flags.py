@@ -7,7 +7,8 @@ Fast, no process is started (flags are parsed into configs):
 - each honored flag reaches ModelConfig, and from there megatron-core's TransformerConfig
   under the field name Megatron-LM's `core_transformer_config_from_args` copies it to;
   the expert-parallel sizes reach ParallelConfig, with megatron-core's expert grid;
-- --moe-layer-freq's list form: taken when it is every N-th layer, else refused;
+- --moe-layer-freq's list form: every N-th layer is taken as N, any other 0 / 1 pattern
+  as it is;
 - Megatron-LM's Mixtral 8x7B example runs at its layout, and with one unsupported flag of
   each kind hears of all of them in one error; a DeepSeek-V3 recipe's MoE flags that are
   not implemented are all named in one error, one line per reason.
@@ -35,6 +36,11 @@ HONORED = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk",
            "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
            "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_layer_freq", "moe_router_dtype",
            "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+           "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+           "moe_router_score_function", "moe_router_pre_softmax",
+           "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+           "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+           "moe_router_force_load_balancing",
            "expert_model_parallel_size", "expert_tensor_parallel_size")
 # Megatron-LM's arguments.py leaves these TransformerConfig fields without a flag
 NO_FLAG = {"num_moe_experts", "moe_token_dropping", "moe_router_topk_limited_devices"}
@@ -105,6 +111,7 @@ FULL = MOE + ["--moe-ffn-hidden-size", "24", "--moe-router-topk", "3",
               "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
               "--moe-grouped-gemm", "--moe-layer-freq", "2", "--moe-router-dtype", "fp64",
               "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+              "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
               "--disable-bias-linear", "--tensor-model-parallel-size", "2",
               "--sequence-parallel", "--pipeline-model-parallel-size", "2",
               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
@@ -238,12 +245,11 @@ def test_a_malformed_layer_freq_is_a_parse_error(text) -> None:
     assert info.value.where == "command line"
 
 
-def test_other_layer_patterns_are_refused_naming_the_pattern() -> None:
-    """DeepSeek-V3's dense first layers ([0]*3+[1]*58): the model takes a frequency."""
-    err = _refused(MOE + ["--moe-layer-freq", "[0]*1+[1]*3"])
-    assert err.where == "--moe-layer-freq [0]*1+[1]*3"
-    assert err.what == "--moe-layer-freq [0]*1+[1]*3 is not supported"
-    assert "dense first layers" in err.fix and err.fix.endswith(f"({M.DOC})")
+def test_other_layer_patterns_reach_the_model_layer_by_layer() -> None:
+    """DeepSeek-V3's dense first layers ([0]*3+[1]*58): the pattern itself, per layer."""
+    model = _run(MOE + ["--moe-layer-freq", "[0]*1+[1]*2+[0]"]).model
+    assert model.moe_layer_freq == (0, 1, 1, 0)
+    assert [model.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
 
 
 # ------------------------------------------------------------------ Megatron-LM's scripts
@@ -291,7 +297,7 @@ def test_megatron_lms_mixtral_example_runs_at_its_layout() -> None:
 # does not take, of each kind (the flag, and the part of the error that names it)
 MIXTRAL_UNSUPPORTED = {
     "--fp8-format": ["--fp8-format", "hybrid"],                      # refused
-    "--moe-router-score-function": ["--moe-router-score-function", "sigmoid"],  # refused
+    "--moe-input-jitter-eps": ["--moe-input-jitter-eps", "0.01"],  # refused
     "--moe-token-dispatcher-type flex": ["--moe-token-dispatcher-type", "flex"],  # its value
     "--tokenizer-type TikTokenizer": ["--tokenizer-type", "TikTokenizer"],   # its value
     "--checkpoint-activations": ["--checkpoint-activations"],            # removed
@@ -347,20 +353,14 @@ DEEPSEEK = ["--num-experts", "8", "--moe-layer-freq", "[0]*1+[1]*3", "--moe-ffn-
             "--moe-token-drop-policy", "probs", "--moe-layer-recompute", "--mtp-num-layers", "1",
             "--mtp-loss-scaling-factor", "0.1", "--moe-permute-fusion", "--disable-bias-linear"]
 DEEPSEEK_REFUSED = {  # reason -> the flags named under it, in the tables' order
-    M.ROUTER_WHY: ["--moe-router-score-function", "--moe-router-pre-softmax",
-                   "--moe-router-topk-scaling-factor", "--moe-router-num-groups",
-                   "--moe-router-group-topk"],
-    M.EXPERT_BIAS_WHY: ["--moe-router-enable-expert-bias", "--moe-router-bias-update-rate"],
-    M.SHARED_WHY: ["--moe-shared-expert-intermediate-size"],
     M.MTP_WHY: ["--mtp-num-layers", "--mtp-loss-scaling-factor"],
     M.FLEX_WHY: ["--moe-enable-deepep", "--moe-token-dispatcher-type flex"],
     "recomputing the MoE layers alone": ["--moe-layer-recompute"],
-    "dense first layers": ["--moe-layer-freq [0]*1+[1]*3"],
 }
 
 
 def test_a_deepseek_recipe_hears_of_every_refused_moe_flag_at_once() -> None:
-    """One error names all 14, one line per reason; the flags that change nothing here
+    """One error names them all, one line per reason; the flags that change nothing here
     (--moe-token-drop-policy probs, its default) or only select kernels pass unnamed."""
     err = _refused(DEEPSEEK)
     assert isinstance(err, M.FlagErrors) and len(err.problems) == len(DEEPSEEK_REFUSED)
@@ -398,6 +398,27 @@ def test_refused_moe_flags_pass_where_they_change_nothing(extra) -> None:
 def test_other_refused_moe_values_name_themselves(extra, named) -> None:
     err = _refused(MOE + extra)
     assert err.where == named and err.fix.endswith(f"({M.DOC})")
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["--moe-shared-expert-intermediate-size", "16"],
+     "--moe-shared-expert-intermediate-size, --disable-bias-linear"),
+    (["--moe-shared-expert-intermediate-size", "15", "--disable-bias-linear",
+      "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "--moe-shared-expert-intermediate-size, --tensor-model-parallel-size"),
+    (["--moe-shared-expert-intermediate-size", "16", "--disable-bias-linear",
+      "--moe-shared-expert-overlap"],
+     "--moe-shared-expert-overlap, --moe-token-dispatcher-type"),
+], ids=["bias", "tp-split", "overlap-allgather"])
+def test_shared_experts_refuse_what_megatron_refuses(extra, named) -> None:
+    """megatron-core's SharedExpertMLP has no biases and splits over TP; Megatron-LM
+    overlaps it only with the alltoall dispatcher (where the overlap flag is a no-op)."""
+    err = _refused(MOE + extra, world=2)
+    assert err.where == named and "\n" not in str(err), err
+    run = _run(MOE + extra[:2] + ["--disable-bias-linear", "--moe-shared-expert-overlap",
+                                  "--moe-token-dispatcher-type", "alltoall"])
+    assert run.model.moe_shared_expert_intermediate_size == int(extra[1])
+    assert not run.model.moe_shared_expert_gate  # only with --moe-shared-expert-gate
 
 
 def test_mapped_moe_flags_say_what_runs() -> None:

@@ -96,10 +96,14 @@ def test_transformer_config_maps_every_moe_field() -> None:
     (dict(moe_router_topk=5), "moe_router_topk=5 must be in [1, num_experts=4]"),
     (dict(moe_router_topk=0), "moe_router_topk=0 must be in"),
     (dict(moe_router_topk=1), "moe_router_topk=1 needs the router's pre-softmax"),
+    (dict(moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias needs "
+                                               "moe_router_score_function='sigmoid'"),
+    (dict(moe_router_num_groups=3), "moe_router_num_groups=3 does not divide num_experts=4"),
     (dict(moe_router_load_balancing_type="global_aux_loss"), "is not one of"),
     (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type='flex' is not one of"),
     (dict(moe_router_dtype="bf16"), "moe_router_dtype='bf16' is not one of"),
     (dict(moe_layer_freq=0), "moe_layer_freq=0 must be a positive integer"),
+    (dict(moe_layer_freq=(1, 1)), "moe_layer_freq has 2 entries for num_layers=4"),
     (dict(moe_ffn_hidden_size=0), "moe_ffn_hidden_size=0 must be a positive integer"),
     (dict(moe_grouped_gemm=True), "turn add_bias_linear off"),
     (dict(moe_aux_loss_coeff=-0.1), "moe_aux_loss_coeff=-0.1 must be >= 0"),
@@ -128,6 +132,16 @@ def test_every_kth_layer_is_moe_from_layer_zero() -> None:
     assert [_config(moe_layer_freq=2).is_moe_layer(i) for i in range(4)] == [1, 0, 1, 0]
     assert [_config(moe_layer_freq=3).is_moe_layer(i) for i in range(4)] == [1, 0, 0, 1]
     assert all(_config().is_moe_layer(i) for i in range(4))
+
+
+def test_a_layer_pattern_is_read_per_global_layer() -> None:
+    """Megatron-LM's list form, e.g. DeepSeek-V3's dense first layers; megatron-core's
+    TransformerConfig gets it as the list its block spec reads."""
+    from megatron_2bw.models.stages import transformer_config
+
+    config = _config(moe_layer_freq=(0, 1, 1, 0))
+    assert [config.is_moe_layer(i) for i in range(4)] == [0, 1, 1, 0]
+    assert transformer_config(config, tp=1, num_stages=2).moe_layer_freq == [0, 1, 1, 0]
     assert not any(_config(num_experts=None).is_moe_layer(i) for i in range(4))
 
 
@@ -236,7 +250,7 @@ def test_grouped_experts_start_as_the_sequential_experts(runs) -> None:
     ("ep1_capacity", "ep2_capacity_alltoall"), ("ep1_capacity", "ep2_capacity_allgather"),
     ("ep1_seq_aux", "ep2_seq_aux_alltoall"),
     ("glu_ep1", "glu_ep2_alltoall"), ("glu_grouped_ep1", "glu_grouped_ep2_alltoall"),
-    ("glu_grouped_ep1", "glu_grouped_ep2_allgather")])
+    ("glu_grouped_ep1", "glu_grouped_ep2_allgather"), ("shared_ep1", "shared_ep2_alltoall")])
 def test_expert_parallel_matches_one_rank_of_experts(runs, ep1: str, ep2: str) -> None:
     one, two = runs[ep1], runs[ep2]
     for rank in (0, 1):
@@ -285,14 +299,16 @@ def test_grouped_gemm_computes_the_sequential_experts(runs, unit: str) -> None:
 
 
 @pytest.mark.slow
-def test_expert_tensor_parallel_and_pipeline_splits_match_the_unsplit_model(runs) -> None:
-    reference = runs["glu_ep1"][0]  # data-parallel rank 0's microbatch, as both splits see
-    for part in runs["glu_tp2_sp_alltoall"]:
+@pytest.mark.parametrize("unit", ["glu", "shared"])  # routed experts; plus shared experts
+def test_expert_tensor_parallel_and_pipeline_splits_match_the_unsplit_model(runs, unit) -> None:
+    reference = runs[f"{unit}_ep1"][0]  # data-parallel rank 0's microbatch, as both see
+    assert (unit == "shared") == any(".mlp.shared_experts." in n for n in reference["grads"])
+    for part in runs[f"{unit}_tp2_sp_alltoall"]:
         torch.testing.assert_close(part["loss"], reference["loss"], **TOL)
         assert part["grads"].keys() == reference["grads"].keys()
         for name, grad in part["grads"].items():
             torch.testing.assert_close(grad, reference["grads"][name], **TOL, msg=name)
-    first, last = runs["glu_pp2"]
+    first, last = runs[f"{unit}_pp2"]
     assert any(".mlp.router." in n for n in first["grads"])  # layer 0: MoE
     assert not any(".mlp.router." in n for n in last["grads"])  # layer 1: dense
     torch.testing.assert_close(last["loss"], reference["loss"], **TOL)

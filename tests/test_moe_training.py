@@ -5,7 +5,8 @@ one-rank run's steps (fp32: every iteration's loss and router loss to 1e-5, the 
 norm to 2e-5, as the other layouts' tests); 2BW at EP 2 x PP 2 equals a single-process
 delayed update with the router losses scaled as megatron-core's schedules scale them.
 The expert gradients' reduction over the expert-data-parallel group alone is shown on
-the reducer itself with four ranks.
+the reducer itself with four ranks. A per-layer --moe-layer-freq pattern splits over
+flush's two stages by global layer index and takes the one-rank run's steps.
 
 --use-distributed-optimizer shards the dense part over the data-parallel group and the
 experts over the expert-data-parallel group, each reduce-scattered, normed and gathered
@@ -304,3 +305,31 @@ def test_sharded_updater_holds_the_replicated_updaters_state(four_ranks) -> None
         assert sharded["per_parameter"] == plain["per_parameter"]
         assert result["reloaded"] == sharded["exp_avg_sq"]
         assert sharded["bytes"] < plain["bytes"]
+
+
+# DeepSeek-V3's form of --moe-layer-freq at toy size: dense, MoE, MoE, dense
+PATTERN = ["--moe-layer-freq", "([0]+[1]*2+[0])"]
+
+
+def test_a_layer_pattern_trains_split_over_stages(tmp_path) -> None:
+    """Flush at PP 2 (each stage one dense and one MoE layer, by global layer index) takes
+    the one-rank run's steps with the pattern, and each stage's checkpoint holds its own
+    dense and MoE layers (a router in global layers 1 and 2 only)."""
+    ref = launch("gpt", 1, ITERS + MOE + PATTERN, str(tmp_path / "ref.jsonl"))
+    saved = str(tmp_path / "ckpt")
+    pp2 = PP2 + ["--pipeline-schedule", "flush", "--save", saved, "--save-interval", "3",
+                 "--ckpt-format", "torch"]
+    got = launch("gpt", 2, ITERS + MOE + PATTERN + pp2, str(tmp_path / "pp2.jsonl"))
+    errors = _errors(got, ref)
+    print("pattern pp2 flush: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    assert all(r["load_balancing_loss"] > 0 for r in got)
+    assert errors["loss"] < 1e-5 and errors["load_balancing_loss"] < 1e-5
+    assert errors["grad_norm"] < 2e-5 and errors["z_loss"] < 1e-5
+    assert [_routed_layers(saved, stage) for stage in range(2)] == [[1], [0]]
+
+
+def _routed_layers(saved: str, stage: int) -> list[int]:
+    """The stage's (local) layer numbers with a router in its iteration-3 checkpoint."""
+    state = torch.load(f"{saved}/iter_0000003/mp_rank_00_00{stage}/model_optim_rng.pt",
+                       map_location="cpu", weights_only=False)["model"]
+    return sorted({int(k.split(".")[2]) for k in state if ".mlp.router." in k})

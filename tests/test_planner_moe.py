@@ -21,6 +21,7 @@ from megatron_2bw.planner.experts import (Experts,
                                           expert_parallel_sizes)
 from megatron_2bw.planner.explain import format_table
 from megatron_2bw.planner.hardware import GB
+from megatron_2bw.planner.search import uneven_splits
 from megatron_2bw.planner.placement import Layout, alltoall_bandwidth, ring_allreduce_s
 from megatron_2bw.planner.report import launch_command, to_json
 from megatron_2bw.planner.search import tensor_parallel_sizes
@@ -532,3 +533,28 @@ def test_memory_terms_still_add_up_with_experts():
     assert est.memory_bytes / GB < 80
     assert max(s.expert_params for s in est.stages) == 4 * 2 * (
         (MIXTRAL_EXPERTS.expert_params(MIXTRAL) - 4096) // 2 + 4096)  # 4 layers, 2 experts / TP
+
+
+def test_a_layer_pattern_weighs_each_stage_by_its_own_moe_layers(capsys):
+    """--moe-layer-freq as one 0 / 1 per layer (dense first layers): the stage holding the
+    MoE layers costs more, an end stage may take more of the dense layers, and the launch
+    passes the pattern on in Megatron-LM's list form, which the trainer takes."""
+    last_half = Experts(4, 2, moe_layer_freq=(0, 0, 0, 0, 1, 1, 1, 1))
+    cm = cost_model(SMALL, last_half, P3)
+    cfg = ParallelConfig("flush", 1, 2, 1, 1, 4, NO_RECOMPUTE)
+    assert [cm.stage_chunks(cfg, s) for s in range(2)] == [((4, 0),), ((4, 4),)]
+    even = cm.evaluate(cfg).stages
+    assert even[1].compute_s > even[0].compute_s
+    assert (6, 0) in uneven_splits(12, 3, more=True) and (6, 0) not in uneven_splits(12, 3)
+    base = SMALL_FLAGS + ["--num-experts", "4", "--global-batch-size", "16", "--num-gpus",
+                          "4", "--hardware", "p4d.24xlarge"]
+    code, text, err = _planner(base + ["--moe-layer-freq", "[0]*4+[1]*4", "--emit", "command",
+                                       "--mock-data", "--train-iters", "10", "--lr", "1e-4"],
+                               capsys)
+    assert code == 0, err
+    assert "--moe-layer-freq '([0]*4+[1]*4)'" in text
+    words = shlex.split(text)
+    args = _trainer_accepts(words[words.index("pretrain_gpt.py") + 1:], 4)
+    assert args.moe_layer_freq == [0, 0, 0, 0, 1, 1, 1, 1]
+    code, out, err = _planner(base + ["--moe-layer-freq", "[1]*3"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "3 entries for --num-layers 8" in err, err

@@ -147,8 +147,9 @@ class Ranks:
     codes, and signals delivered to one rank at a time."""
 
     def __init__(self, argv: list, nproc: int, work: str, env: Optional[dict] = None,
-                 rank_argv: Optional[dict] = None) -> None:
-        """`rank_argv` maps a rank to its own command line (a job whose ranks disagree)."""
+                 rank_argv: Optional[dict] = None, rank_env: Optional[dict] = None) -> None:
+        """`rank_argv` maps a rank to its own command line (a job whose ranks disagree),
+        `rank_env` a rank to variables of its own (another machine's identity)."""
         base = _clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                           **{"WORLD_SIZE": str(nproc), **(env or {})})
         self.logs = [open(os.path.join(work, f"rank{r}.log"), "w+") for r in range(nproc)]
@@ -156,7 +157,8 @@ class Ranks:
         self.procs = [subprocess.Popen((rank_argv or {}).get(r, argv), cwd=work,
                                        stdout=self.logs[r],
                                        stderr=subprocess.STDOUT,
-                                       env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+                                       env=dict(base, RANK=str(r), LOCAL_RANK=str(r),
+                                                **(rank_env or {}).get(r, {})))
                       for r in range(nproc)]
 
     def alive(self) -> bool:
@@ -2323,19 +2325,22 @@ def class21() -> list:
 EVAL = "megatron_2bw.training.loop.build_eval_schedule"
 ENTRY = "megatron_2bw.training.entry"
 DP2_TORCH = [*TINY, "--global-batch-size", "4"]
+MACHINE_ENV = "MEGATRON_2BW_MACHINE_FOR_TESTS"  # comm/peers.py: the machine a rank plays
 
 
 def _peer_dies(base: list, at: str, nproc: int = 2, save: bool = True,
-               extra: tuple = ()) -> Callable[[Ctx], Run]:
+               extra: tuple = (), machines: Optional[dict] = None) -> Callable[[Ctx], Run]:
     """`nproc` ranks started directly, one SIGKILLed where `at` says; each rank's own
-    output kept apart (r.parts) for the survivors' lines."""
+    output kept apart (r.parts) for the survivors' lines. `machines` maps a rank to the
+    machine it plays (MEGATRON_2BW_MACHINE_FOR_TESTS): /proc then cannot tell them."""
     def act(ctx: Ctx) -> Run:
         flags = [*base, "--train-iters", "20", *extra]
         if save:
             ctx.ckpt = os.path.join(ctx.work, "ckpt")
             flags += ["--save", ctx.ckpt, "--save-interval", "2"]
+        played = {r: {MACHINE_ENV: name} for r, name in (machines or {}).items()}
         r = Ranks([PY, "-c", _KILL_HOOK, GPT, *flags], nproc, ctx.work,
-                  {KILL_AT: at, TIMEOUT_ENV: "20"}).wait(120)
+                  {KILL_AT: at, TIMEOUT_ENV: "20"}, rank_env=played).wait(120)
         r.parts = _rank_logs(ctx.work, nproc)
         return r
     return act
@@ -2419,6 +2424,12 @@ def class18() -> list:
         Probe("rank 1 SIGKILLed right after the rendezvous: rank 0 says so", 18, "fault",
               _peer_dies([*TINY, *PP2], f"{ENTRY}.check_ranks_agree:before:1:1", save=False),
               ends, check=_survivors_say(1, checkpoint=False), slow=True),
+        Probe("rank 2 SIGKILLed on another machine (DP3, two machines): every survivor "
+              "names it", 18, "fault",
+              _peer_dies([*TINY, "--global-batch-size", "6"], f"{EVAL}:before:2:1", nproc=3,
+                         save=False, extra=("--eval-interval", "3"),
+                         machines={0: "a", 1: "b", 2: "b"}), ends,
+              check=_survivors_say(2, checkpoint=False), slow=True),
         Probe("a store that accepts connections and never answers: one line in time", 18,
               "fault", _silent_store, "did not answer", check=_within(45)),
     ]

@@ -37,6 +37,7 @@ CHECKPOINT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attentio
                    "tokenizer_type", "bert_no_binary_head", "bias_gelu_fusion",
                    "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk",
                    "moe_token_dispatcher_type", "moe_grouped_gemm",
+                   "moe_shared_expert_intermediate_size",
                    # GPT-OSS's (not in Megatron-LM's list; they change the model as much)
                    "softmax_type", "window_size", "window_attn_skip_freq", "quick_geglu",
                    "glu_linear_offset", "activation_func_clamp_value")

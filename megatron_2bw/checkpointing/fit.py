@@ -79,6 +79,9 @@ class Misfit:
             return "--num-layers"  # torch_dist stacks the layers on the first axis
         if re.search(r"linear_\w+\.bias$", self.name) and None in (self.saved, self.model):
             return "--disable-bias-linear"
+        if re.search(r"(^|\.)output_layer\.weight$", self.name) and None in (self.saved,
+                                                                            self.model):
+            return "--untie-embeddings-and-output-weights"  # tied: the embedding serves
         for pattern, flag in _FLAG_OF:
             if re.search(pattern, self.name):
                 return flag

@@ -38,7 +38,7 @@ def restore(loaded: LoadedCheckpoint, executor: CheckpointedRuntime,
         _restore_finetune(loaded, weights, updater)
         return
     newest = state["newest_version"]
-    optim = _loads_optimizer(loaded, t.no_load_optim, t.skip_train)
+    optim = _loads_optimizer(loaded, t.no_load_optim, t.skip_train, t.converting)
     if optim and not loaded.sharded:
         check_optimizer_kind(loaded, updater.checkpoint_state())
     source = scheduler_source(loaded, updater, run) if optim else "checkpoint"
@@ -71,11 +71,14 @@ def _restore_finetune(loaded: LoadedCheckpoint, weights: WeightsCheckpoint,
 
 
 def _loads_optimizer(loaded: LoadedCheckpoint, no_load_optim: bool,
-                     skip_train: bool = False) -> bool:
+                     skip_train: bool = False, converting: bool = False) -> bool:
     """Whether the optimizer state is restored; a checkpoint without it needs the flag.
-    --skip-train never loads it (Megatron-LM turns --no-load-optim on for it)."""
+    --skip-train never loads it (Megatron-LM turns --no-load-optim on for it). A
+    conversion trains nothing: its own line says what it copies, no warm-up restarts."""
     if skip_train:
         logger.info("--skip-train: the optimizer state is not loaded (--no-load-optim)")
+        return False
+    if no_load_optim and converting:
         return False
     if no_load_optim:
         logger.info("--no-load-optim: the optimizer state and the learning-rate schedule "

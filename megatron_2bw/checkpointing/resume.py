@@ -115,12 +115,21 @@ def _changes(saved: dict, flags: dict, keys: tuple) -> list[str]:
     """`--flag OLD in the checkpoint, NEW in this run` for each of `keys` that differs
     (and that the checkpoint's args hold: a Megatron-LM checkpoint may lack some). Every
     mismatch names the checkpoint's value first, as "saved with X, this run has Y" does."""
-    def shown(value: object) -> str:
-        if value is None or value == [] or value == ():
-            return "(unset)"
-        return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-    return [f"{_flag(k)} {shown(saved[k])} in the checkpoint, {shown(flags.get(k))} in this "
-            "run" for k in keys if k in saved and saved[k] != flags.get(k)]
+    return [f"{_flag(k)} {_shown(saved[k])} in the checkpoint, {_shown(flags.get(k))} in "
+            "this run" for k in keys if k in saved and _set(saved[k]) != _set(flags.get(k))]
+
+
+def _set(value: object) -> object:
+    """A flag's value, None where unset: alike whether a parser left it None
+    (Megatron-LM's --data-path) or empty (this one's)."""
+    return None if value is None or value == [] or value == () else value
+
+
+def _shown(value: object) -> str:
+    """A flag's value as the command line gives it."""
+    if _set(value) is None:
+        return "(unset)"
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def check_vocabulary(saved: dict, flags: dict, padded: int, path: str,
@@ -167,8 +176,11 @@ def check_vocabulary(saved: dict, flags: dict, padded: int, path: str,
 
 def note_data_order(saved: dict, flags: dict, iteration: int) -> None:
     """A note (not an error) when the seed or a data flag differs from the checkpoint's:
-    the samples from here on are drawn in another order than the saved run's."""
-    change = _changes(saved, flags, DATA_ORDER_FLAGS)
+    the samples from here on are drawn in another order than the saved run's. Mock data
+    on both sides reads no --data-path and splits 1,1,1 whatever --split says."""
+    mock = saved.get("mock_data") and flags.get("mock_data")
+    keys = tuple(k for k in DATA_ORDER_FLAGS if not (mock and k in ("data_path", "split")))
+    change = _changes(saved, flags, keys)
     if change:
         warn_once(f"note: the data order differs from the checkpoint's run: "
                   f"{'; '.join(change)}; the samples after iteration {iteration} are "
@@ -186,7 +198,7 @@ def prepare_resume(loaded: Optional[LoadedCheckpoint], run) -> int:
         logger.info(f"--finetune: starting at iteration 0 from the weights of iteration "
                     f"{loaded.iteration}")
     if loaded:
-        if not t.skip_train:  # --skip-train trains nothing: --train-iters does not matter
+        if not (t.skip_train or t.converting):  # trains nothing: --train-iters is moot
             _check_iterations(loaded, t.train_iters, start)
         _check_flags(loaded, run, start)
     if t.save and not t.skip_train:  # --skip-train saves nothing
@@ -233,7 +245,7 @@ def _check_flags(loaded: LoadedCheckpoint, run, start: int) -> None:
     check_shapes(saved, run.flags, loaded.path, loaded.sharded)
     loaded.vocab_rows_may_differ = check_vocabulary(saved, run.flags, run.model.vocab_size,
                                                     loaded.path, loaded.sharded)
-    if not run.train.finetune:
+    if not (run.train.finetune or run.train.converting):  # a conversion draws no samples
         note_data_order(saved, run.flags, start)
     if not loaded.sharded and run.parallel.virtual_stages > 1:
         raise CheckpointError(

@@ -8,9 +8,24 @@ import os
 import socket
 from typing import Optional
 
+# tests only: a process with this set counts as running on another machine (named by the
+# value), so that a job on one host can play a job of several (tests, tools/fault_matrix.py)
+MACHINE_FOR_TESTS = "MEGATRON_2BW_MACHINE_FOR_TESTS"
+
 
 def machine_id() -> str:
     """This machine's boot and pid namespace: where a pid names the same process."""
+    played = os.environ.get(MACHINE_FOR_TESTS)
+    return _real_machine_id() + (f"/test-machine:{played}" if played else "")
+
+
+def host_name() -> str:
+    """This machine's name as a line shows it (with the test machine's name, if any)."""
+    played = os.environ.get(MACHINE_FOR_TESTS)
+    return socket.gethostname() + (f"[{played}]" if played else "")
+
+
+def _real_machine_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

@@ -122,7 +122,7 @@ def _refuse_mixtral(m: ModelConfig) -> None:
                         "rope, RMSNorm, SwiGLU)", "--num-experts")
     _refuse_llama(m)
     checks = ((m.moe_layer_freq != 1, "--moe-layer-freq",
-               f"MoE layers every {m.moe_layer_freq} layers (every Mixtral layer is a MoE "
+               f"MoE layers at --moe-layer-freq {m.moe_layer_freq} (every Mixtral layer is a MoE "
                "layer: --moe-layer-freq 1)"),
               (m.add_bias_linear, "--disable-bias-linear",
                "a mixture of experts with linear biases (Mixtral has none)"),
@@ -132,7 +132,10 @@ def _refuse_mixtral(m: ModelConfig) -> None:
                "Mixtral renormalises the top-k weights to sum 1)"),
               (m.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor",
                "token dropping (megatron-core drops the tokens over an expert's capacity at "
-               "inference too; Mixtral is dropless, so the logits would differ)"))
+               "inference too; Mixtral is dropless, so the logits would differ)"),
+              (m.moe_shared_expert_intermediate_size is not None,
+               "--moe-shared-expert-intermediate-size",
+               "shared experts (Mixtral has routed experts only)"))
     for bad, flag, what in checks:
         if bad:
             raise _no_class(what, flag)

@@ -48,7 +48,8 @@ CARRIED = CHECKPOINT_ARGS + (
     # a mixture of experts (its expert-parallel sizes are 1 here: one process)
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_load_balancing_type",
     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm", "moe_layer_freq",
-    "moe_router_dtype", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")
+    "moe_router_dtype", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 # required flags of the parser, overwritten by the checkpoint's own values
 PLACEHOLDER = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
                "--seq-length", "8", "--lr", "1", "--micro-batch-size", "1", "--mock-data"]

@@ -223,8 +223,10 @@ class ModelConfig(ModelShape):
     """Run a rank's experts as one grouped GEMM (megatron-core's GroupedMLP layout and
     checkpoint keys, `weight1` / `weight2`; computed by models/moe.py without the
     grouped_gemm package). Needs add_bias_linear off, as megatron-core's GroupedMLP does."""
-    moe_layer_freq: int = 1
-    """Every moe_layer_freq-th layer is a MoE layer, counting from layer 0 (1: all)."""
+    moe_layer_freq: Union[int, tuple[int, ...]] = 1
+    """Every moe_layer_freq-th layer is a MoE layer, counting from layer 0 (1: all); or one
+    0 (dense) / 1 (MoE) per layer (Megatron-LM's list form, e.g. DeepSeek-V3's dense first
+    layers)."""
     moe_router_dtype: Optional[str] = None
     """Routing and the weighted sum of expert outputs in "fp32" / "fp64"; None: params_dtype."""
     moe_expert_capacity_factor: Optional[float] = None
@@ -232,6 +234,31 @@ class ModelConfig(ModelShape):
     dropless."""
     moe_pad_expert_input_to_capacity: bool = False
     """Pad every expert's input to its capacity (needs moe_expert_capacity_factor)."""
+    moe_router_score_function: str = "softmax"
+    """The router's scores: "softmax" or "sigmoid" (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k choice (else over the chosen k)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Factor on the chosen experts' probabilities; None: 1."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: the experts in this many equal groups (None: no groups)."""
+    moe_router_group_topk: Optional[int] = None
+    """Group-limited routing: each token's experts come from this many groups."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for the top-k choice
+    only, moved by moe_router_bias_update_rate after every step towards even loads
+    (training/experts.py `ExpertBias`); router state, saved in checkpoints."""
+    moe_router_bias_update_rate: float = 1e-3
+    """How far each step moves the expert bias."""
+    moe_router_force_load_balancing: bool = False
+    """Route by random scores (a benchmark setting, megatron-core's)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Inner width of the shared experts of every MoE layer, all of them together
+    (num_shared_experts x each one's width, Megatron-LM's
+    --moe-shared-expert-intermediate-size): a dense MLP beside the routed experts that
+    every token goes through (DeepSeek-V3, Qwen2-MoE, Llama-4); None: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(w . x) (Qwen2-MoE's gate)."""
     # multi-latent attention (GPT; Megatron-LM's --multi-latent-attention and its "mla"
     # flags, megatron-core's MLATransformerConfig; models/mla.py)
     multi_latent_attention: bool = False
@@ -422,7 +449,8 @@ class ModelConfig(ModelShape):
             return [f"num_experts={self.num_experts!r} must be a positive integer"]
         problems = [] if self.model == "gpt" else ["mixture of experts is GPT only (num_experts)"]
         return (problems + self._moe_choice_problems() + self._moe_router_problems()
-                + self._moe_capacity_problems())
+                + self._moe_capacity_problems() + self._shared_expert_problems()
+                + self._moe_score_problems())
 
     def _moe_choice_problems(self) -> list[str]:
         problems = []
@@ -433,12 +461,25 @@ class ModelConfig(ModelShape):
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         for name in ("moe_ffn_hidden_size", "moe_layer_freq"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if name == "moe_layer_freq" and isinstance(value, tuple):
+                problems += self._moe_pattern_problems()
+            elif value is not None and (not isinstance(value, int) or value < 1):
                 problems.append(f"{name}={value!r} must be a positive integer")
         if self.moe_grouped_gemm and self.add_bias_linear:
             problems.append("moe_grouped_gemm has no expert biases (megatron-core's GroupedMLP): "
                             "turn add_bias_linear off (--disable-bias-linear)")
         return problems
+
+    def _moe_pattern_problems(self) -> list[str]:
+        """A per-layer moe_layer_freq: 0 / 1 entries, one per layer (Megatron-LM asserts)."""
+        pattern = self.moe_layer_freq
+        if not pattern or set(pattern) - {0, 1} or 1 not in pattern:
+            return [f"moe_layer_freq={pattern!r} must hold one 0 (dense) or 1 (MoE) per "
+                    "layer, at least one 1"]
+        if len(pattern) != self.num_layers:
+            return [f"moe_layer_freq has {len(pattern)} entries for num_layers="
+                    f"{self.num_layers}"]
+        return []
 
     def _moe_router_problems(self) -> list[str]:
         problems = []
@@ -446,11 +487,12 @@ class ModelConfig(ModelShape):
         if not isinstance(topk, int) or not 1 <= topk <= self.num_experts:
             problems.append(f"moe_router_topk={topk!r} must be in [1, num_experts="
                             f"{self.num_experts}]")
-        elif topk == 1 and balancing != "sinkhorn":
-            # softmax over one selected logit has a zero gradient: megatron-core then needs
-            # --moe-router-pre-softmax, which this project does not offer
-            problems.append("moe_router_topk=1 needs the router's pre-softmax, which is not "
-                            "offered here; route to 2 or more experts (or use sinkhorn)")
+        elif (topk == 1 and balancing != "sinkhorn" and not self.moe_router_pre_softmax
+              and self.moe_router_score_function == "softmax"):
+            # softmax over one selected logit has a zero gradient (megatron-core's rule)
+            problems.append("moe_router_topk=1 needs the router's pre-softmax "
+                            "(moe_router_pre_softmax) with softmax scores; or route to 2 or "
+                            "more experts, or use sinkhorn")
         if self.moe_aux_loss_coeff < 0:
             problems.append(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
         if balancing == "sinkhorn" and self.moe_aux_loss_coeff:
@@ -458,6 +500,32 @@ class ModelConfig(ModelShape):
                             "be 0)")
         if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
             problems.append(f"moe_z_loss_coeff={self.moe_z_loss_coeff} must be >= 0")
+        return problems
+
+    def _moe_score_problems(self) -> list[str]:
+        """megatron-core's rules for the router's scores, groups and expert bias."""
+        problems = []
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            problems.append(f"moe_router_score_function={self.moe_router_score_function!r} "
+                            "is not one of ('softmax', 'sigmoid')")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            problems.append("moe_router_enable_expert_bias needs "
+                            "moe_router_score_function='sigmoid'")
+        groups, pick = self.moe_router_num_groups, self.moe_router_group_topk
+        if pick is not None and groups is None:
+            problems.append("moe_router_group_topk needs moe_router_num_groups")
+        elif groups is not None and self.num_experts % groups:
+            problems.append(f"moe_router_num_groups={groups} does not divide num_experts="
+                            f"{self.num_experts}")
+        elif pick is not None and pick > groups:
+            problems.append(f"moe_router_group_topk={pick} exceeds moe_router_num_groups="
+                            f"{groups}")
+        elif pick is not None and (self.moe_router_topk % pick
+                                   or self.moe_router_topk // pick
+                                   > self.num_experts // groups):
+            problems.append(f"moe_router_topk={self.moe_router_topk} is not a multiple of "
+                            f"moe_router_group_topk={pick} that fits in a group of "
+                            f"moe_router_num_groups={groups}")
         return problems
 
     def _moe_capacity_problems(self) -> list[str]:
@@ -469,6 +537,19 @@ class ModelConfig(ModelShape):
             return [f"moe_expert_capacity_factor={factor} must be positive"]
         if self.moe_router_load_balancing_type == "sinkhorn":
             return ["moe_expert_capacity_factor does not work with sinkhorn routing"]
+        return []
+
+    def _shared_expert_problems(self) -> list[str]:
+        """megatron-core's SharedExpertMLP: a positive width, and no biases (it asserts)."""
+        size = self.moe_shared_expert_intermediate_size
+        if size is None:
+            return []
+        if not isinstance(size, int) or size < 1:
+            return [f"moe_shared_expert_intermediate_size={size!r} must be a positive integer"]
+        if self.add_bias_linear:
+            return ["moe_shared_expert_intermediate_size: the shared experts have no biases "
+                    "(megatron-core's SharedExpertMLP): turn add_bias_linear off "
+                    "(--disable-bias-linear)"]
         return []
 
     def _mla_problems(self) -> list[str]:
@@ -540,7 +621,8 @@ class ModelConfig(ModelShape):
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` (0-based) is a MoE layer: every moe_layer_freq-th,
-        from layer 0, as Megatron-LM's get_gpt_decoder_layer_specs reads an int frequency."""
+        from layer 0, or the pattern's entry, as Megatron-LM's get_gpt_decoder_layer_specs
+        reads either form."""
         moe = self.routed_experts()
         return moe is not None and moe.is_moe_layer(layer)
 

@@ -100,6 +100,8 @@ def _init_rule(module_name: str, module: nn.Module, param_name: str, std: float,
         return ("zeros", None)
     if param_name == "softmax_offset":  # attention sinks: megatron-core's init_method
         return ("normal", std)
+    if param_name == "gate_weight":  # the shared experts' gate: init_method, as there
+        return ("normal", std)
     if param_name != "weight":
         raise ValueError(f"no init rule for parameter {module_name}.{param_name}")
     if module_name.rsplit(".", 1)[-1] in SCALED_INIT_MODULES:

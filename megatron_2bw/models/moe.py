@@ -67,14 +67,48 @@ def moe_fields(config: ModelConfig, ep: int = 1, etp: Optional[int] = None) -> d
         moe_z_loss_coeff=config.moe_z_loss_coeff,
         moe_token_dispatcher_type=config.moe_token_dispatcher_type,
         moe_grouped_gemm=config.moe_grouped_gemm,
-        moe_layer_freq=config.moe_layer_freq,
+        moe_layer_freq=_megatron_layer_freq(config.moe_layer_freq),
         moe_router_dtype=config.moe_router_dtype,
         moe_expert_capacity_factor=config.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=config.moe_pad_expert_input_to_capacity,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         calculate_per_token_loss=config.per_token_loss,
+        **shared_expert_fields(config),
+        **router_fields(config),
     )
+
+
+def router_fields(config: ModelConfig) -> dict[str, Any]:
+    """The router's scoring fields (DeepSeek-V3's router): megatron-core's TopKRouter
+    computes them as they are. With the expert bias it holds two float32 buffers,
+    `expert_bias` (persistent: in every checkpoint) and `local_tokens_per_expert` (the
+    tokens each expert received since the last update, counted by training forwards);
+    training/experts.py `ExpertBias` updates the first from the second."""
+    return dict(moe_router_score_function=config.moe_router_score_function,
+                moe_router_pre_softmax=config.moe_router_pre_softmax,
+                moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
+                moe_router_num_groups=config.moe_router_num_groups,
+                moe_router_group_topk=config.moe_router_group_topk,
+                moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
+                moe_router_bias_update_rate=config.moe_router_bias_update_rate,
+                moe_router_force_load_balancing=config.moe_router_force_load_balancing)
+
+
+def shared_expert_fields(config: ModelConfig) -> dict[str, Any]:
+    """The shared experts' TransformerConfig fields. megatron-core's local MoE spec already
+    holds a SharedExpertMLP (a dense MLP of ColumnParallelLinear / RowParallelLinear,
+    tensor-parallel like the dense MLP, its gradient reduced over data parallelism); the
+    MoE layer builds it when the width is set. Its overlap with the token dispatch
+    (--moe-shared-expert-overlap) stays off: it needs a CUDA stream and changes no number."""
+    return dict(moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=config.moe_shared_expert_gate)
+
+
+def _megatron_layer_freq(freq):
+    """TransformerConfig's moe_layer_freq: the int, or a pattern as the list megatron-core
+    reads (ModelConfig keeps it a tuple, to stay hashable)."""
+    return list(freq) if isinstance(freq, tuple) else freq
 
 
 def is_expert_parameter(name: str) -> bool:

@@ -61,7 +61,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megatron_2bw import comm
 from megatron_2bw.models.attention import SdpaAttention
-from megatron_2bw.models.compat import cpu_shims_applied
+from megatron_2bw.models.compat import cpu_shims_applied, cuda_device_reads_cpu
 from megatron_2bw.models.config import ModelConfig
 from megatron_2bw.models.heads import (FRESH_PREFIXES, attach_task_head, encoder_only,
                                        task_logits, task_loss_and_correct)
@@ -592,7 +592,8 @@ def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
     final norm). Under sequence parallelism every norm is a `TorchNorm` too (megatron-core's
     `WrappedTorchNorm` refuses it), which marks its weight's gradient for the sum over TP.
 
-    A mixture of experts makes every moe_layer_freq-th layer a MoE layer (megatron-core's
+    A mixture of experts makes every moe_layer_freq-th layer, or its pattern's, a MoE
+    layer by global layer index (megatron-core's
     local MoE spec with TopKRouter and the experts of `moe.with_expert_modules`); when
     not every layer is one, the block spec lists this stage's layers as Megatron-LM's
     get_gpt_decoder_block_spec does.
@@ -600,7 +601,7 @@ def gpt_layer_spec(config: ModelConfig, mcore_config: TransformerConfig,
     dense = _layer_spec(config, mcore_config, None)
     moe = _layer_spec(config, mcore_config, config.num_experts) if config.is_moe else dense
     torch_norms = config.layernorm_zero_centered_gamma or mcore_config.sequence_parallel
-    mixed = config.is_moe and config.moe_layer_freq > 1
+    mixed = config.is_moe and config.moe_layer_freq != 1
     if not (torch_norms or mixed):
         return moe
     offset = get_transformer_layer_offset(mcore_config, vp_stage)
@@ -642,23 +643,9 @@ def _build_model(
     """Construct the megatron-core GPTModel / BertModel piece with local layer specs
     (`vp_stage`: the model chunk, with virtual pipeline stages)."""
     if config.model == "gpt":
-        return GPTModel(
-            config=mcore_config,
-            transformer_layer_spec=gpt_layer_spec(config, mcore_config, vp_stage),
-            vocab_size=config.vocab_size,
-            max_sequence_length=config.max_positions,
-            pre_process=pre_process,
-            post_process=post_process,
-            parallel_output=True,
-            share_embeddings_and_output_weights=config.tie_embeddings,
-            position_embedding_type=config.position_embedding_type,
-            rotary_percent=config.rotary_percent,
-            rotary_base=config.rotary_base,
-            rope_scaling=config.use_rope_scaling,
-            rope_scaling_factor=config.rope_scaling_factor,
-            seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
-            vp_stage=vp_stage,
-        )
+        # on CPU: the router's expert-bias buffers are made on torch.cuda.current_device()
+        with cuda_device_reads_cpu():
+            return _gpt_model(config, mcore_config, pre_process, post_process, vp_stage)
     pooled = config.bert_binary_head or config.task is not None  # a task reads the pooler
     return _BertModel(
         config=mcore_config,
@@ -672,6 +659,28 @@ def _build_model(
         parallel_output=True,
         share_embeddings_and_output_weights=config.tie_embeddings,
         add_binary_head=pooled,
+        vp_stage=vp_stage,
+    )
+
+
+def _gpt_model(config: ModelConfig, mcore_config: TransformerConfig, pre_process: bool,
+               post_process: bool, vp_stage: Optional[int]) -> GPTModel:
+    """megatron-core's GPTModel with the local layer specs."""
+    return GPTModel(
+        config=mcore_config,
+        transformer_layer_spec=gpt_layer_spec(config, mcore_config, vp_stage),
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_positions,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=config.tie_embeddings,
+        position_embedding_type=config.position_embedding_type,
+        rotary_percent=config.rotary_percent,
+        rotary_base=config.rotary_base,
+        rope_scaling=config.use_rope_scaling,
+        rope_scaling_factor=config.rope_scaling_factor,
+        seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
     )
 

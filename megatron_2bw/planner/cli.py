@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..schedules import SCHEDULE_NAMES, canonical_name
-from ..shape import ModelShape
+from ..shape import ModelShape, parse_layer_freq
 from .compute import FlopsCompute, LayerModel, ProfiledCompute, load_profile
 from .cost_model import CostModel
 from .experts import DISPATCHERS, Experts
@@ -63,6 +63,18 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _layer_freq(text: str) -> int | tuple[int, ...]:
+    """--moe-layer-freq as Megatron-LM takes it: N >= 1, or one 0 / 1 per layer as a list
+    expression (a tuple here; its length is checked against --num-layers later)."""
+    try:
+        value = parse_layer_freq(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if isinstance(value, list):
+        return tuple(value)
+    return _positive_int(str(value))
 
 
 def _count(text: str) -> int:
@@ -128,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each expert's MLP width (default --ffn-hidden-size)")
     e.add_argument("--moe-router-topk", type=_positive_int, default=2,
                    help="experts each token is routed to (default 2)")
-    e.add_argument("--moe-layer-freq", type=_positive_int, default=1,
-                   help="every N-th layer from the first is an MoE layer (default 1: all)")
+    e.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
+                   help="every N-th layer from the first is an MoE layer (default 1: all), "
+                        "or one 0 (dense) / 1 (MoE) per layer, e.g. ([0]*3+[1]*29)")
     e.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS,
                    help="how tokens reach their experts (default: alltoall with expert "
                         "parallelism, as Megatron-LM's Mixtral example, else allgather)")
@@ -223,9 +236,13 @@ def experts_from_args(args: argparse.Namespace) -> Experts | None:
         return None
     if args.model != "gpt":
         raise ValueError("--num-experts: a mixture of experts is GPT only (--model gpt)")
-    return Experts(args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
-                   args.moe_layer_freq, args.moe_token_dispatcher_type,
-                   moe_grouped_gemm=args.optimizer != "muon")  # the trainer's rule
+    experts = Experts(args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
+                      args.moe_layer_freq, args.moe_token_dispatcher_type,
+                      moe_grouped_gemm=args.optimizer != "muon")  # the trainer's rule
+    problem = experts.pattern_problem(args.num_layers)
+    if problem:
+        raise ValueError(problem)
+    return experts
 
 
 ROUTER_LOSS_FLAGS = ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff",

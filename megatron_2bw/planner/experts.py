@@ -8,7 +8,9 @@ An MoE layer is a dense layer whose MLP is replaced by a router (a [E, h] weight
 replicated over tensor-parallel ranks, as megatron-core's `TopKRouter`) and E copies of
 the MLP at width `moe_ffn_hidden_size` (SwiGLU or not, as the dense MLP); every
 `moe_layer_freq`-th layer counting from layer 0 is one (layers 0, k, 2k, ...: Megatron-LM's
-integer `--moe-layer-freq`). Each token goes through its top-k experts, so a layer's expert
+integer `--moe-layer-freq`), or each layer whose entry is 1 in its list form (a tuple); a
+stage's cost counts the MoE layers among its own global layers (`MoeShape.moe_layers`).
+Each token goes through its top-k experts, so a layer's expert
 compute and activations are k times one expert's per token, whatever the number of experts.
 
 How experts are split (megatron-core's `initialize_model_parallel`): expert parallelism
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..shape import ModelShape, MoeShape
+from ..shape import ModelShape, MoeShape, layer_pattern_text
 
 DISPATCHERS = ("allgather", "alltoall")
 """`--moe-token-dispatcher-type` choices the trainer runs."""
@@ -160,7 +162,7 @@ class Experts(MoeShape):
         if self.moe_ffn_hidden_size is not None:
             flags += ["--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size)]
         if self.moe_layer_freq != 1:
-            flags += ["--moe-layer-freq", str(self.moe_layer_freq)]
+            flags += ["--moe-layer-freq", _freq_text(self.moe_layer_freq)]
         return flags + (["--moe-grouped-gemm"] if self.moe_grouped_gemm else [])
 
     def plan_flags(self, expert_parallel: int) -> list[str]:
@@ -174,10 +176,17 @@ class Experts(MoeShape):
     def to_dict(self, model: ModelShape) -> dict:
         return {"num_experts": self.num_experts, "moe_router_topk": self.moe_router_topk,
                 "moe_ffn_hidden_size": self.ffn_size(model),
-                "moe_layer_freq": self.moe_layer_freq,
+                "moe_layer_freq": (list(self.moe_layer_freq)
+                                   if isinstance(self.moe_layer_freq, tuple)
+                                   else self.moe_layer_freq),
                 "moe_token_dispatcher_type": self.moe_token_dispatcher_type,
                 "moe_layers": self.num_moe_layers(model),
                 "active_parameters": self.active_params(model)}
+
+
+def _freq_text(freq: int | tuple[int, ...]) -> str:
+    """--moe-layer-freq's value in a launch: N, or the pattern as a list expression."""
+    return layer_pattern_text(freq) if isinstance(freq, tuple) else str(freq)
 
 
 def expert_parallel_sizes(experts: Optional[Experts], ranks: int,

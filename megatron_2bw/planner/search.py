@@ -182,16 +182,22 @@ def large_vocabulary(model: ModelShape, layer_params: float | None = None) -> bo
     return 2 * vocab * model.hidden_size >= layer
 
 
-def uneven_splits(num_layers: int, depth: int) -> list[tuple[int, int]]:
+_FEWER = ((1, 0), (2, 0), (0, 1), (0, 2), (1, 1), (2, 2), (1, 2), (2, 1))
+# a per-layer MoE pattern also makes an end stage with its dense layers lighter: give it more
+_MORE = ((-1, 0), (-2, 0), (0, -1), (0, -2), (-1, -1), (-2, -2))
+
+
+def uneven_splits(num_layers: int, depth: int, more: bool = False) -> list[tuple[int, int]]:
     """(first, last) stage layer counts to try (0: not given): each of them the even share
-    e = L / d, e - 1 or e - 2, not both e, kept where megatron-core can split the rest
-    evenly over the other stages; one per distinct split, fewest flags first."""
+    e = L / d, e - 1 or e - 2 (with `more`, also e + 1 or e + 2), not both e, kept where
+    megatron-core can split the rest evenly over the other stages; one per distinct
+    split, fewest flags first."""
     if depth < 2 or num_layers % depth:
         return []
     even = num_layers // depth
     seen = {split_layers(num_layers, depth)}
     found = []
-    for less_first, less_last in ((1, 0), (2, 0), (0, 1), (0, 2), (1, 1), (2, 2), (1, 2), (2, 1)):
+    for less_first, less_last in _FEWER + (_MORE if more else ()):
         first = even - less_first if less_first else 0
         last = even - less_last if less_last else 0
         if (less_first and first < 1) or (less_last and last < 1):
@@ -209,10 +215,12 @@ def uneven_splits(num_layers: int, depth: int) -> list[tuple[int, int]]:
 def enumerate_configs(cm: CostModel, space: SearchSpace) -> Iterator[ParallelConfig]:
     """Every valid configuration, memory not yet considered."""
     mean = None if cm.experts is None else cm.experts.mean_layer_params(cm.model)
-    uneven = space.uneven_stages and large_vocabulary(cm.model, mean)
+    patterned = cm.experts is not None and isinstance(cm.experts.moe_layer_freq, tuple)
+    uneven = space.uneven_stages and (patterned or large_vocabulary(cm.model, mean))
     layers = cm.model.num_layers
     for cfg in _even_configs(cm, space):
-        splits = uneven_splits(layers, cfg.pipeline_depth) if uneven and not cfg.interleaved else []
+        splits = (uneven_splits(layers, cfg.pipeline_depth, more=patterned)
+                  if uneven and not cfg.interleaved else [])
         for first, last in [(0, 0)] + splits:
             split = replace(cfg, first_stage_layers=first, last_stage_layers=last)
             if chunks_fit(split.recompute, split.stage_layers(layers), split.virtual_stages):

@@ -141,6 +141,7 @@ class TrainConfig:
     train_samples: Optional[int] = None   # --train-samples (train_iters then derived from it)
     rampup_batch_size: Optional[tuple[int, int, int]] = None  # --rampup-batch-size
     skip_train: bool = False              # --skip-train: validate and test the loaded model
+    converting: bool = False              # tools/checkpoint/convert.py: trains nothing
     dist_ckpt_strictness: Optional[str] = None  # --dist-ckpt-strictness (torch_dist loads)
     housekeeping: HousekeepingConfig = HousekeepingConfig()  # --manual-gc, --profile
     skip_guard: SkipGuardConfig = SkipGuardConfig()  # --check-for-nan-in-loss-and-grad,

@@ -18,11 +18,12 @@ and this build does not implement is refused, in one line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import glob
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -93,12 +94,7 @@ def _training_args(conv: argparse.Namespace, saved: dict) -> argparse.Namespace:
     """The checkpoint's flags, with this conversion's layout, paths and format; mock
     data (nothing is read) and --train-iters at the checkpoint's iteration."""
     iteration = read_tracker(conv.load)
-    args = parse_args(conv.model, ["--num-layers", "1", "--hidden-size", "8",
-                                   "--num-attention-heads", "1", "--seq-length", "8",
-                                   "--lr", "1", "--micro-batch-size", "1", "--mock-data"])
-    for key, value in as_flags(saved, conv.model).items():
-        if hasattr(args, key) and key not in OWN:
-            setattr(args, key, value)
+    args = args_from_saved(saved, conv.model, keep=OWN)
     tp = conv.tensor_model_parallel_size or saved.get("tensor_model_parallel_size", 1)
     pp = conv.pipeline_model_parallel_size or saved.get("pipeline_model_parallel_size", 1)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
@@ -116,6 +112,20 @@ def _training_args(conv: argparse.Namespace, saved: dict) -> argparse.Namespace:
     for key in SAMPLE_COUNTERS:  # Megatron-LM's data position: the source's, unchanged
         if key in saved:
             setattr(args, key, saved[key])
+    return args
+
+
+def args_from_saved(saved: dict, model: str, keep: Collection[str] = ()) -> argparse.Namespace:
+    """This parser's flags as the checkpoint's args set them (`as_flags`), every flag they
+    lack at today's default: a checkpoint written before a flag existed (the
+    multi-latent-attention ones, say) ran without what it asks for. `keep`: flags left at
+    their defaults here. The one way a model is built from a checkpoint's args."""
+    args = parse_args(model, ["--num-layers", "1", "--hidden-size", "8",
+                              "--num-attention-heads", "1", "--seq-length", "8",
+                              "--lr", "1", "--micro-batch-size", "1", "--mock-data"])
+    for key, value in as_flags(saved, model).items():
+        if hasattr(args, key) and key not in keep:
+            setattr(args, key, value)
     return args
 
 
@@ -215,7 +225,7 @@ def convert(argv: Optional[Sequence[str]] = None) -> int:
     env = init_distributed()
     watch_peers()
     setup_logging(env.rank, env.world_size)
-    run = config_from_args(args, conv.model, env.world_size, vocab)
+    run = _converting(config_from_args(args, conv.model, env.world_size, vocab), saved)
     if args.no_save_optim and not conv.no_load_optim:
         logger.info("the checkpoint holds no optimizer state read here (saved with "
                     "--no-save-optim, or Megatron-LM's --ckpt-format torch, whose optimizer "
@@ -236,8 +246,20 @@ def convert(argv: Optional[Sequence[str]] = None) -> int:
                 f"{args.tensor_model_parallel_size} x {args.pipeline_model_parallel_size}"
                 + (f", expert parallel {args.expert_model_parallel_size}"
                    if args.expert_model_parallel_size > 1 else "")
-                + ("" if run.train.no_save_optim else ", with its optimizer state"))
+                + (", weights and random state only" if run.train.no_save_optim
+                   else ", with its optimizer state"))
     return 0
+
+
+def _converting(run, saved: dict):
+    """The run as a conversion: it trains nothing (the resume's training lines, as the
+    warm-up restarting without optimizer state, do not apply), and the checkpoint it
+    writes keeps the source run's data flags (this one reads no data), so that resuming
+    the source's run from it draws the samples it would have drawn."""
+    for key in ("data_path", "split", "mock_data"):
+        if saved.get(key) is not None:
+            run.flags[key] = saved[key]
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, converting=True))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -28,8 +28,8 @@ from .errors import (USER_ERRORS, describe, end_process, guarded, read_faults_wi
 from .signals import HAND_STOP, PROGRESS
 from .faults import classify, with_checkpoint
 from .memory_check import check_memory, check_open_files
-from .watchdog import (LauncherWatch, beat_period, children_die_with_rank, know_peers,
-                       local_ranks, store_host_gone, writer_queue_dies_with_rank)
+from .watchdog import (LauncherWatch, beat_period, children_die_with_rank, forget_peers,
+                       know_peers, local_ranks, store_host_gone, writer_queue_dies_with_rank)
 from .megatron_flags import check_megatron_flags, inert_notes, mapped_notes
 from .model_flags import kernel_note
 from .process_settings import apply_process_settings
@@ -94,7 +94,9 @@ def _pretrain(model: str, argv: Optional[Sequence[str]]) -> int:
     lock = (SaveLock.acquire(args.save, min(10.0, beat_period(env.timeout)))
             if args.save and env.rank == 0 else None)
     try:
-        return _train(args, model, env)
+        status = _train(args, model, env)
+        forget_peers()  # the job ends well: ranks that end from now on are not dead
+        return status
     finally:
         if lock is not None:
             lock.release()

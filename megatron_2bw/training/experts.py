@@ -34,6 +34,7 @@ from ..models.config import ModelConfig
 from ..models.moe import aux_loss_names, is_expert_parameter, set_aux_loss_scale, take_aux_losses
 from ..runtime.aux_losses import AuxLosses
 from ..runtime.grad_sync import ExpertGradients
+from ..schedules.actions import ActionKind as K
 
 
 def expert_mask(names: list[str]) -> list[bool]:
@@ -101,6 +102,64 @@ def aux_losses(model: ModelConfig, per_token: bool, device: torch.device
     return AuxLosses(take_aux_losses, lambda s: set_aux_loss_scale(s * cp, device),
                      aux_loss_names(model), model.num_layers,
                      ps.get_model_parallel_group(), device)
+
+
+class ExpertBias:
+    """Aux-loss-free balancing (--moe-router-enable-expert-bias): after every minibatch,
+    each MoE layer's expert bias moves by the update rate towards even loads.
+
+    megatron-core's TopKRouter adds the bias to the scores for the top-k choice and counts,
+    in its `local_tokens_per_expert` buffer, the tokens each expert received in training
+    forwards (with recomputation, in the recomputed forward only: the first runs without
+    grad). Megatron-LM updates the bias in finalize_model_grads, after the minibatch's last
+    backward and before the optimizer step: the counts summed over the tensor x context x
+    data-parallel group (`get_updated_expert_bias`), then bias += rate x sign(mean - count)
+    per layer, and the counts cleared. `update` does the same at the same point, at the
+    minibatch's optimizer-step action: under Flush and GPipe every forward of minibatch k
+    has run on this stage and none of k + 1, so the counts are exactly k's, summed over its
+    microbatches, and k + 1 routes with the updated bias as in Megatron-LM. (2BW, whose
+    stages run k + 1's forwards before k's step, is refused: validation.py.) The bias is a
+    persistent buffer, so both checkpoint formats hold it with the weights.
+    """
+
+    def __init__(self, module: torch.nn.Module, rate: float, group) -> None:
+        self.routers = [m for m in module.modules()
+                        if getattr(m, "expert_bias", None) is not None]
+        self.rate, self.group = rate, group
+
+    def update(self) -> None:
+        """Move every layer's bias from the counts since the last update, and clear them."""
+        if not self.routers:  # a stage of dense layers only: its group has none either
+            return
+        with torch.no_grad():
+            tokens = torch.stack([r.local_tokens_per_expert for r in self.routers])
+            if comm.runs(self.group):
+                comm.all_reduce(tokens, self.group)
+            mean = tokens.sum(dim=-1, keepdim=True) / tokens.shape[-1]
+            step = torch.sign(mean - tokens) * self.rate
+            for router, delta in zip(self.routers, step):
+                router.expert_bias.copy_(router.expert_bias + delta)
+                router.local_tokens_per_expert.zero_()
+
+    def wrap(self, kind, handler):
+        """An executor handler wrapper (`PipelineExecutor.wrap_handlers`): the bias moves
+        at the start of each optimizer-step action, before the step and its callbacks (a
+        checkpoint saved there holds the updated bias)."""
+        if kind != K.OPTIMIZER_STEP:
+            return handler
+
+        def step_then(action) -> None:
+            self.update()
+            handler(action)
+        return step_then
+
+
+def expert_bias(model: ModelConfig, module: torch.nn.Module) -> Optional[ExpertBias]:
+    """The expert-bias updater of this stage's module (None without the expert bias)."""
+    if not (model.is_moe and model.moe_router_enable_expert_bias):
+        return None
+    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    return ExpertBias(module, model.moe_router_bias_update_rate, group)
 
 
 def log_values(per_layer: dict[str, torch.Tensor], model: ModelConfig,

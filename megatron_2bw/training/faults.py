@@ -12,8 +12,9 @@ start), open files (EMFILE, gloo's epoll_create and pipe), disk space.
 
 `classify` reads the whole exception chain (causes and contexts) and returns the line and
 exit status, or None for a programming error (which keeps its traceback). The peer line
-names the rank that died where this machine can see it (every rank's pid is gathered at
-start-up: watchdog.know_peers) and always says where the last complete checkpoint is.
+names the rank that died (every rank's pid is gathered at start-up: watchdog.know_peers;
+one on another machine is published by that machine's watchdog.DeathWatch) and always
+says where the last complete checkpoint is.
 """
 from __future__ import annotations
 

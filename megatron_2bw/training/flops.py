@@ -18,7 +18,9 @@ project builds, so the two logs compare number for number:
   (`mla_flops_per_token`);
 - MLP: h f x 2 GEMMs (3 with SwiGLU: gate and up, then down); a mixture-of-experts layer
   (every `--moe-layer-freq`-th from layer 0) counts its `--moe-router-topk` routed
-  experts at `--moe-ffn-hidden-size` and nothing for the router;
+  experts at `--moe-ffn-hidden-size`, its shared experts as one MLP of width
+  `--moe-shared-expert-intermediate-size`, and nothing for the router or the shared
+  experts' gate;
 - the logits h V (V padded), once; BERT's LM-head transform, pooler and binary head are
   not counted.
 
@@ -70,7 +72,9 @@ def mlp_flops_per_token(model: ModelConfig) -> int:
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
     dense = (model.num_layers - moe_layers) * model.ffn_size
     routed = moe_layers * model.moe_router_topk * model.moe_ffn_size if model.is_moe else 0
-    return FORWARD_BACKWARD * MULTIPLY_ADD * model.hidden_size * gemms * (dense + routed)
+    shared = moe_layers * (model.moe_shared_expert_intermediate_size or 0)
+    return (FORWARD_BACKWARD * MULTIPLY_ADD * model.hidden_size * gemms
+            * (dense + routed + shared))
 
 
 def logits_flops_per_token(model: ModelConfig) -> int:

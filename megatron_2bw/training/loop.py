@@ -255,6 +255,9 @@ class Trainer:
             grad_numel=layout.padded if layout is not None else 0,
             aux_losses=experts.aux_losses(run.model, run.model.per_token_loss,
                                           self.env.device))
+        bias = experts.expert_bias(run.model, module)
+        if bias is not None:  # the bias moves at every optimizer-step action
+            executor.wrap_handlers(bias.wrap)
         return executor, updater
 
     def _report_parameters(self) -> None:

@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 from ..data import tokenizers
 from .errors import UserError
 from .megatron_lm_names import FLAGS as MEGATRON_LM_FLAGS
-from .model_flags import as_list, layer_freq_problem, pattern_frequency
+from .model_flags import as_list
 
 DOC = "docs/megatron-flags.md"
 
@@ -129,14 +129,6 @@ FP8_WHY = ("fp8 needs Transformer Engine on a GPU, which this build does not use
 
 # Megatron-LM's mixture-of-experts features that models/moe.py does not build, one reason
 # per feature (its flags are named together)
-ROUTER_WHY = ("the router here is megatron-core's top-k router with a softmax after the "
-              "top-k choice: sigmoid scores, pre-softmax routing, score scaling and expert "
-              "groups are not implemented")
-EXPERT_BIAS_WHY = ("aux-loss-free balancing keeps a per-expert routing bias that is updated "
-                   "after each step from the tokens each expert received: router state "
-                   "outside the parameters and the optimizer, not implemented here; balance "
-                   "with --moe-aux-loss-coeff instead")
-SHARED_WHY = "shared experts are not implemented: the MoE layers here have routed experts only"
 MTP_WHY = "multi-token prediction (extra MTP layers and their loss) is not implemented"
 FSDP_WHY = ("Megatron FSDP (parameters, gradients and optimizer state sharded over the "
             "data-parallel ranks, with its fsdp_dtensor checkpoints) is not implemented, and "
@@ -177,25 +169,6 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
      "deprecated in Megatron-LM, which accepts it only with rotary embeddings (where it "
      "changes nothing); use --position-embedding-type none"),
     # mixture of experts
-    (_value("--moe-router-score-function", choices=["softmax", "sigmoid"]),
-     lambda a, w: a.moe_router_score_function == "sigmoid", ROUTER_WHY),
-    (_switch("--moe-router-pre-softmax"), lambda a, w: a.moe_router_pre_softmax, ROUTER_WHY),
-    (_value("--moe-router-topk-scaling-factor", float),
-     lambda a, w: a.moe_router_topk_scaling_factor is not None, ROUTER_WHY),
-    (_value("--moe-router-num-groups", int), lambda a, w: a.moe_router_num_groups is not None,
-     ROUTER_WHY),
-    (_value("--moe-router-group-topk", int), lambda a, w: a.moe_router_group_topk is not None,
-     ROUTER_WHY),
-    (_switch("--moe-router-enable-expert-bias"),
-     lambda a, w: a.moe_router_enable_expert_bias, EXPERT_BIAS_WHY),
-    (_value("--moe-router-bias-update-rate", float),
-     lambda a, w: (a.moe_router_bias_update_rate is not None
-                   and a.moe_router_enable_expert_bias), EXPERT_BIAS_WHY),
-    (_value("--moe-shared-expert-intermediate-size", int),
-     lambda a, w: a.moe_shared_expert_intermediate_size is not None, SHARED_WHY),
-    (_switch("--moe-shared-expert-gate"),
-     lambda a, w: (a.moe_shared_expert_gate
-                   and a.moe_shared_expert_intermediate_size is not None), SHARED_WHY),
     (_value("--mtp-num-layers", int), lambda a, w: _mtp(a), MTP_WHY),
     (_value("--mtp-loss-scaling-factor", float),
      lambda a, w: a.mtp_loss_scaling_factor is not None and _mtp(a), MTP_WHY),
@@ -217,9 +190,6 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
     (_switch("--moe-apply-probs-on-input"), lambda a, w: a.moe_apply_probs_on_input,
      "scaling the experts' input by the routing probabilities is not implemented (they "
      "scale the experts' output)"),
-    (_switch("--moe-router-force-load-balancing"),
-     lambda a, w: a.moe_router_force_load_balancing,
-     "routing by random scores (a benchmark setting) is not implemented"),
     (_switch("--moe-per-layer-logging"), lambda a, w: a.moe_per_layer_logging,
      "logging the MoE losses of each layer is not implemented"),
     (_value("--moe-latent-size", int), lambda a, w: a.moe_latent_size is not None,
@@ -286,12 +256,6 @@ def _several(value) -> bool:
     return isinstance(value, list) and len(value) > 1
 
 
-def _unexpressible_pattern(a: argparse.Namespace) -> bool:
-    freq = a.moe_layer_freq
-    return (isinstance(freq, list) and layer_freq_problem(a) is None
-            and pattern_frequency(freq) is None)
-
-
 SEVERAL_WHY = ("combining several load-balancing losses is not implemented; give one "
                "--moe-router-load-balancing-type and one --moe-aux-loss-coeff")
 
@@ -307,10 +271,6 @@ REFUSED_VALUES: tuple[RefusedValue, ...] = (
                  lambda a, w: _several(a.moe_router_load_balancing_type), SEVERAL_WHY),
     RefusedValue("--moe-aux-loss-coeff", "several values",
                  lambda a, w: _several(a.moe_aux_loss_coeff), SEVERAL_WHY),
-    RefusedValue("--moe-layer-freq", "other patterns",
-                 lambda a, w: _unexpressible_pattern(a),
-                 "a per-layer pattern other than every N-th layer from the first (such as "
-                 "dense first layers) is not implemented; the model takes a frequency N"),
     RefusedValue("--dist-ckpt-strictness", "return_unexpected, return_all",
                  lambda a, w: a.dist_ckpt_strictness in ("return_unexpected", "return_all"),
                  "these values make megatron-core's load return the mismatched tensors' "
@@ -517,8 +477,9 @@ INSTEAD: dict[str, str] = {
     "this flag",
     "--overlap-moe-expert-parallel-comm": "each MoE layer's token exchange between expert-"
     "parallel ranks runs in line, not overlapped with another microbatch's compute",
-    "--moe-shared-expert-overlap": "acts only with shared experts, which are not implemented "
-    "(--moe-shared-expert-intermediate-size is refused)",
+    "--moe-shared-expert-overlap": "the shared experts run in line before the router, not "
+    "overlapped with the token dispatch; the same numbers, except the order in which the "
+    "router's and the shared experts' input gradients are summed (as in Megatron-LM)",
     "--moe-flex-dispatcher-backend": "acts only with the flex token dispatcher, which is "
     "refused here",
     "--moe-deepep-num-sms": "acts only with the flex token dispatcher, which is refused here",

@@ -12,7 +12,6 @@ naming the flag that makes it act.
 from __future__ import annotations
 
 import argparse
-import ast
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -21,7 +20,7 @@ import torch
 
 from ..models.config import (ATTENTION_BACKENDS, MOE_DISPATCHERS, RECOMPUTE_MODULES,
                              SOFTMAX_TYPES, ModelConfig, stage_layer_counts)
-from ..shape import swiglu_ffn_size
+from ..shape import parse_layer_freq, swiglu_ffn_size
 from .errors import UserError
 from .mla_flags import mla_config, mla_flags, mla_problem
 
@@ -211,7 +210,12 @@ MOE_DEFAULTS: dict[str, object] = {
     "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
     "moe_z_loss_coeff": None, "moe_token_dispatcher_type": "allgather",
     "moe_grouped_gemm": False, "moe_layer_freq": 1, "moe_router_dtype": None,
-    "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False}
+    "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
+    "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+    "moe_router_group_topk": None, "moe_router_enable_expert_bias": False,
+    "moe_router_force_load_balancing": False}
 
 
 def _moe_flags(p: argparse.ArgumentParser) -> None:
@@ -260,57 +264,68 @@ def _moe_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="pad each expert's input to its capacity (with "
                         "--moe-expert-capacity-factor)")
+    _shared_expert_flags(g)
+    _router_flags(g)
 
 
-# --moe-layer-freq's list form, as Megatron-LM's moe_freq_type reads it (its characters;
-# evaluated here without eval, to at most this many entries)
-_PATTERN_CHARS = re.compile(r"[^,\d\[\]()+*]")
-_MAX_PATTERN = 1 << 16
+def _shared_expert_flags(g: argparse._ArgumentGroup) -> None:
+    """Megatron-LM's shared-expert flags (--moe-shared-expert-overlap, which changes no
+    number, is a mapped flag: megatron_flags.py)."""
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int,
+                   default=MOE_DEFAULTS["moe_shared_expert_intermediate_size"],
+                   help="inner width of the shared experts every token goes through beside "
+                        "its routed ones, all together (number of shared experts x each "
+                        "one's width; default: no shared experts; needs "
+                        "--disable-bias-linear)")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared experts' output by a learned per-token sigmoid "
+                        "gate (with --moe-shared-expert-intermediate-size)")
+
+
+def _router_flags(g: argparse._ArgumentGroup) -> None:
+    """Megatron-LM's router flags of DeepSeek-V3 (scores, groups, aux-loss-free balancing),
+    with its names and defaults; megatron-core's TopKRouter computes them."""
+    D = MOE_DEFAULTS
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
+                   default=D["moe_router_score_function"],
+                   help="the router's scores: softmax, or sigmoid (DeepSeek-V3)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k choice (default: over "
+                        "the chosen k)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float,
+                   default=D["moe_router_topk_scaling_factor"],
+                   help="factor on the chosen experts' probabilities (default: 1)")
+    g.add_argument("--moe-router-num-groups", type=int, default=D["moe_router_num_groups"],
+                   help="group-limited routing: the experts in this many equal groups")
+    g.add_argument("--moe-router-group-topk", type=int, default=D["moe_router_group_topk"],
+                   help="group-limited routing: each token's experts from this many groups")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias on the scores for the "
+                        "top-k choice, moved after every step towards even loads (needs "
+                        "sigmoid scores; not under 2BW)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="how far each step moves the expert bias (default 1e-3)")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="route by random scores (a benchmark setting)")
+
+
+def router_config(args: argparse.Namespace) -> dict:
+    """The ModelConfig fields of the router flags (Megatron-LM's meanings)."""
+    names = ("moe_router_score_function", "moe_router_pre_softmax",
+             "moe_router_topk_scaling_factor", "moe_router_num_groups",
+             "moe_router_group_topk", "moe_router_enable_expert_bias",
+             "moe_router_bias_update_rate", "moe_router_force_load_balancing")
+    return {name: getattr(args, name) for name in names}
 
 
 def moe_layer_freq_type(text: str) -> Union[int, list[int]]:
     """Megatron-LM's --moe-layer-freq: an integer N, or a Python list expression of one
-    0 (dense) / 1 (MoE) per layer, e.g. "([0]+[1]*23)" (an argparse type)."""
-    text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        text = text[1:-1].strip()  # quotes kept by a script's unquoted array expansion
-    if "[" not in text:
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: give an integer N "
-                                             "or a list pattern") from None
-    compact = "".join(text.split())
+    0 (dense) / 1 (MoE) per layer, e.g. "([0]+[1]*23)" (an argparse type;
+    `shape.parse_layer_freq` reads it)."""
     try:
-        if _PATTERN_CHARS.search(compact):
-            raise ValueError("only digits, commas, [ ] ( ) + and * may appear")
-        value = _pattern_value(ast.parse(compact, mode="eval").body)
-        if not isinstance(value, list):
-            raise ValueError("it is not a list")
-    except (SyntaxError, ValueError) as err:
-        raise argparse.ArgumentTypeError(f"invalid pattern {text!r}: {err}") from None
-    return value
-
-
-def _pattern_value(node: ast.AST) -> Union[int, list[int]]:
-    """An int or a list of ints from list displays, + and * (what the pattern may hold)."""
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.List):
-        items = [_pattern_value(item) for item in node.elts]
-        if any(isinstance(item, list) for item in items):
-            raise ValueError("nested lists")
-        return items  # type: ignore[return-value]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _pattern_value(node.left), _pattern_value(node.right)
-        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
-            return left + right
-        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
-            items, times = (left, right) if isinstance(left, list) else (right, left)
-            if len(items) * max(times, 0) > _MAX_PATTERN:  # type: ignore[operator]
-                raise ValueError(f"more than {_MAX_PATTERN} entries")
-            return items * times  # type: ignore[operator]
-    raise ValueError("not a list of integers built with + and *")
+        return parse_layer_freq(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def pattern_frequency(pattern: list[int]) -> Optional[int]:
@@ -325,8 +340,7 @@ def pattern_frequency(pattern: list[int]) -> Optional[int]:
 
 def layer_freq_problem(args: argparse.Namespace) -> Optional[str]:
     """Why --moe-layer-freq cannot describe this model's layers (Megatron-LM's rules),
-    else None. A valid pattern that is not every N-th layer is refused elsewhere, as not
-    implemented (megatron_flags.py)."""
+    else None."""
     freq = args.moe_layer_freq
     if isinstance(freq, int):
         return None if freq >= 1 else f"--moe-layer-freq {freq} must be at least 1"
@@ -335,16 +349,18 @@ def layer_freq_problem(args: argparse.Namespace) -> Optional[str]:
                 f"{args.num_layers}")
     if set(freq) - {0, 1}:
         return "the --moe-layer-freq pattern may hold only 0 (dense) and 1 (MoE)"
+    if 1 not in freq:
+        return "the --moe-layer-freq pattern has no MoE layer (no 1): drop --num-experts"
     return None
 
 
-def layer_freq(args: argparse.Namespace) -> Union[int, list[int]]:
-    """ModelConfig's moe_layer_freq: the int, or the frequency a pattern amounts to (a
-    pattern that amounts to none stays a list, which ModelConfig refuses)."""
+def layer_freq(args: argparse.Namespace) -> Union[int, tuple[int, ...]]:
+    """ModelConfig's moe_layer_freq: the int, the frequency a pattern amounts to, or the
+    pattern itself as a tuple (one 0 / 1 per layer)."""
     freq = args.moe_layer_freq
     if isinstance(freq, int):
         return freq
-    return pattern_frequency(freq) or freq
+    return pattern_frequency(freq) or tuple(freq)
 
 
 def one_value(value):
@@ -392,7 +408,16 @@ def moe_config(args: argparse.Namespace) -> dict:
         moe_grouped_gemm=args.moe_grouped_gemm, moe_layer_freq=layer_freq(args),
         moe_router_dtype=args.moe_router_dtype,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity)
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        **shared_expert_config(args), **router_config(args))
+
+
+def shared_expert_config(args: argparse.Namespace) -> dict:
+    """ModelConfig's shared-expert fields: the gate only with shared experts (Megatron-LM:
+    it is "only effective" there)."""
+    size = args.moe_shared_expert_intermediate_size
+    return dict(moe_shared_expert_intermediate_size=size,
+                moe_shared_expert_gate=bool(args.moe_shared_expert_gate and size is not None))
 
 
 class _Unvalidated(ModelConfig):
@@ -416,7 +441,13 @@ _PROBLEM_FLAGS = (
     (r"\bmoe_router_dtype\b", "--moe-router-dtype"),
     (r"\bmoe_expert_capacity_factor\b", "--moe-expert-capacity-factor"),
     (r"\bmoe_pad_expert_input_to_capacity\b", "--moe-pad-expert-input-to-capacity"),
+    (r"\bmoe_shared_expert_intermediate_size\b", "--moe-shared-expert-intermediate-size"),
     (r"\badd_bias_linear\b", "--disable-bias-linear"),
+    (r"\bmoe_router_score_function\b", "--moe-router-score-function"),
+    (r"\bmoe_router_pre_softmax\b", "--moe-router-pre-softmax"),
+    (r"\bmoe_router_num_groups\b", "--moe-router-num-groups"),
+    (r"\bmoe_router_group_topk\b", "--moe-router-group-topk"),
+    (r"\bmoe_router_enable_expert_bias\b", "--moe-router-enable-expert-bias"),
 )
 # what would work, by the flags a problem names
 _PROBLEM_FIXES = {
@@ -429,12 +460,27 @@ _PROBLEM_FIXES = {
     ("--moe-router-topk", "--num-experts"): "route each token to at most --num-experts experts",
     ("--moe-router-topk", "--moe-router-load-balancing-type"):
         "give --moe-router-topk 2 or more, or --moe-router-load-balancing-type sinkhorn",
+    ("--moe-router-topk", "--moe-router-pre-softmax", "--moe-router-load-balancing-type"):
+        "add --moe-router-pre-softmax, or give --moe-router-topk 2 or more",
+    ("--moe-router-enable-expert-bias", "--moe-router-score-function"):
+        "add --moe-router-score-function sigmoid",
+    ("--moe-router-group-topk", "--moe-router-num-groups"):
+        "give --moe-router-num-groups a divisor of --num-experts and --moe-router-group-topk "
+        "at most that many, dividing --moe-router-topk",
+    ("--moe-router-num-groups", "--num-experts"):
+        "give --moe-router-num-groups a divisor of --num-experts",
+    ("--moe-router-topk", "--moe-router-group-topk", "--moe-router-num-groups"):
+        "give --moe-router-topk a multiple of --moe-router-group-topk, at most that many "
+        "groups' experts",
     ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff"):
         "give --moe-aux-loss-coeff 0 with sinkhorn, or another load-balancing type",
     ("--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor"):
         "give --moe-expert-capacity-factor, or drop --moe-pad-expert-input-to-capacity",
     ("--moe-expert-capacity-factor", "--moe-router-load-balancing-type"):
         "drop --moe-expert-capacity-factor, or balance with aux_loss, seq_aux_loss or none",
+    ("--moe-shared-expert-intermediate-size", "--disable-bias-linear"):
+        "add --disable-bias-linear, or drop --moe-shared-expert-intermediate-size",
+    ("--moe-shared-expert-intermediate-size",): "give a positive width",
 }
 
 
@@ -544,6 +590,25 @@ _UNEVEN = "--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-laye
 _ROTARY = ("--rotary-base, --rotary-percent, --rotary-seq-len-interpolation-factor, "
            "--rotary-interleaved, --use-rope-scaling")
 
+def _shared_size(args: argparse.Namespace) -> Optional[int]:
+    """The shared experts' width of a MoE model, else None."""
+    return args.moe_shared_expert_intermediate_size if num_experts(args) else None
+
+
+# Megatron-LM's rules on shared experts (megatron-core's TransformerConfig and its MLP)
+SHARED_EXPERT_RULES: tuple[ArchRule, ...] = (
+    ArchRule("--moe-shared-expert-intermediate-size, --tensor-model-parallel-size",
+             lambda a, m: (_shared_size(a) or 0) % a.tensor_model_parallel_size == 0,
+             "the shared experts' width does not split over --tensor-model-parallel-size "
+             "{a.tensor_model_parallel_size}", "give a multiple of it"),
+    ArchRule("--moe-shared-expert-overlap, --moe-token-dispatcher-type",
+             lambda a, m: (not a.moe_shared_expert_overlap or _shared_size(a) is None
+                           or a.moe_token_dispatcher_type == "alltoall"),
+             "--moe-shared-expert-overlap works only with the alltoall token dispatcher "
+             "(Megatron-LM's rule)", "add --moe-token-dispatcher-type alltoall, or drop "
+             "--moe-shared-expert-overlap"),
+)
+
 ARCH_RULES: tuple[ArchRule, ...] = (
     ArchRule("--position-embedding-type", _bert_ok,
              "BERT takes learned absolute positions only (Megatron-LM's pretrain_bert.py "
@@ -591,6 +656,7 @@ ARCH_RULES: tuple[ArchRule, ...] = (
              lambda a, m: _ffn(a) % a.tensor_model_parallel_size == 0,
              "the MLP width does not split over --tensor-model-parallel-size "
              "{a.tensor_model_parallel_size}", "give --ffn-hidden-size a multiple of it"),
+    *SHARED_EXPERT_RULES,
     ArchRule(_UNEVEN, lambda a, m: _stage_problem(a) is None,
              "uneven pipeline split: {split}", "give the first / last stage layer counts "
              "that leave each middle stage the same non-zero share (or nothing when there "

@@ -44,6 +44,7 @@ def _layer_params(m: ModelConfig) -> tuple[float, float, float]:
         attention = _mla_params(m, norm)
     dense = 2 * h * (m.ffn_size * gated + norm) + attention
     experts = (m.num_experts or 1) * (m.moe_ffn_size if m.is_moe else 0)
+    experts += m.moe_shared_expert_intermediate_size or 0  # the shared experts' MLP
     moe = 2 * h * (experts * gated + norm) + attention
     return dense, moe, norm
 

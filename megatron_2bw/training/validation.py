@@ -570,7 +570,7 @@ CONTEXT_PARALLEL_RULES: tuple[Rule, ...] = (
 # expert grid (validate_args, initialize_model_parallel, TransformerConfig, MoELayer), and
 # ModelConfig's own MoE rules, asked (models/config.py) and told with the flags' names.
 # Megatron-LM features the flags ask for that are not implemented here (flex, the global
-# aux loss, a per-layer pattern) are refused in megatron_flags.py, all at once.
+# aux loss) are refused in megatron_flags.py, all at once.
 MOE_RULES: tuple[Rule, ...] = (
     Rule("{f.idle_moe_flags}", lambda f: f.experts is not None or not f.idle_moe_flags,
          "{f.idle_moe_flags}: settings of mixture-of-experts layers, and without "
@@ -580,6 +580,14 @@ MOE_RULES: tuple[Rule, ...] = (
          "{f.layer_freq_problem}", "give an integer N >= 1 (every N-th layer from the first "
          "is a MoE layer), or one 0 / 1 per layer"),
     Rule("{f.moe_where}", lambda f: f.moe_problem is None, "{f.moe_what}", "{f.moe_fix}"),
+    Rule("--moe-router-enable-expert-bias, --pipeline-schedule",
+         lambda f: (f.experts is None or not f.args.moe_router_enable_expert_bias
+                    or f.spec.weight_versions == 1),
+         "the expert bias is routing state updated after every step, and "
+         "{f.spec.display_name} keeps two weight versions in flight: a bias version per "
+         "weight version is not implemented",
+         "use --pipeline-schedule flush (or gpipe), or balance with --moe-aux-loss-coeff "
+         "instead"),
     Rule("--num-experts, --expert-model-parallel-size",
          lambda f: f.experts is None or f.experts % f.ep == 0,
          "{f.experts} experts do not split over --expert-model-parallel-size {f.ep}",

@@ -16,9 +16,11 @@ helper thread and gives up on it after a bound: then the verdict names the store
 
 A peer that dies breaks a connection rather than a wait: its survivors name it from
 `know_peers` (every rank's machine, pid and start time, gathered once at start-up) by
-reading /proc for the ranks on their own machine (`peers_verdict`); when it was rank 0,
-the store's host without a torchrun agent, nothing asks that store again
-(`store_host_gone`: each failed request prints a C++ stack trace).
+reading /proc for the ranks on their own machine (`peers_verdict`). For a rank on
+another machine, that machine's `DeathWatch` (a thread in each rank of a job on several
+machines) has published it in the store (`remote_verdict`). When it was rank 0, the
+store's host without a torchrun agent, nothing asks that store again (`store_host_gone`:
+each failed request prints a C++ stack trace; on another machine, its port refuses).
 
 No process outlives its job (issue 31): torchrun SIGKILLed (an OOM killer, a node agent)
 cannot stop its workers, which then trained on and saved into --save; a rank killed during
@@ -37,9 +39,11 @@ a writer killed during a save left its rank waiting forever in megatron-core's j
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -169,24 +173,145 @@ class Heartbeat:
 # ------------------------------------------------------ which peer died
 
 _PEERS: dict[int, tuple[str, int, Optional[str]]] = {}  # rank -> (machine, pid, start time)
+_GONE = f"{_KEY}/gone"  # /count: batches of dead ranks published; /N: batch N
+WATCH_S = 0.25  # how often a DeathWatch reads /proc for the ranks on its machine
 
 
+class DeathWatch:
+    """In a job of several machines: a daemon thread that reads /proc for the other ranks
+    of this machine every WATCH_S and publishes those that ended, as one batch
+    ("rank:pid:host,...") under `_GONE`, in the job's store. Why: a survivor on another
+    machine cannot read this machine's /proc; it reads the first batch instead
+    (`remote_verdict`). Cost: /proc reads only; the store is asked when a rank ends."""
+
+    def __init__(self, store: dist.Store, local: dict[int, tuple[int, Optional[str]]]):
+        self.store, self.local, self.seen = store, local, set()
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name="megatron_2bw-death-watch")
+        self._thread.start()
+
+    @classmethod
+    def start(cls, rank: int) -> Optional["DeathWatch"]:
+        """A watch when the job's ranks run on several machines (None on one machine, or
+        where the store cannot be reached: the lines then name only this machine's)."""
+        mine = peers.machine_id()
+        if len({machine for machine, _, _ in _PEERS.values()}) < 2:
+            return None
+        local = {r: (pid, start) for r, (machine, pid, start) in _PEERS.items()
+                 if machine == mine and r != rank}
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=timedelta(seconds=5),
+                                  wait_for_workers=False)
+        except (KeyError, ValueError, RuntimeError):
+            return None
+        return cls(store, local)
+
+    def _watch(self) -> None:
+        while self.local and not self._done.wait(WATCH_S):  # alone here: only reads
+            ended = [r for r, (pid, start) in sorted(self.local.items())
+                     if r not in self.seen and peers.start_time(pid) != start]
+            if ended:
+                self.seen.update(ended)
+                self.publish(ended)
+
+    def publish(self, ranks: list[int]) -> None:
+        """One batch for `ranks`, unless the store's host is gone (a request to a dead
+        store prints a C++ stack trace)."""
+        host = peers.host_name()
+        batch = ",".join(f"{r}:{self.local[r][0]}:{host}" for r in ranks)
+        if not store_answers():
+            return
+        try:
+            with self._lock:
+                number = int(self.store.add(f"{_GONE}/count", 1))
+                self.store.set(f"{_GONE}/{number}", batch)
+        except RuntimeError:  # the store went meanwhile: the others' lines say less
+            return
+
+    def first_batch(self) -> Optional[str]:
+        """The first ranks that ended on any machine, or None while none is published."""
+        with self._lock:
+            key = f"{_GONE}/1"
+            return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def close(self) -> None:
+        """Stop, and wait (bounded by the client's timeout) for a publish in flight."""
+        self._done.set()
+        self._thread.join(6.0)
 
 
+_WATCH: dict[str, DeathWatch] = {}  # "watch": this process's DeathWatch, while it runs
+_STORE_GONE: list[bool] = []  # [True] once the store on another machine refused a connection
+_LAST_CHECK = [float("-inf")]  # when _host_gone_now last tried the store's port
+_AT_EXIT: list = []  # [True] once forget_peers is registered with atexit
 
 
+def store_answers(seconds: float = 1.0) -> bool:
+    """Whether the job's store accepts a connection (a bare TCP connect: no store request,
+    so no C++ stack trace when its host is gone)."""
+    try:
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        socket.create_connection(address, seconds).close()
+        return True
+    except (KeyError, ValueError, OSError):
+        return False
 
 
 def know_peers(world_size: int) -> None:
     """Right after the process group forms: every rank's (machine, pid, start time), one
     all-gather, so that a rank whose peer dies later can name it without the store (whose
-    host may be the one that died)."""
+    host may be the one that died); on several machines, a DeathWatch publishes this
+    machine's dead ranks for the others."""
     _PEERS.clear()
+    _STORE_GONE.clear()
+    _LAST_CHECK[0] = float("-inf")
+    forget_peers()
     if world_size == 1:
         return
     pid = os.getpid()
     everyone = comm.all_gather_object((peers.machine_id(), pid, peers.start_time(pid)))
     _PEERS.update(enumerate(everyone))
+    watch = DeathWatch.start(dist.get_rank())
+    if watch is not None:
+        _WATCH["watch"] = watch
+        if not _AT_EXIT:
+            _AT_EXIT.append(True)  # a daemon thread in a store call aborts the exit
+            atexit.register(forget_peers)
+
+
+def forget_peers() -> None:
+    """Stop the DeathWatch (the job is ending: ranks that end now are not dead)."""
+    watch = _WATCH.pop("watch", None)
+    if watch is not None:
+        watch.close()
+
+
+def remote_verdict(rank: int) -> Optional[str]:
+    """The first ranks published dead by another machine's DeathWatch ("rank 3 (pid 4242
+    on host h) has ended ..."), or None when none is (or the store is gone)."""
+    watch = _WATCH.get("watch")
+    if watch is None:
+        return None
+    if store_host_gone(0.5):  # a broken connection may come before the store's port shuts
+        _, pid, _ = _PEERS[0]
+        return (f"rank 0 (pid {pid}), the host of the job's store at "
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, is gone "
+                f"(its store refuses connections)" if rank != 0 else None)
+    if not store_answers():  # a torchrun agent's store, gone with its machine
+        return None
+    batch = within(2.0, watch.first_batch)
+    if not batch:
+        return None
+    mine = peers.machine_id()
+    named = []
+    for item in batch.split(","):
+        other, pid, host = item.split(":", 2)
+        if int(other) != rank and _PEERS.get(int(other), (mine,))[0] != mine:
+            named.append(f"rank {other} (pid {pid} on host {host})")
+    return _ended(named) if named else None
 
 
 def local_ranks() -> int:
@@ -202,7 +327,7 @@ def peers_verdict(rank: int, wait_s: float = 2.0) -> Optional[str]:
     look alive, so a verdict that names no one is asked again for up to `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
-        said = _verdict_now(rank)
+        said = _verdict_now(rank) or remote_verdict(rank)
         if said or time.monotonic() > deadline or not _PEERS:
             return said
         time.sleep(0.05)
@@ -221,9 +346,33 @@ def store_host_gone(wait_s: float = 0.0) -> bool:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or 0 not in _PEERS:
         return False
     deadline = time.monotonic() + wait_s
-    while not any(_gone(r) for r in _PEERS) and time.monotonic() < deadline:
+    urgent = wait_s > 0  # asked after something broke: the port is tried on every look
+    while not (any(_gone(r) for r in _PEERS) or _host_gone_now(urgent)) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
-    return _gone(0)
+    return _host_gone_now(urgent)
+
+
+STORE_CHECK_S = 2.0  # at most one bare connection to the store's host per this, per rank
+
+
+def _host_gone_now(urgent: bool = False) -> bool:
+    """Rank 0 ended (on this machine: /proc), or, on another machine where /proc cannot
+    tell, its store refused a bare connection. The pollers (errors.py's watcher, the
+    heartbeat) ask this before each store request, so that few are made to a dead store.
+    The connection is tried at most once per STORE_CHECK_S from each rank not on rank 0's
+    machine: a job of thousands of ranks must not flood its store's host with connections
+    to spare a stack trace in the output of a job that is ending anyway. `urgent` (a
+    verdict after a broken connection) tries it each time."""
+    if _PEERS[0][0] == peers.machine_id():
+        return _gone(0)
+    now = time.monotonic()
+    due = urgent or now - _LAST_CHECK[0] >= STORE_CHECK_S
+    if not _STORE_GONE and "watch" in _WATCH and due:
+        _LAST_CHECK[0] = now
+        if not store_answers(0.5):
+            _STORE_GONE.append(True)  # a dead store does not come back
+    return bool(_STORE_GONE)
 
 
 def _verdict_now(rank: int) -> Optional[str]:
@@ -236,14 +385,17 @@ def _verdict_now(rank: int) -> Optional[str]:
             gone.append(f"rank {other} (pid {pid})")
         elif peers.is_stopped(pid):
             frozen.append(f"rank {other} (pid {pid})")
-    said = []
-    if gone:
-        said.append(f"{', '.join(gone)} {'has' if len(gone) == 1 else 'have'} ended (killed "
-                    f"or crashed: {'its' if len(gone) == 1 else 'their'} own output says why)")
+    said = [_ended(gone)] if gone else []
     if frozen:
         said.append(f"{', '.join(frozen)} {'is' if len(frozen) == 1 else 'are'} stopped "
                     f"(SIGSTOP) and cannot answer")
     return "; ".join(said) or None
+
+
+def _ended(gone: list[str]) -> str:
+    one = len(gone) == 1
+    return (f"{', '.join(gone)} {'has' if one else 'have'} ended (killed or crashed: "
+            f"{'its' if one else 'their'} own output says why)")
 
 
 # ------------------------------------------------------ no process outlives its job

@@ -16,7 +16,7 @@ Megatron-LM's `save_checkpoint` writes:
 - `torch_dist_adam` (fp32, one process: the non-distributed optimizer),
   `torch_dist_adam_dp` (--bf16 --use-distributed-optimizer on two data-parallel
   processes: the dp_reshardable layout) and `torch_dist_adam_full` (the same with
-  --dist-ckpt-optim-fully-reshardable): a 2-layer GPT of hidden size 8 after 3 Adam steps
+  --dist-ckpt-optim-fully-reshardable): a 1-layer GPT of hidden size 8 after 3 Adam steps
   of Megatron-LM's DDP, optimizer and scheduler on random tokens, saved at iteration 3;
   beside each, `adam_reference/<name>.pt` holds what Megatron-LM's optimizer held then,
   per parameter and whole ({(key, global offset): {param, exp_avg, exp_avg_sq}}, and

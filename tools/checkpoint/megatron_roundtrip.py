@@ -63,6 +63,11 @@ def megatron_flags(saved: argparse.Namespace, load: str, tp: int, pp: int,
              "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
              "--transformer-impl", "local", "--ckpt-format", "torch_dist", "--load", load,
              "--no-load-rng"]
+    # the schedule's lengths as the run set them: Megatron-LM checks them on load
+    for key in ("lr_warmup_iters", "lr_warmup_fraction", "lr_decay_iters",
+                "lr_warmup_init"):
+        if a.get(key):
+            flags += [f"--{key.replace('_', '-')}", a[key]]
     if a.get("num_layers_per_virtual_pipeline_stage"):
         flags += ["--num-layers-per-virtual-pipeline-stage",
                   a["num_layers_per_virtual_pipeline_stage"]]
@@ -81,7 +86,8 @@ def megatron_flags(saved: argparse.Namespace, load: str, tp: int, pp: int,
 def _model_config(saved: argparse.Namespace, tp: int, pp: int, ep: int, world: int):
     """megatron-2bw's ModelConfig of the checkpoint's flags at this layout."""
     from megatron_2bw.training.arguments import config_from_args
-    args = argparse.Namespace(**vars(saved))
+    from megatron_2bw.training.convert import args_from_saved
+    args = args_from_saved(vars(saved), "gpt")  # flags newer than the checkpoint: defaults
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     args.expert_model_parallel_size = ep
     args.load = args.save = args.save_interval = None

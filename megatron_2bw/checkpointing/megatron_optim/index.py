@@ -13,12 +13,13 @@ the overlaps into place; at the saved layout each of its boxes is one saved box.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from ... import comm
+from ..fit import VOCAB_ROWS
 from .buckets import BUCKET_KIND, Bucket, flat_shard
 from .formats import LayoutError
 from .placement import Placement, overlap, placements
@@ -83,17 +84,31 @@ class IndexRead:
     copies: list[_Copy]
     shapes: dict[int, tuple[int, ...]]   # parameter index -> its shape here
     kinds: set[str]                      # the per-parameter kinds read from the buckets
+    # parameters with vocabulary padding rows the save lacks: their initial values (the
+    # rows no copy fills keep them: fresh-model padding, zero moments)
+    fresh: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def found(self, loaded: dict) -> dict[str, dict[int, torch.Tensor]]:
         """{kind: {index: tensor}} assembled from the loaded ranges."""
-        out = {kind: {i: torch.empty(shape, dtype=torch.float32, device=comm.device())
-                      for i, shape in self.shapes.items()} for kind in self.kinds}
+        out = {kind: {i: self._start(kind, i, shape) for i, shape in self.shapes.items()}
+               for kind in self.kinds}
         for c in self.copies:
             for kind in self.kinds:
                 src = loaded[c.request][BUCKET_KIND[kind]]
                 _strided(out[kind][c.index], c.target, c.sizes).copy_(
                     _strided(src, c.source, c.sizes))
         return out
+
+    def _start(self, kind: str, index: int, shape: tuple) -> torch.Tensor:
+        """A parameter's tensor before the copies: empty (they fill it), or where it has
+        padding rows the save lacks, the parameter's own values (the main weights) or
+        zeros (Adam's moments), as a fresh model's padding starts."""
+        own = self.fresh.get(index)
+        if own is None:
+            return torch.empty(shape, dtype=torch.float32, device=comm.device())
+        if kind == "fp32_param":
+            return own.detach().to(device=comm.device(), dtype=torch.float32).clone()
+        return torch.zeros(shape, dtype=torch.float32, device=comm.device())
 
     def scalars(self, loaded: dict) -> dict:
         """The engine scalars the buckets carry: none (`common.pt` has them all)."""
@@ -111,11 +126,14 @@ def index_read(index: dict, shards: dict[int, object], kinds: set[str]) -> Index
     does not cover in full is a LayoutError."""
     saved = _by_key(index)
     wanted: dict[str, list[_Need]] = {}   # by bucket key
-    shapes = {}
+    shapes, fresh = {}, {}
     for i, shard in shards.items():
         shapes[i] = tuple(shard.data.shape)
         for new, _ in placements(shard, shapes[i]):
-            found = 0
+            padding = _padding_rows(new, saved.get(new.key, ()))
+            if padding:
+                fresh[i] = shard.data
+            found = padding
             for bucket, start, old in saved.get(new.key, ()):
                 box = overlap(new, old)
                 if box is not None:
@@ -128,7 +146,20 @@ def index_read(index: dict, shards: dict[int, object], kinds: set[str]) -> Index
                                   f"{new.numel} elements of {new.key} at offset "
                                   f"{new.offset}; pass --no-load-optim")
     template, copies = _requests(wanted, index, kinds)
-    return IndexRead(template, copies, shapes, set(kinds))
+    return IndexRead(template, copies, shapes, set(kinds), fresh)
+
+
+def _padding_rows(new: Placement, saved: list) -> int:
+    """The elements of a vocabulary tensor's box (embedding, output layer) in rows past
+    the saved vocabulary's padding: this layout pads it to more rows (another
+    tensor-parallel size or --make-vocab-size-divisible-by). No token has their ids, so
+    they start as a fresh model's padding; 0 for any other tensor."""
+    if not saved or not VOCAB_ROWS.search(new.key):
+        return 0
+    axis = len(new.offset) - 2  # [rows, hidden], after megatron-core's prepended axes
+    rows = max(old.offset[axis] + old.shape[axis] for _, _, old in saved)
+    start, end = new.offset[axis], new.offset[axis] + new.shape[axis]
+    return max(0, end - max(rows, start)) * (new.numel // max(new.shape[axis], 1))
 
 
 def _by_key(index: dict) -> dict[str, list[tuple[str, int, Placement]]]:
