@@ -708,7 +708,6 @@ def _missing_peer(ctx: Ctx) -> Run:
 
 
 def class5() -> list:
-    named = "stopped answering"
     return [
         Probe("rank 1 frozen (SIGSTOP), flush", 5, "fault", _stall(signal.SIGSTOP, 1),
               "stage 1 (rank 1)", slow=True),
