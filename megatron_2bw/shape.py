@@ -70,6 +70,23 @@ class ModelShape:
     quick_geglu: bool = False
     """Gated MLP with quick GELU (GPT-OSS's --quick-geglu): fc1 is [gate; up] as with
     swiglu, but the default width stays 4 * hidden_size (Megatron-LM's rule)."""
+    # multi-latent attention (GPT; Megatron-LM's --multi-latent-attention and its "mla"
+    # flags with their defaults, megatron-core's MLATransformerConfig; models/mla.py)
+    multi_latent_attention: bool = False
+    """DeepSeek-V2/V3's attention: queries (through a q_lora_rank latent, or directly) and
+    keys / values through a shared kv_lora_rank latent, each head qk_head_dim channels plus
+    qk_pos_emb_head_dim rotary ones (the rotary key is shared by the heads), values
+    v_head_dim wide. num_query_groups / kv_channels do not apply."""
+    q_lora_rank: Optional[int] = None
+    """Rank of the query's latent; None: queries are projected from the hidden state."""
+    kv_lora_rank: int = 32
+    """Rank of the keys' and values' shared latent."""
+    qk_head_dim: int = 128
+    """Per head: query / key channels without position."""
+    qk_pos_emb_head_dim: int = 64
+    """Per head: query / key channels that rotate."""
+    v_head_dim: int = 128
+    """Per head: value channels."""
 
     vocab_is_padded: ClassVar[bool] = False
     """Whether `vocab_size` already is the padded size (a built model's)."""
@@ -81,7 +98,25 @@ class ModelShape:
 
     def _problems(self) -> list[str]:
         """Everything wrong with the values (empty: valid); subclasses add theirs."""
-        return self._shape_problems()
+        problems = self._shape_problems()
+        return problems or self._latent_problems()
+
+    def _latent_problems(self) -> list[str]:
+        """Multi-latent attention's sizes (a planner's shape; ModelConfig has its own)."""
+        if not self.multi_latent_attention:
+            return []
+        problems = [] if self.model == "gpt" else ["multi-latent attention is GPT only "
+                                                   "(--multi-latent-attention)"]
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                     "v_head_dim"):
+            value = getattr(self, name)
+            if not (name == "q_lora_rank" and value is None) and (
+                    not isinstance(value, int) or value < 1):
+                problems.append(f"{name}={value!r} must be a positive integer ({_flag(name)})")
+        if self.num_query_groups is not None:
+            problems.append("multi-latent attention excludes grouped-query attention "
+                            "(--num-query-groups)")
+        return problems
 
     def _shape_problems(self) -> list[str]:
         if self.model not in MODEL_KINDS:
@@ -138,17 +173,58 @@ class ModelShape:
             return self.vocab_size
         return pad_vocab_size(self.vocab_size, 128, tp)
 
+    # ---- the attention's widths per token (all heads): multi-head / grouped-query
+    # attention's q = heads x head dim and kv = key/value heads x head dim, or multi-latent
+    # attention's n (d_qk + d_pe) queries and keys and n d_v values
+    @property
+    def query_width(self) -> int:
+        """Channels of a token's queries (and, with MLA, of its keys)."""
+        if self.multi_latent_attention:
+            return self.num_attention_heads * (self.qk_head_dim + self.qk_pos_emb_head_dim)
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def value_width(self) -> int:
+        """Channels of the core attention's output (the output projection's input)."""
+        if self.multi_latent_attention:
+            return self.num_attention_heads * self.v_head_dim
+        return self.num_attention_heads * self.head_dim
+
+    def _attention_weights(self) -> int:
+        """The attention's GEMM weights (no biases, no norms): QKV h (q + 2kv) and the
+        projection q h; with MLA the query's down and up projections h r_q + r_q n
+        (d_qk + d_pe) (or h n (d_qk + d_pe) without a query latent), the key/value down
+        projection with the shared rotary key h (r_kv + d_pe), its up projection
+        r_kv n (d_qk + d_v), and the projection n d_v h."""
+        h = self.hidden_size
+        if not self.multi_latent_attention:
+            q, kv = self.query_width, self.query_groups * self.head_dim
+            return h * (q + 2 * kv) + q * h
+        n, r_q, r_kv = self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank
+        query = h * self.query_width if r_q is None else r_q * (h + self.query_width)
+        latent = (h * (r_kv + self.qk_pos_emb_head_dim)
+                  + r_kv * n * (self.qk_head_dim + self.v_head_dim))
+        return query + latent + self.value_width * h
+
+    def _latent_norm_params(self) -> int:
+        """MLA's latent norms (with --qk-layernorm; the planner's shape has none)."""
+        return 0
+
     # ---- parameters, counted like Megatron's local layer spec with biases and LayerNorms
     # (--disable-bias-linear and RMSNorm remove O(h) terms of each layer, not counted here)
     def layer_params(self) -> int:
         """One transformer layer: QKV (h (q + 2kv) + biases) and projection (q h + h), MLP
         (h f g + f g + f h + h, g = 2 input halves with swiglu), 2 LayerNorms (4h). With
-        q = kv = h and g = 1: 4h^2 + 4h + 2hf + f + h + 4h."""
+        q = kv = h and g = 1: 4h^2 + 4h + 2hf + f + h + 4h. Multi-latent attention's
+        projections (`_attention_weights`) have no biases but the output's, h."""
         h, f = self.hidden_size, self.ffn_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.query_groups * self.head_dim
         g = 2 if self.gated else 1
-        return (h * (q + 2 * kv) + q + 2 * kv + q * h + h
+        if self.multi_latent_attention:
+            biases = h + self._latent_norm_params()
+        else:
+            q, kv = self.query_width, self.query_groups * self.head_dim
+            biases = q + 2 * kv + h
+        return (self._attention_weights() + biases
                 + h * f * g + f * g + f * h + h + 4 * h)
 
     def embedding_params(self, tp: int) -> int:
@@ -188,11 +264,13 @@ class ModelShape:
 
     def moe_layer_forward_flops(self, b: int, moe: MoeShape) -> float:
         """A mixture-of-experts layer: the dense layer's attention, each token through
-        its k routed experts' MLPs at the expert width f_e, 2bshf_e(g + 1) each, and the
-        router's [h, E] GEMM, 2bshE (what the hardware computes; Megatron-LM's count for
-        its log leaves the router out)."""
+        its k routed experts' MLPs at the expert width f_e, 2bshf_e(g + 1) each, the
+        shared experts' MLP at their width f_s, 2bshf_s(g + 1), and the router's [h, E]
+        GEMM, 2bshE (what the hardware computes; Megatron-LM's count for its log leaves
+        the router out)."""
         per_token = (self._attention_flops_per_token()
                      + moe.moe_router_topk * self._mlp_flops_per_token(moe.ffn_size(self))
+                     + self._mlp_flops_per_token(moe.shared_size)
                      + 2 * self.hidden_size * moe.num_experts)
         return float(b * self.seq_length * per_token)
 
@@ -206,11 +284,12 @@ class ModelShape:
         return (self.num_layers - k) * dense + k * self.moe_layer_forward_flops(b, moe)
 
     def _attention_flops_per_token(self) -> int:
-        """QKV, projection and core attention of one token's forward (`layer_forward_flops`)."""
-        h, s = self.hidden_size, self.seq_length
-        q = self.num_attention_heads * self.head_dim
-        kv = self.query_groups * self.head_dim
-        return 2 * h * (q + 2 * kv) + 2 * q * h + 4 * s * q
+        """QKV, projection and core attention of one token's forward (`layer_forward_flops`):
+        2 FLOPs per weight, QK^T and the attention over V at the whole score matrix, 2s q
+        + 2s v (4sq with multi-head attention; with MLA its query and value widths, the
+        GEMMs of Megatron-LM's MLA count, training/flops.py)."""
+        return (2 * self._attention_weights()
+                + 2 * self.seq_length * (self.query_width + self.value_width))
 
     def _mlp_flops_per_token(self, ffn: int) -> int:
         """One MLP of width `ffn`, one token's forward: 2hf(g + 1) (g = 2 with SwiGLU)."""
@@ -246,26 +325,40 @@ class ModelShape:
         """Bytes one layer keeps for backward on one rank: at tensor-parallel size `tp`,
         with sequence parallelism `sp` (ignored at tp = 1) and context-parallel size `cp`."""
         h, s, f, a = self.hidden_size, self.seq_length, self.ffn_size, self.num_attention_heads
-        q = self.num_attention_heads * self.head_dim
-        kv = self.query_groups * self.head_dim
         g = 2 if self.gated else 1
         tokens = s * b / cp
-        replicated = 10.0 * tokens * h
-        split = (4.0 * q + 4.0 * kv + 2.0 * f * (g + 1)) * tokens + 5.0 * a * s * tokens
+        replicated = (10.0 * h + self._latent_bytes()) * tokens
+        split = ((self._qkv_bytes() + 2.0 * f * (g + 1)) * tokens
+                 + 5.0 * a * s * tokens)
         if sp:
             return (replicated + split) / tp
         return replicated + split / tp
+
+    def _qkv_bytes(self) -> float:
+        """Per token, split over tp: Q, K, V and the projection's input at 2 bytes, 4q + 4kv
+        (MHA: 8h); with MLA 2 (q + k + v + v) at its query / value widths."""
+        if self.multi_latent_attention:
+            return 4.0 * self.query_width + 4.0 * self.value_width
+        return 4.0 * self.query_width + 4.0 * self.query_groups * self.head_dim
+
+    def _latent_bytes(self) -> float:
+        """Per token, whole on each tp rank: MLA's gathered latents, the up projections'
+        inputs (r_q + r_kv at 2 bytes) and the rotary key (2 d_pe). An approximation: the
+        latents' norm inputs and the rotary copies megatron-core keeps are left out."""
+        if not self.multi_latent_attention:
+            return 0.0
+        return 2.0 * ((self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_pos_emb_head_dim)
 
     # ---- the core attention, softmax(QK^T / sqrt(d)) V: what selective recomputation
     # (Korthikanti et al. 2022, Section 5) drops and recomputes. Its activations are the
     # s^2 terms: softmax output 2as^2b, dropout mask as^2b, dropout output 2as^2b = 5as^2b
     # bytes at 16 bit, split by tp with the heads (and by cp with the queries); its FLOPs
-    # are QK^T and the attention over V, 2bs^2q each.
+    # are QK^T and the attention over V, 2bs^2q each (2bs^2 v for the latter with MLA).
     def attention_core_forward_flops(self, b: int) -> float:
-        """QK^T (2bs^2q) + attention over V (2bs^2q): the 4bs^2q of `layer_forward_flops`
-        (q = h with multi-head attention)."""
-        q = self.num_attention_heads * self.head_dim
-        return float(4 * b * self.seq_length * self.seq_length * q)
+        """QK^T (2bs^2q) + attention over V (2bs^2v): the 4bs^2q of `layer_forward_flops`
+        (q = v = h with multi-head attention)."""
+        s = self.seq_length
+        return float(2 * b * s * s * (self.query_width + self.value_width))
 
     def attention_core_activation_bytes(self, b: int, tp: int, *, cp: int = 1) -> float:
         """5as^2b / (t c): the bytes selective recomputation does not keep (s/c queries
@@ -332,8 +425,8 @@ class ModelShape:
         backward = 3 forwards of the layers and the logits (not BERT's LM-head
         transform), the whole score matrix; "full" recomputation adds a forward of the
         layers, "selective" one of their core attention. A mixture of experts (`moe`, by
-        default `routed_experts()`) counts its MoE layers' k routed experts and router
-        (`moe_layer_forward_flops`). For a standard GPT it is Narayanan et al.'s eq. 3,
+        default `routed_experts()`) counts its MoE layers' k routed experts, shared experts and
+        router (`moe_layer_forward_flops`). For a standard GPT it is Narayanan et al.'s eq. 3,
         72 B s l h^2 (1 + s/6h + V/12lh); Megatron-LM's count for the log
         (training/flops.py) halves the causal scores and adds nothing for recomputation."""
         moe = moe if moe is not None else self.routed_experts()
@@ -350,8 +443,9 @@ class MoeShape:
     """The routed experts of a mixture of experts, named after Megatron-LM's flags: what
     the closed-form FLOP counts need beside a `ModelShape`. Every `moe_layer_freq`-th
     layer from layer 0 is an MoE layer (Megatron-LM's integer `--moe-layer-freq`), or,
-    with a tuple, layer i is one where entry i is 1 (its list form); each of its tokens goes through `moe_router_topk` of the `num_experts` experts. No shared
-    experts: the trainer refuses `--moe-shared-expert-intermediate-size`. Invalid values
+    with a tuple, layer i is one where entry i is 1 (its list form); each of its tokens
+    goes through `moe_router_topk` of the `num_experts` experts and, with
+    `moe_shared_expert_intermediate_size`, through the shared experts too. Invalid values
     raise one ValueError naming the flags."""
 
     num_experts: int
@@ -363,6 +457,11 @@ class MoeShape:
     moe_layer_freq: Union[int, tuple[int, ...]] = 1
     """`--moe-layer-freq`: every this-many-th layer, from layer 0, is an MoE layer; or one
     0 (dense) / 1 (MoE) per layer (`is_moe_layer`)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """`--moe-shared-expert-intermediate-size`: the shared experts' MLP width, all of them
+    together (megatron-core's SharedExpertMLP: one dense MLP every token of an MoE layer
+    goes through beside its routed experts; no biases, split over tensor parallelism and
+    replicated over data parallelism like the dense MLP, not expert-parallel); None: none."""
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -382,6 +481,10 @@ class MoeShape:
         size = self.moe_ffn_hidden_size
         if size is not None and (not isinstance(size, int) or size < 1):
             problems.append(f"--moe-ffn-hidden-size {size!r}: give a positive integer")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and (not isinstance(shared, int) or shared < 1):
+            problems.append(f"--moe-shared-expert-intermediate-size {shared!r}: give a "
+                            "positive integer")
         if not problems and self.moe_router_topk > self.num_experts:
             problems.append(f"--moe-router-topk {self.moe_router_topk}: a token cannot go to "
                             f"more than the {self.num_experts} experts (--num-experts)")
@@ -411,6 +514,17 @@ class MoeShape:
     def ffn_size(self, model: ModelShape) -> int:
         """One expert's MLP width."""
         return self.moe_ffn_hidden_size or model.ffn_size
+
+    @property
+    def shared_size(self) -> int:
+        """The shared experts' MLP width (0: no shared experts)."""
+        return self.moe_shared_expert_intermediate_size or 0
+
+    def shared_params(self, model: ModelShape) -> int:
+        """The shared experts' weights, h f_s g + f_s h (g = 2 gated): megatron-core's
+        SharedExpertMLP has no biases (it asserts --disable-bias-linear)."""
+        g = 2 if model.gated else 1
+        return model.hidden_size * self.shared_size * (g + 1)
 
 
 def _layer_pattern_problems(freq: object) -> list[str]:

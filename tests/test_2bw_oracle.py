@@ -39,6 +39,7 @@ def delayed_oracle(argv: list[str], sizes: Optional[Callable[[int], int]] = None
     opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, weight_decay=args.weight_decay, foreach=True)
     mbs = args.micro_batch_size
+    bias = _expert_bias_rule(current, previous, args.moe_router_bias_update_rate)
     out, consumed = [], 0
     for k in range(args.train_iters):
         gbs = sizes(consumed) if sizes else run.train.global_batch_size
@@ -50,9 +51,28 @@ def delayed_oracle(argv: list[str], sizes: Optional[Callable[[int], int]] = None
             p.grad = q.grad.clone()
         torch.nn.utils.clip_grad_norm_(current.parameters(), args.clip_grad)
         opt.step()
+        bias()
         previous.load_state_dict(snapshot)
     ps.destroy_model_parallel()
     return out
+
+
+def _expert_bias_rule(current, previous, rate: float) -> Callable[[], None]:
+    """Aux-loss-free balancing in the delayed update: minibatch k ran on W_prev (its bias
+    included) and its router counts move W_cur's bias, which W_prev takes with the rest of
+    the snapshot one step later: bias(k+1) = bias(k) + rate * sign(mean - counts(k))."""
+    def routers(model):
+        return [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+
+    pairs = list(zip(routers(current), routers(previous), strict=True))
+
+    def update() -> None:
+        with torch.no_grad():
+            for cur, prev in pairs:
+                counts = prev.local_tokens_per_expert
+                cur.expert_bias += rate * torch.sign(counts.mean() - counts)
+                counts.zero_()
+    return update
 
 
 @pytest.mark.parametrize("nproc,flags", [

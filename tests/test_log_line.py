@@ -339,7 +339,7 @@ def test_tiny_bert_run_prints_megatron_lines(tmp_path) -> None:
 
 def _megatron_num_floating_point_operations(a: dict, batch_size: int) -> float:
     """Megatron-LM's num_floating_point_operations (training.py at core_v0.16.1, the
-    standard-transformer branch with its MLA part and shared experts, without MTP or
+    standard-transformer branch with its MLA part, shared experts and MTP, without
     linear attention), transcribed here from its text over Megatron-LM's argument names,
     independently of the package's count."""
     h, s, layers = a["hidden_size"], a["seq_length"], a["num_layers"]
@@ -353,6 +353,10 @@ def _megatron_num_floating_point_operations(a: dict, batch_size: int) -> float:
                    if isinstance(freq, int) else freq)
         moe, routed_to = sum(pattern), a["moe_router_topk"]
         dense = layers - moe
+    mtp = a["mtp_num_layers"] or 0
+    last_is_moe = 0 if a["num_experts"] is None else pattern[-1]
+    moe, dense = moe + last_is_moe * mtp, dense + (1 - last_is_moe) * mtp
+    layers += mtp
     moe_ffn = a["moe_ffn_hidden_size"] if a["moe_ffn_hidden_size"] is not None \
         else a["ffn_hidden_size"]
     shared_ffn = a["moe_shared_expert_intermediate_size"] or 0
@@ -371,7 +375,8 @@ def _megatron_num_floating_point_operations(a: dict, batch_size: int) -> float:
         3 * 2 * h * (a["ffn_hidden_size"] * ffn_expansion * dense
                      + moe_ffn * routed_to * ffn_expansion * moe
                      + shared_ffn * ffn_expansion * moe)
-        + self_attn * layers + 3 * 2 * h * a["padded_vocab_size"])
+        + self_attn * layers + 3 * 2 * mtp * (3 * h + 2 * h * h)
+        + 3 * 2 * h * a["padded_vocab_size"] * (mtp + 1))
 
 
 def _megatron_args(args, vocab: int) -> dict:
@@ -423,6 +428,10 @@ FLOP_SHAPES = {  # name: (model, flags, tokenizer vocabulary)
         "gpt", "--num-layers 5 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
         "--max-position-embeddings 128 --num-experts 4 --moe-router-topk 2 "
         "--moe-ffn-hidden-size 96 --moe-layer-freq ([0]*1+[1]*3+[0]*1)", 1000),
+    "multi-token prediction, moe last layer": (
+        "gpt", "--num-layers 3 --hidden-size 256 --num-attention-heads 4 --seq-length 128 "
+        "--max-position-embeddings 128 --position-embedding-type rope --num-experts 4 "
+        "--moe-router-topk 2 --moe-layer-freq ([0]*1+[1]*2) --mtp-num-layers 2", 1000),
     "mla without a query latent": (
         "gpt", "--num-layers 2 --hidden-size 256 --num-attention-heads 4 "
         "--multi-latent-attention --kv-lora-rank 64 --qk-head-dim 32 --qk-pos-emb-head-dim 16 "

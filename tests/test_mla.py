@@ -7,7 +7,8 @@ without a query latent trains under flush at PP=2 exactly as at PP=1, and its to
 checkpoint (megatron-core's key names) resumes at PP=2 where the PP=1 run left off. The
 query latent, TP=2 (with and without sequence parallelism) and PP=2 at the model level are
 tests/test_models.py's; the FLOP count is tests/test_log_line.py's; the refusals of the
-flags are tests/test_architectures.py's.
+flags are tests/test_architectures.py's. Also slow: selective recomputation of every
+--recompute-modules choice that runs here keeps the numbers, with --moe-per-layer-logging.
 """
 from __future__ import annotations
 
@@ -102,3 +103,38 @@ def test_torch_dist_checkpoint_resumes_at_pp2(tmp_path, small_corpus, pp1) -> No
     err = max_rel(losses(resumed), losses(records)[3:])
     print(f"MLA + MoE, PP1 checkpoint resumed at PP2: max relative loss error {err:.2e}")
     assert err < 1e-5
+
+
+# every module megatron-core recomputes here, on a model that has each: MLA (its up
+# projections), RMSNorm, one dense and one MoE layer with shared experts, and dropout
+RECOMPUTE_EVERY_MODULE = ["--recompute-granularity", "selective", "--recompute-modules",
+                          "core_attn", "layernorm", "mla_up_proj", "mlp", "moe",
+                          "shared_experts"]
+
+
+@pytest.mark.slow
+def test_selective_recompute_of_every_module_keeps_the_numbers(tmp_path) -> None:
+    """Recomputing every --recompute-modules choice in backward gives the same losses,
+    gradient norms and router losses as keeping the activations (dropout replays its
+    masks); the per-layer router losses of --moe-per-layer-logging sum to the total."""
+    flags = (["--num-layers", "2", "--train-iters", "3", "--global-batch-size", "4",
+              "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--moe-layer-freq", "2",
+              "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2"]
+             + MLA)
+    plain = launch("gpt", 1, flags, str(tmp_path / "plain.jsonl"))
+    tb = str(tmp_path / "tb")
+    recomputed = launch("gpt", 1, flags + RECOMPUTE_EVERY_MODULE + ["--moe-per-layer-logging",
+                                                                    "--tensorboard-dir", tb],
+                        str(tmp_path / "recomputed.jsonl"))
+    for name in ("loss", "grad_norm", "load_balancing_loss"):
+        assert max_rel([r[name] for r in recomputed], [r[name] for r in plain]) < 1e-6, name
+    for r in recomputed:  # layer 0 is the one MoE layer (--moe-layer-freq 2), layer 1 dense
+        assert r["moe/load_balancing_loss_layer_0"] == pytest.approx(r["load_balancing_loss"])
+        assert r["moe/load_balancing_loss_layer_1"] == 0.0
+        assert r["load_balancing_loss"] > 0 and "moe/load_balancing_loss_layer_0" not in plain[0]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    written = [e.value for e in events.Scalars("moe/load_balancing_loss_layer_0")]
+    assert written == pytest.approx([r["load_balancing_loss"] for r in recomputed], rel=1e-6)

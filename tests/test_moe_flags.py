@@ -40,8 +40,9 @@ HONORED = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk",
            "moe_router_score_function", "moe_router_pre_softmax",
            "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
            "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
-           "moe_router_force_load_balancing",
-           "expert_model_parallel_size", "expert_tensor_parallel_size")
+           "moe_router_force_load_balancing", "moe_per_layer_logging",
+           "expert_model_parallel_size", "expert_tensor_parallel_size",
+           "mtp_num_layers", "mtp_loss_scaling_factor")
 # Megatron-LM's arguments.py leaves these TransformerConfig fields without a flag
 NO_FLAG = {"num_moe_experts", "moe_token_dropping", "moe_router_topk_limited_devices"}
 # its "moe" group's own flags (not TransformerConfig fields)
@@ -303,7 +304,7 @@ MIXTRAL_UNSUPPORTED = {
     "--checkpoint-activations": ["--checkpoint-activations"],            # removed
     "--mamba-state-dim": ["--mamba-state-dim", "8"],         # Megatron-LM's, not here
     "--num-expert": ["--num-expert", "8"],                    # a typo: --num-experts
-    "--recompute-modules": ["--recompute-modules", "moe"],   # a value argparse refuses
+    "--recompute-modules": ["--recompute-modules", "moe_layer"],  # not Megatron-LM's either
 }
 
 
@@ -353,7 +354,6 @@ DEEPSEEK = ["--num-experts", "8", "--moe-layer-freq", "[0]*1+[1]*3", "--moe-ffn-
             "--moe-token-drop-policy", "probs", "--moe-layer-recompute", "--mtp-num-layers", "1",
             "--mtp-loss-scaling-factor", "0.1", "--moe-permute-fusion", "--disable-bias-linear"]
 DEEPSEEK_REFUSED = {  # reason -> the flags named under it, in the tables' order
-    M.MTP_WHY: ["--mtp-num-layers", "--mtp-loss-scaling-factor"],
     M.FLEX_WHY: ["--moe-enable-deepep", "--moe-token-dispatcher-type flex"],
     "recomputing the MoE layers alone": ["--moe-layer-recompute"],
 }
@@ -391,8 +391,7 @@ def test_refused_moe_flags_pass_where_they_change_nothing(extra) -> None:
       "1e-2", "1e-3"], "--moe-router-load-balancing-type aux_loss seq_aux_loss, "
                        "--moe-aux-loss-coeff 0.01 0.001"),
     (["--moe-router-padding-for-fp8"], "--moe-router-padding-for-fp8"),
-    (["--moe-per-layer-logging", "--moe-input-jitter-eps", "1e-2"],
-     "--moe-input-jitter-eps, --moe-per-layer-logging"),
+    (["--moe-input-jitter-eps", "1e-2"], "--moe-input-jitter-eps"),
     (["--no-position-embedding"], "--no-position-embedding"),
 ])
 def test_other_refused_moe_values_name_themselves(extra, named) -> None:

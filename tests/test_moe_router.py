@@ -8,7 +8,10 @@ aux-loss-free expert bias (models/moe.py `router_fields`, training/experts.py `E
   and a Flush PP 2 run resumed from the one-rank run's checkpoint takes its steps;
 - a run resumed from a checkpoint (torch_dist, and torch) takes the uninterrupted run's
   steps bit for bit: the bias is saved and restored with the weights (matrix);
-- under 2BW the expert bias is refused with one line (tests/test_reliability_inputs.py).
+- under 2BW the bias is versioned like the weights: 2BW PP 2 takes the steps of the
+  single-process delayed update with the bias rule (tests/test_2bw_oracle.py's oracle,
+  which does not use the engine), and a 2BW run resumed mid-run from its checkpoint (both
+  versions' biases) takes the uninterrupted run's steps bit for bit.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 
 from tests.dist_harness import run_distributed
 from tests.entry_harness import TINY, launch, losses, max_rel
+from tests.test_2bw_oracle import delayed_oracle
 
 ITERS = ["--train-iters", "5", "--global-batch-size", "8"]
 # DeepSeek-V3's router at toy size: 8 experts in 4 groups, top-4 from 2 groups, sigmoid
@@ -148,3 +152,49 @@ def test_torch_format_resumes_bit_for_bit(tmp_path) -> None:
                      + ["--load", saved, "--ckpt-step", "3"], str(tmp_path / "resumed.jsonl"))
     assert losses(resumed) == losses(whole)[3:]
 
+
+
+TWO_BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
+
+
+def _oracle(rank: int, world: int, argv: list[str]) -> list[float]:
+    return delayed_oracle(argv)
+
+
+@pytest.fixture(scope="module")
+def two_bw(tmp_path_factory) -> tuple[list[dict], str]:
+    """A 2BW PP 2 run's records, with torch checkpoints at iterations 3 and 5."""
+    out = tmp_path_factory.mktemp("router2bw")
+    saved = str(out / "ckpt")
+    records = launch("gpt", 2, ITERS + ROUTER + TWO_BW + [
+        "--ckpt-format", "torch", "--save", saved, "--save-interval", "3"],
+        str(out / "2bw.jsonl"))
+    return records, saved
+
+
+@pytest.mark.slow
+def test_2bw_with_the_expert_bias_equals_the_delayed_oracle(two_bw) -> None:
+    """Each microbatch routes with its weight version's bias and S(k) makes version
+    k + 1's bias from minibatch k's counts: the delayed update with the bias rule."""
+    got, saved = two_bw
+    oracle = run_distributed(_oracle, 1, TINY + ITERS + ROUTER)[0]
+    err = max_rel(losses(got), oracle)
+    print(f"2BW PP2 with the expert bias vs the delayed oracle: loss max relative error "
+          f"{err:.2e}")
+    assert err < 1e-5
+    state = torch.load(os.path.join(saved, "iter_0000003", "mp_rank_00_000",
+                                    "model_optim_rng.pt"), weights_only=False)
+    assert state["model"][BIAS].abs().max() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_2bw_resumed_mid_run_takes_the_uninterrupted_steps_bit_for_bit(tmp_path,
+                                                                        two_bw) -> None:
+    """The checkpoint holds the newest and the shadow version's bias, both live."""
+    whole, saved = two_bw
+    resumed = launch("gpt", 2, ITERS + ROUTER + TWO_BW + [
+        "--ckpt-format", "torch", "--load", saved, "--ckpt-step", "3"],
+        str(tmp_path / "resumed.jsonl"))
+    assert [r["iteration"] for r in resumed] == [4, 5]
+    assert losses(resumed) == losses(whole)[3:]

@@ -558,3 +558,51 @@ def test_a_layer_pattern_weighs_each_stage_by_its_own_moe_layers(capsys):
     assert args.moe_layer_freq == [0, 0, 0, 0, 1, 1, 1, 1]
     code, out, err = _planner(base + ["--moe-layer-freq", "[1]*3"], capsys)
     assert code == 2 and err.count("\n") == 1 and "3 entries for --num-layers 8" in err, err
+
+
+def test_shared_experts_are_a_dense_mlp_beside_the_routed_ones():
+    """--moe-shared-expert-intermediate-size: every MoE layer gains one bias-free MLP of
+    that width, counted in its parameters, FLOPs and activations, split over TP like the
+    dense MLP and whole on every EP rank; the trainer's ModelConfig passes it on."""
+    from megatron_2bw.planner.cost_model import _moe_layer_params_per_rank
+    m, h, fs = SMALL, 512, 768
+    plain, shared = Experts(4, 2), Experts(4, 2, moe_shared_expert_intermediate_size=fs)
+    mlp = 2 * h * fs + fs * h  # SwiGLU fc1 (gate, up) and fc2, no biases
+    assert shared.layer_params(m) - plain.layer_params(m) == mlp
+    assert (shared.total_params(m) - plain.total_params(m)
+            == shared.active_params(m) - plain.active_params(m) == 8 * mlp)
+    b, s = 2, 256
+    assert (m.moe_layer_forward_flops(b, shared) - m.moe_layer_forward_flops(b, plain)
+            == 2 * b * s * mlp)
+    assert (shared.layer_activation_bytes(m, b, 2) - plain.layer_activation_bytes(m, b, 2)
+            == 2 * fs * 3 * b * s / 2)  # fc1 output (gate, up) and activation, / tp
+    for ep in (1, 2):
+        assert (_moe_layer_params_per_rank(m, shared, 2, ep)
+                - _moe_layer_params_per_rank(m, plain, 2, ep)) == mlp // 2
+    from megatron_2bw.models.config import ModelConfig
+    cfg = ModelConfig(model="gpt", num_layers=2, hidden_size=h, num_attention_heads=8,
+                      seq_length=s, vocab_size=1024, num_experts=4,
+                      moe_shared_expert_intermediate_size=fs, add_bias_linear=False)
+    assert cfg.routed_experts().moe_shared_expert_intermediate_size == fs
+
+
+def test_emit_passes_shared_experts_and_router_flags_the_trainer_accepts(capsys):
+    """The planner takes the shared experts' width and Megatron-LM's router flags and
+    passes them on; the expert bias without sigmoid scores is one line naming the flag."""
+    argv = (SMALL_FLAGS + ["--num-experts", "4", "--moe-shared-expert-intermediate-size",
+                           "768", "--global-batch-size", "16", "--num-gpus", "4",
+                           "--hardware", "p4d.24xlarge", "--tensor-parallel-sizes", "1",
+                           "--emit", "command", "--mock-data", "--train-iters", "10",
+                           "--lr", "1e-4", "--moe-router-num-groups", "2",
+                           "--moe-router-group-topk", "1", "--moe-router-enable-expert-bias",
+                           "--schedules", "flush"])
+    code, out, err = _planner(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and "--moe-router-enable-expert-bias" in err
+    code, text, err = _planner(argv + ["--moe-router-score-function", "sigmoid"], capsys)
+    assert code == 0, err
+    assert "--moe-shared-expert-intermediate-size 768" in text
+    words = shlex.split(text)
+    args = _trainer_accepts(words[words.index("pretrain_gpt.py") + 1:], 4)
+    assert (args.moe_shared_expert_intermediate_size, args.moe_router_score_function,
+            args.moe_router_num_groups, args.moe_router_group_topk,
+            args.moe_router_enable_expert_bias) == (768, "sigmoid", 2, 1, True)

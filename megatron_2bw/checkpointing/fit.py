@@ -46,7 +46,9 @@ _FLAG_OF = (
 # to another padding: --make-vocab-size-divisible-by or the tensor-parallel size)
 VOCAB_ROWS = re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$")
 LAYERS = "transformer layers"  # a Misfit of the layer count (the torch format's names)
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# the decoder's numbered layers (torch format); not multi-token prediction's `mtp.layers.N.`,
+# which torch_dist numbers while it stacks the decoder's
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?<!mtp\.)layers\.(\d+)\.")
 
 # --dist-ckpt-strictness (megatron-core's StrictHandling names). None, the default here,
 # and raise_all refuse every tensor the checkpoint and the model do not share. The

@@ -26,6 +26,9 @@ Multi-latent attention (models/mla.py) builds its rotary embedding on the curren
 device: on CPU `_wrap_mla_rotary` makes that device read "cpu". Its module believes
 Transformer Engine present whenever megatron-core's TE extension imports, which it does
 without it: `_mla_without_transformer_engine`, at import of this module, on every device.
+Selective recomputation of norms and MLA's up projections goes through megatron-core's
+`CheckpointWithoutOutput`, which reads Transformer Engine's FP8 state even when asked for
+no FP8: `_checkpoint_without_output_without_te`, likewise.
 """
 from __future__ import annotations
 
@@ -138,6 +141,11 @@ PATCHES: tuple[Patch, ...] = (
           "True whenever megatron-core's TE extension imports, which binds TELinear to a "
           "stand-in that is not a class: MLA's isinstance check on it raises, on CPU and "
           "CUDA alike"),
+    Patch("megatron.core.tensor_parallel.random.CheckpointWithoutOutput.__init__",
+          "import of megatron_2bw.models.compat", "Transformer Engine is not installed",
+          "sets `fp8 = fp8 is not None`, True even for fp8=False, so every selective "
+          "recomputation through it (layernorm, mla_up_proj) reads Transformer Engine's "
+          "FP8 state: a NameError without it, on CPU and CUDA alike"),
     Patch("megatron.core.transformer.moe.grouped_gemm_util.grouped_gemm",
           "models.moe.TorchGroupedMLP.__init__",
           "while one is built without the grouped_gemm package",
@@ -252,6 +260,35 @@ def _mla_without_transformer_engine() -> None:
 
 
 _mla_without_transformer_engine()
+
+
+def _checkpoint_without_output_without_te() -> None:
+    """Make megatron-core's `CheckpointWithoutOutput` honour fp8=False without Transformer
+    Engine.
+
+    Why: its constructor stores `fp8 is not None`, True for the default False, and its
+    forward and recompute then call Transformer Engine's FP8 state and autocast, names
+    that exist only when Transformer Engine imports. Without it no FP8 can run, so False
+    is the only value that means anything; selective recomputation of the norms
+    (`--recompute-modules layernorm`) and of MLA's up projections (`mla_up_proj`) goes
+    through this class.
+    """
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    original = mcore_random.CheckpointWithoutOutput.__init__
+    if getattr(original, "_m2bw_no_fp8", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, fp8=False) -> None:
+        original(self, fp8)
+        self.fp8 = False
+
+    __init__._m2bw_no_fp8 = True  # type: ignore[attr-defined]
+    mcore_random.CheckpointWithoutOutput.__init__ = __init__
+
+
+_checkpoint_without_output_without_te()
 
 
 def model_parallel_manual_seed(seed: int) -> None:

@@ -30,12 +30,15 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
-# megatron-core's selective-recompute modules of a dense local-spec model. Not "layernorm":
-# megatron-core 0.16.1's norm recomputation (CheckpointWithoutOutput) needs Transformer
-# Engine (it reads FP8GlobalStateManager, undefined without it); the MLA ones have nothing
-# to act on, the MoE ones ("moe", "moe_act", "shared_experts") are not offered (a MoE layer
-# is recomputed by "full" recomputation; "mlp" leaves MoE layers alone, as upstream does).
-RECOMPUTE_MODULES = ("core_attn", "mlp")
+# megatron-core's selective-recompute modules (Megatron-LM's --recompute-modules choices)
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                              "shared_experts")
+# those that recompute here: "mlp" leaves MoE layers alone and "moe" recomputes a whole MoE
+# layer, "shared_experts" only its shared experts (both no-ops without experts), as
+# upstream; "layernorm" and "mla_up_proj" need compat.py's fix of CheckpointWithoutOutput.
+# Not "moe_act": megatron-core recomputes the expert activation only inside GroupedMLP's
+# own forward, which models/moe.py replaces with a torch grouped GEMM.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # see models/attention.py
 CP_COMM_TYPES = ("p2p", "all_gather")  # see models/context_parallel.py
 # mixture of experts (models/moe.py): megatron-core 0.16.1's choices that run here
@@ -163,6 +166,11 @@ class ModelConfig(ModelShape):
     """GPT only (Megatron-LM's --calculate-per-token-loss): the last stage returns the sum
     of its masked token losses, not their mean, so that the step can divide by the token
     count of the whole global batch (`PipelineStage.num_tokens` counts them)."""
+    mtp_num_layers: Optional[int] = None
+    """GPT: multi-token prediction layers after the decoder, all on the last pipeline
+    stage (DeepSeek-V3; None: none; models/mtp.py)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """The MTP loss's weight, split evenly over the MTP layers."""
     task: Optional[str] = None
     """BERT finetuning (tools/finetune.py): None pretrains (masked LM + sentence order);
     "classification" puts a `num_classes`-way head on the pooled first token of a sentence
@@ -259,23 +267,8 @@ class ModelConfig(ModelShape):
     every token goes through (DeepSeek-V3, Qwen2-MoE, Llama-4); None: none."""
     moe_shared_expert_gate: bool = False
     """Scale the shared experts' output per token by sigmoid(w . x) (Qwen2-MoE's gate)."""
-    # multi-latent attention (GPT; Megatron-LM's --multi-latent-attention and its "mla"
-    # flags, megatron-core's MLATransformerConfig; models/mla.py)
-    multi_latent_attention: bool = False
-    """DeepSeek-V2/V3's attention: queries (through a q_lora_rank latent, or directly) and
-    keys / values through a shared kv_lora_rank latent, each head qk_head_dim channels plus
-    qk_pos_emb_head_dim rotary ones (the rotary key is shared by the heads), values
-    v_head_dim wide. num_query_groups / kv_channels do not apply."""
-    q_lora_rank: Optional[int] = None
-    """Rank of the query's latent; None: queries are projected from the hidden state."""
-    kv_lora_rank: int = 32
-    """Rank of the keys' and values' shared latent."""
-    qk_head_dim: int = 128
-    """Per head: query / key channels without position."""
-    qk_pos_emb_head_dim: int = 64
-    """Per head: query / key channels that rotate."""
-    v_head_dim: int = 128
-    """Per head: value channels."""
+    # multi-latent attention (GPT; models/mla.py): multi_latent_attention, q_lora_rank,
+    # kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim are ModelShape's fields
     rope_type: Optional[str] = None
     """The rotary embedding of the attention: "rope" or "yarn"; None: Megatron-LM's default
     for the attention (yarn with multi-latent attention, else rope)."""
@@ -307,7 +300,7 @@ class ModelConfig(ModelShape):
         sized = [] if shape else self._size_problems() + self._rope_problems()
         return (shape + sized + self._choice_problems() + self._recompute_problems()
                 + self._bert_problems() + self._task_problems() + self._moe_problems()
-                + self._mla_problems() + self._gpt_oss_problems())
+                + self._mla_problems() + self._gpt_oss_problems() + self._mtp_problems())
 
     def _gpt_oss_problems(self) -> list[str]:
         """GPT-OSS's settings megatron-core refuses, would ignore, or cannot compute in
@@ -329,6 +322,22 @@ class ModelConfig(ModelShape):
         if clamp is not None and not (self.quick_geglu and clamp > 0):
             problems.append(f"activation_func_clamp_value={clamp} needs quick_geglu and a "
                             "positive value")
+        return problems
+
+    def _mtp_problems(self) -> list[str]:
+        """What multi-token prediction (models/mtp.py) does not combine with here: the MTP
+        layers' norms are megatron-core's local ones (Megatron-LM asserts the positions)."""
+        if self.mtp_num_layers is None:
+            return []
+        if self.mtp_num_layers < 1 or self.model != "gpt":
+            return [f"mtp_num_layers={self.mtp_num_layers} needs GPT and at least 1 layer"]
+        problems = []
+        if self.position_embedding_type not in ("rope", "none"):
+            problems.append("multi-token prediction needs rotary or no position embeddings "
+                            f"(Megatron-LM's rule), not {self.position_embedding_type}")
+        if self.layernorm_zero_centered_gamma or self.sequence_parallel:
+            problems.append("the MTP layers' norms have no zero-centred "
+                            "(layernorm_zero_centered_gamma) or sequence-parallel form here")
         return problems
 
     def _window_problems(self) -> list[str]:
@@ -406,6 +415,9 @@ class ModelConfig(ModelShape):
         if modules is not None and (not modules or set(modules) - set(RECOMPUTE_MODULES)):
             problems.append(f"recompute_modules={modules} must be a non-empty subset of "
                             f"{RECOMPUTE_MODULES}")
+        if modules and "mla_up_proj" in modules and not self.multi_latent_attention:
+            problems.append("recompute_modules mla_up_proj needs multi_latent_attention "
+                            "(megatron-core's rule)")
         return problems
 
     def _bert_problems(self) -> list[str]:
@@ -589,25 +601,12 @@ class ModelConfig(ModelShape):
         default: yarn for multi-latent attention, rope otherwise)."""
         return self.rope_type or ("yarn" if self.multi_latent_attention else "rope")
 
-    def layer_params(self) -> int:
-        """`ModelShape.layer_params`, its attention counted as multi-latent attention's
-        projections and latent norms where the model has them (the memory check reads it)."""
-        if not self.multi_latent_attention:
-            return super().layer_params()
-        h, n = self.hidden_size, self.num_attention_heads
-        q, kv = n * self.head_dim, self.query_groups * self.head_dim
-        dense = h * (q + 2 * kv) + q + 2 * kv + q * h + h  # ModelShape's QKV, projection
-        q_head = self.qk_head_dim + self.qk_pos_emb_head_dim
-        # the latent norms, LayerNorms as ModelShape counts every norm
-        norms = 2 * (self.kv_lora_rank + (self.q_lora_rank or 0)) if self.qk_layernorm else 0
-        if self.q_lora_rank is None:
-            query = h * n * q_head
-        else:
-            query = self.q_lora_rank * (h + n * q_head)
-        latent = (h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
-                  + self.kv_lora_rank * n * (self.qk_head_dim + self.v_head_dim))
-        output = n * self.v_head_dim * h + h
-        return super().layer_params() - dense + query + latent + output + norms
+    def _latent_norm_params(self) -> int:
+        """MLA's latent norms where the model has them (--qk-layernorm), LayerNorms as
+        `ModelShape.layer_params` counts every norm (the memory check reads it)."""
+        if not (self.multi_latent_attention and self.qk_layernorm):
+            return 0
+        return 2 * (self.kv_lora_rank + (self.q_lora_rank or 0))
 
     @property
     def is_moe(self) -> bool:
@@ -631,7 +630,7 @@ class ModelConfig(ModelShape):
         if not self.is_moe:
             return None
         return MoeShape(self.num_experts, self.moe_router_topk, self.moe_ffn_hidden_size,
-                        self.moe_layer_freq)
+                        self.moe_layer_freq, self.moe_shared_expert_intermediate_size)
 
     @property
     def tanh_gelu(self) -> bool:

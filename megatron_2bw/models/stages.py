@@ -71,6 +71,8 @@ from megatron_2bw.models.kernels import (compile_layers, kernel_fields, on_cuda,
 from megatron_2bw.models.mla import mla_fields, mla_split_problem, with_mla_modules
 from megatron_2bw.models.gpt_oss import gpt_oss_fields, with_sink_attention
 from megatron_2bw.models.moe import moe_fields, with_expert_modules
+from megatron_2bw.models.mtp import (mtp_block_spec, mtp_fields, mtp_inputs,
+                                     mtp_state_dict_args)
 from megatron_2bw.models.norms import TorchNorm
 
 logger = logging.getLogger(__name__)
@@ -151,6 +153,7 @@ class PipelineStage(nn.Module):
             position_ids=position_ids,
             attention_mask=batch.get("attention_mask"),
             labels=batch["labels"] if self.is_last else None,
+            **mtp_inputs(self.config, batch, self.is_last),
         )
         if not self.is_last:
             return output
@@ -216,7 +219,8 @@ class PipelineStage(nn.Module):
         step (Megatron's `_allreduce_word_embedding_grads`). With PP = 1 it is a single
         shared parameter and needs nothing extra.
         """
-        if not self.config.tie_embeddings or not (self.is_first or self.is_last):
+        shared = self.config.tie_embeddings or self.config.mtp_num_layers
+        if not shared or not (self.is_first or self.is_last):
             return None
         return self.model.shared_embedding_or_output_weight()
 
@@ -226,7 +230,8 @@ class PipelineStage(nn.Module):
 
     def sharded_state_dict(self, prefix: str = "") -> dict:
         """megatron-core's sharded state dict of the model (its keys: `.model`'s names)."""
-        return self.model.sharded_state_dict(prefix=prefix)
+        return self.model.sharded_state_dict(prefix=prefix, **mtp_state_dict_args(
+            self.config, self.model))
 
 
 class PipelineChunks(nn.Module):
@@ -575,6 +580,7 @@ def transformer_config(config: ModelConfig, tp: int, num_stages: int,
         **gpt_oss_fields(config),
         **moe_fields(config, ep, etp),
         **mla_fields(config),
+        **mtp_fields(config),
     )
 
 
@@ -682,7 +688,20 @@ def _gpt_model(config: ModelConfig, mcore_config: TransformerConfig, pre_process
         rope_scaling_factor=config.rope_scaling_factor,
         seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
+        mtp_block_spec=_mtp_spec(config, mcore_config, vp_stage),
     )
+
+
+def _mtp_spec(config: ModelConfig, mcore_config: TransformerConfig,
+              vp_stage: Optional[int]):
+    """megatron-core's MTP block spec (models/mtp.py), its layers built like the decoder's
+    last layer (dense or MoE); None without MTP or off the last stage."""
+    if not config.mtp_num_layers:
+        return None
+    last = config.num_layers - 1
+    layer = _layer_spec(config, mcore_config,
+                        config.num_experts if config.is_moe_layer(last) else None)
+    return mtp_block_spec(mcore_config, layer, vp_stage)
 
 
 class _BertModel(BertModel):

@@ -129,7 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-query-groups", type=_positive_int,
                    help="key/value heads with --group-query-attention")
     m.add_argument("--multi-latent-attention", action="store_true",
-                   help="refused: the planner models multi-head / grouped-query attention")
+                   help="DeepSeek-V2/V3's attention: queries and keys / values through "
+                        "low-rank latents (no context parallelism)")
+    for flag, kind, default, text in MLA_FLAGS:
+        m.add_argument(flag, type=kind, default=default,
+                       help=f"with --multi-latent-attention: {text} (default {default})")
     m.add_argument("--seq-length", type=_positive_int, required=True)
     m.add_argument("--vocab-size", type=_positive_int,
                    help="unpadded; default 50257 (GPT-2 BPE) or 30522 (BERT WordPiece)")
@@ -143,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
                    help="every N-th layer from the first is an MoE layer (default 1: all), "
                         "or one 0 (dense) / 1 (MoE) per layer, e.g. ([0]*3+[1]*29)")
+    e.add_argument("--moe-shared-expert-intermediate-size", type=_positive_int,
+                   help="the shared experts' MLP width, all of them together: a dense MLP "
+                        "beside the routed experts in every MoE layer (default: none)")
     e.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS,
                    help="how tokens reach their experts (default: alltoall with expert "
                         "parallelism, as Megatron-LM's Mixtral example, else allgather)")
@@ -200,25 +207,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MLA_FLAGS = (("--q-lora-rank", _positive_int, None, "rank of the query's latent (none: "
+               "queries projected directly)"),
+             ("--kv-lora-rank", _positive_int, 32, "rank of the keys' and values' latent"),
+             ("--qk-head-dim", _positive_int, 128, "query / key channels per head"),
+             ("--qk-pos-emb-head-dim", _positive_int, 64, "rotary channels per head"),
+             ("--v-head-dim", _positive_int, 128, "value channels per head"))
+"""Megatron-LM's "mla" flags with its defaults (`ModelShape`'s MLA fields)."""
+
+
+def _mla_fields(args: argparse.Namespace) -> dict:
+    """The shape's MLA fields; ValueError for an MLA flag without --multi-latent-attention
+    (Megatron-LM would ignore it) or MLA beside what the trainer runs without it."""
+    fields = {f[2:].replace("-", "_"): default for f, _, default, _ in MLA_FLAGS}
+    given = [f for f, _, default, _ in MLA_FLAGS
+             if getattr(args, f[2:].replace("-", "_")) != default]
+    if not args.multi_latent_attention:
+        if given:
+            raise ValueError(f"{given[0]} acts on multi-latent attention only: add "
+                             "--multi-latent-attention, or drop it")
+        return {}
+    if args.group_query_attention:
+        raise ValueError("--group-query-attention: grouped-query attention is mutually "
+                         "exclusive with --multi-latent-attention (Megatron-LM's rule)")
+    if args.profile:
+        raise ValueError("--profile: profiles time multi-head attention layers; leave it "
+                         "out to plan --multi-latent-attention from FLOPs")
+    if args.context_parallel_sizes and set(args.context_parallel_sizes) != {1}:
+        raise ValueError("--context-parallel-sizes: multi-latent attention has no "
+                         "context-parallel form in the trainer; give 1 or leave it out")
+    fields.update({name: getattr(args, name) for name in fields})
+    return dict(multi_latent_attention=True, **fields)
+
+
 def model_from_args(args: argparse.Namespace) -> ModelShape:
     vocab = args.vocab_size or DEFAULT_VOCAB[args.model]
-    if args.multi_latent_attention:
-        raise ValueError("--multi-latent-attention: the planner's parameter, FLOP and "
-                         "activation counts have no multi-latent attention; leave it out "
-                         "to plan the model as multi-head attention of --num-attention-heads "
-                         "(an approximation: its attention weights, FLOPs and activations "
-                         "differ from MLA's)")
+    mla = _mla_fields(args)
     if args.num_query_groups and not args.group_query_attention:
         raise ValueError("--num-query-groups needs --group-query-attention (as in "
                          "Megatron-LM, which ignores it otherwise)")
     groups = args.num_query_groups or 1 if args.group_query_attention else None
     return ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
                      args.seq_length, vocab, args.ffn_hidden_size, swiglu=args.swiglu,
-                     num_query_groups=groups)
+                     num_query_groups=groups, **mla)
 
 
-MOE_SHAPE_FLAGS = ("--moe-ffn-hidden-size", "--moe-token-dispatcher-type",
-                   "--expert-parallel-sizes")
+MOE_SHAPE_FLAGS = ("--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+                   "--moe-token-dispatcher-type", "--expert-parallel-sizes")
 
 
 def experts_from_args(args: argparse.Namespace) -> Experts | None:
@@ -237,7 +272,8 @@ def experts_from_args(args: argparse.Namespace) -> Experts | None:
     if args.model != "gpt":
         raise ValueError("--num-experts: a mixture of experts is GPT only (--model gpt)")
     experts = Experts(args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
-                      args.moe_layer_freq, args.moe_token_dispatcher_type,
+                      args.moe_layer_freq, args.moe_shared_expert_intermediate_size,
+                      moe_token_dispatcher_type=args.moe_token_dispatcher_type,
                       moe_grouped_gemm=args.optimizer != "muon")  # the trainer's rule
     problem = experts.pattern_problem(args.num_layers)
     if problem:
@@ -246,7 +282,10 @@ def experts_from_args(args: argparse.Namespace) -> Experts | None:
 
 
 ROUTER_LOSS_FLAGS = ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
-                     "--moe-z-loss-coeff")
+                     "--moe-z-loss-coeff", "--moe-router-score-function",
+                     "--moe-router-pre-softmax", "--moe-router-topk-scaling-factor",
+                     "--moe-router-num-groups", "--moe-router-group-topk",
+                     "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate")
 """Passed on to the emitted launch (launch.TRAINER_FLAGS); they act on MoE layers only."""
 
 

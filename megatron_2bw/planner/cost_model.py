@@ -626,7 +626,8 @@ class _LayerTimes:
     """`CostModel.tensor_parallel_collectives_per_allreduce`."""
     recompute_allreduces: int = 2
     """Tensor-parallel all-reduces a full recomputation runs again (an MoE layer: the
-    attention's one; its MLP's traffic is the dispatch)."""
+    attention's one, and the shared experts' if any; its routed experts' traffic is the
+    dispatch)."""
     full_recompute_ep_s: float = 0.0
     """An MoE layer's forward dispatch and combine, run again by full recomputation."""
 
@@ -656,10 +657,12 @@ def _moe_layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
     `ModelShape.training_flops` sums; the core attention, which selective recomputation
     repeats, is the dense layer's), the attention's tensor-parallel all-reduce in each
     direction, and the MLP's replaced by the token dispatch and combine
-    (`CostModel.expert_dispatch_s`) in forward, in backward and in a full recomputation."""
+    (`CostModel.expert_dispatch_s`) in forward, in backward and in a full recomputation;
+    shared experts, a tensor-parallel MLP, add their own all-reduce in each direction."""
     b, t, c = cfg.micro_batch_size, cfg.tensor_parallel, cfg.context_parallel
     ratio = cm.model.moe_layer_forward_flops(b, cm.experts) / cm.model.layer_forward_flops(b)
-    ar = cm.tensor_parallel_allreduce_s(cfg)
+    n_ar = 2 if cm.experts.shared_size else 1
+    ar = n_ar * cm.tensor_parallel_allreduce_s(cfg)
     k = cm.tensor_parallel_collectives_per_allreduce(cfg)
     ring = cm.context_parallel_s(cfg)
     dispatch = cm.expert_dispatch_s(cfg)
@@ -668,7 +671,7 @@ def _moe_layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
     plain = _MicrobatchTimes(forward=fwd + ar + ring + dispatch,
                              backward=bwd + ar + 2 * ring + dispatch,
                              compute=fwd + bwd, recompute=0.0, tensor_parallel=2 * ar,
-                             collectives=2 * k, context_parallel=3 * ring,
+                             collectives=2 * n_ar * k, context_parallel=3 * ring,
                              expert_parallel=2 * dispatch)
     return _LayerTimes(plain,
                        full_recompute_s=(cm.layers.layer_recompute_backward_s(b, t, c)
@@ -676,7 +679,7 @@ def _moe_layer_times(cm: CostModel, cfg: ParallelConfig) -> _LayerTimes:
                        full_recompute_tp_s=ar,
                        selective_recompute_s=cm.layers.attention_core_forward_s(b, t, c),
                        recompute_cp_s=ring, collectives_per_allreduce=k,
-                       recompute_allreduces=1, full_recompute_ep_s=dispatch)
+                       recompute_allreduces=n_ar, full_recompute_ep_s=dispatch)
 
 
 def _mixed(dense, moe, k: int, n: int):
@@ -776,11 +779,13 @@ def _stage_params(model: ModelShape, cfg: ParallelConfig, stage: int, layers: in
 def _moe_layer_params_per_rank(model: ModelShape, experts: Experts, t: int, ep: int) -> int:
     """An MoE layer on one rank: the dense layer's attention and norms as
     `_layer_params_per_rank` splits them, the router whole (megatron-core replicates it
-    over TP), and E / EP experts split over ETP = TP (each one's fc2 bias whole)."""
+    over TP), E / EP experts split over ETP = TP (each one's fc2 bias whole), and the
+    shared experts split over TP (no biases; every EP rank holds them whole)."""
     h = model.hidden_size
     attention = model.layer_params() - experts.mlp_params(model, model.ffn_size)
     replicated = 4 * h + h  # 2 LayerNorms, the projection's bias
     return ((attention - replicated) // t + replicated + experts.router_params(model)
+            + experts.shared_params(model) // t
             + _expert_params_per_rank(model, experts, t, ep))
 
 

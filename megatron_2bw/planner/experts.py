@@ -1,12 +1,16 @@
 """A mixture of experts (MoE) as the planner counts it: sizes, FLOPs, activation bytes.
 
 Megatron-LM's MoE flags name the fields (`--num-experts`, `--moe-router-topk`,
-`--moe-ffn-hidden-size`, `--moe-layer-freq`, `--moe-token-dispatcher-type`); the dense
+`--moe-ffn-hidden-size`, `--moe-layer-freq`, `--moe-shared-expert-intermediate-size`,
+`--moe-token-dispatcher-type`); the dense
 shape beside them is `megatron_2bw.shape.ModelShape`, whose FLOP counts take the routed
 experts (`shape.MoeShape`, which `Experts` extends) and count a dense model without them.
 An MoE layer is a dense layer whose MLP is replaced by a router (a [E, h] weight,
 replicated over tensor-parallel ranks, as megatron-core's `TopKRouter`) and E copies of
-the MLP at width `moe_ffn_hidden_size` (SwiGLU or not, as the dense MLP); every
+the MLP at width `moe_ffn_hidden_size` (SwiGLU or not, as the dense MLP), plus, with
+shared experts, one dense MLP of width `moe_shared_expert_intermediate_size` without
+biases that every token goes through (split over TP, replicated over DP, as the dense
+MLP; expert parallelism does not split it); every
 `moe_layer_freq`-th layer counting from layer 0 is one (layers 0, k, 2k, ...: Megatron-LM's
 integer `--moe-layer-freq`), or each layer whose entry is 1 in its list form (a tuple); a
 stage's cost counts the MoE layers among its own global layers (`MoeShape.moe_layers`).
@@ -41,7 +45,8 @@ class Experts(MoeShape):
     The routed experts' sizes and which layers hold them are `MoeShape`'s (shape.py, the
     fields num_experts, moe_router_topk, moe_ffn_hidden_size, moe_layer_freq, in that
     order), so the planner and `ModelShape.training_flops` count one MoE; this adds how a
-    plan launches them. Invalid values raise one ValueError naming the flag."""
+    plan launches them (`moe_shared_expert_intermediate_size`, MoeShape's last field, is
+    best given by name). Invalid values raise one ValueError naming the flag."""
 
     moe_token_dispatcher_type: Optional[str] = None
     """`--moe-token-dispatcher-type`; None: chosen per plan (`dispatcher`): alltoall with
@@ -88,9 +93,11 @@ class Experts(MoeShape):
         return self.num_experts * model.hidden_size
 
     def layer_params(self, model: ModelShape) -> int:
-        """One MoE layer: the dense layer without its MLP, the router and E experts."""
+        """One MoE layer: the dense layer without its MLP, the router, E experts and the
+        shared experts."""
         return (model.layer_params() - self.mlp_params(model, model.ffn_size)
-                + self.router_params(model) + self.num_experts * self.expert_params(model))
+                + self.router_params(model) + self.num_experts * self.expert_params(model)
+                + self.shared_params(model))
 
     def num_moe_layers(self, model: ModelShape) -> int:
         return self.moe_layers(0, model.num_layers)
@@ -127,7 +134,8 @@ class Experts(MoeShape):
     # the MLP's fc1 output and activation, 2f(g + 1) bytes per token / t, replaced by the
     # k routed copies of each token: each expert's fc1 output and activation / t (the
     # experts split over ETP = TP) and its permuted input, 2h bytes, whole on every TP rank
-    # (the dispatcher gathers the tokens over TP before the experts), and the router's
+    # (the dispatcher gathers the tokens over TP before the experts), the shared experts'
+    # fc1 output and activation, 2f_s(g + 1) / t as the dense MLP's, and the router's
     # fp32 scores (E per token, on the rank's s / (c t) tokens with sequence parallelism).
     def layer_activation_bytes(self, model: ModelShape, b: int, tp: int, *, sp: bool = False,
                                cp: int = 1) -> float:
@@ -148,21 +156,26 @@ class Experts(MoeShape):
         dense_mlp = 2.0 * model.ffn_size * (g + 1) * tokens / tp
         routed = self.moe_router_topk * tokens * (2.0 * self.ffn_size(model) * (g + 1) / tp
                                                   + 2.0 * h)
+        shared = 2.0 * self.shared_size * (g + 1) * tokens / tp
         router = ROUTER_SCORE_BYTES * self.num_experts * tokens / (tp if sp else 1)
-        return routed + router - dense_mlp
+        return routed + shared + router - dense_mlp
 
     # ---- the launch
     def model_flags(self) -> list[str]:
         """Megatron-LM's flags of the MoE shape, as its Mixtral example gives them:
         `--disable-bias-linear` (grouped GEMM experts have no biases, and megatron-core's
         experts with biases need expert-tensor-parallel size 1), the experts, top-k, the
-        expert width and layer frequency where given, `--moe-grouped-gemm` (`moe_grouped_gemm`)."""
+        expert width, layer frequency and shared experts' width where given,
+        `--moe-grouped-gemm` (`moe_grouped_gemm`)."""
         flags = ["--disable-bias-linear", "--num-experts", str(self.num_experts),
                  "--moe-router-topk", str(self.moe_router_topk)]
         if self.moe_ffn_hidden_size is not None:
             flags += ["--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size)]
         if self.moe_layer_freq != 1:
             flags += ["--moe-layer-freq", _freq_text(self.moe_layer_freq)]
+        if self.moe_shared_expert_intermediate_size is not None:
+            flags += ["--moe-shared-expert-intermediate-size",
+                      str(self.moe_shared_expert_intermediate_size)]
         return flags + (["--moe-grouped-gemm"] if self.moe_grouped_gemm else [])
 
     def plan_flags(self, expert_parallel: int) -> list[str]:
@@ -179,6 +192,8 @@ class Experts(MoeShape):
                 "moe_layer_freq": (list(self.moe_layer_freq)
                                    if isinstance(self.moe_layer_freq, tuple)
                                    else self.moe_layer_freq),
+                "moe_shared_expert_intermediate_size":
+                    self.moe_shared_expert_intermediate_size,
                 "moe_token_dispatcher_type": self.moe_token_dispatcher_type,
                 "moe_layers": self.num_moe_layers(model),
                 "active_parameters": self.active_params(model)}

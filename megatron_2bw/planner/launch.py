@@ -148,6 +148,23 @@ TRAINER_FLAGS: tuple[TrainerFlag, ...] = (
                 "example gives 1e-2)", float_text),
     TrainerFlag("--moe-z-loss-coeff", "TRAINING_ARGS", "with --num-experts: weight of the "
                 "router z-loss", float_text),
+    TrainerFlag("--moe-router-score-function", "TRAINING_ARGS", "with --num-experts: the "
+                "router's scores (the trainer's default softmax; sigmoid as DeepSeek-V3)", str,
+                choices=("softmax", "sigmoid")),
+    TrainerFlag("--moe-router-pre-softmax", "TRAINING_ARGS", "with --num-experts: softmax "
+                "over all experts before the top-k choice", switch=True),
+    TrainerFlag("--moe-router-topk-scaling-factor", "TRAINING_ARGS", "with --num-experts: "
+                "factor on the chosen experts' probabilities", float_text),
+    TrainerFlag("--moe-router-num-groups", "TRAINING_ARGS", "with --num-experts: group-limited "
+                "routing, the experts in this many equal groups", count),
+    TrainerFlag("--moe-router-group-topk", "TRAINING_ARGS", "with --moe-router-num-groups: "
+                "each token's experts from this many groups", count),
+    TrainerFlag("--moe-router-enable-expert-bias", "TRAINING_ARGS", "with --num-experts and "
+                "sigmoid scores: aux-loss-free balancing",
+                switch=True),
+    TrainerFlag("--moe-router-bias-update-rate", "TRAINING_ARGS", "with "
+                "--moe-router-enable-expert-bias: how far each step moves the bias",
+                float_text),
     TrainerFlag("--save", "CHECKPOINT_ARGS", "checkpoint directory on a file system every node "
                 "sees (required for sbatch)", path="always"),
     TrainerFlag("--load", "CHECKPOINT_ARGS", "resume from here (default: --save)", path="always"),
@@ -245,6 +262,25 @@ def _problems(args: argparse.Namespace, nodes: Nodes) -> Iterator[str]:
                "from there; give a checkpoint directory on shared storage")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         yield f"--master-port {args.master_port}: give a TCP port, 1-65535"
+    yield from _router_problems(args)
+
+
+def _router_problems(args: argparse.Namespace) -> Iterator[str]:
+    """The router flags the trainer would refuse (megatron-core's rules), before the
+    search rather than at the job's start."""
+    for flag in ("--moe-router-num-groups", "--moe-router-group-topk"):
+        if getattr(args, flag[2:].replace("-", "_")) == 0:
+            yield f"{flag} 0: give 1 or more, or leave it out"
+    if args.moe_router_group_topk and not args.moe_router_num_groups:
+        yield "--moe-router-group-topk: group-limited routing needs --moe-router-num-groups"
+    if args.moe_router_num_groups and (args.num_experts or 0) % args.moe_router_num_groups:
+        yield (f"--moe-router-num-groups {args.moe_router_num_groups}: give a divisor of "
+               f"--num-experts {args.num_experts}")
+    if args.moe_router_bias_update_rate is not None and not args.moe_router_enable_expert_bias:
+        yield "--moe-router-bias-update-rate: add --moe-router-enable-expert-bias"
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        yield ("--moe-router-enable-expert-bias: the expert bias needs "
+               "--moe-router-score-function sigmoid")
 
 
 @dataclass(frozen=True)

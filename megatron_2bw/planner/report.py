@@ -26,10 +26,22 @@ def model_flags(model: ModelShape) -> list[str]:
     return (["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
              "--ffn-hidden-size", str(model.ffn_size)]
             + (["--swiglu"] if model.swiglu else [])
-            + ["--num-attention-heads", str(model.num_attention_heads)] + gqa
+            + ["--num-attention-heads", str(model.num_attention_heads)] + gqa + _mla(model)
             + ["--seq-length", str(model.seq_length),
                "--max-position-embeddings", str(model.seq_length),
                "--vocab-size", str(model.vocab_size)])
+
+
+def _mla(model: ModelShape) -> list[str]:
+    """Multi-latent attention's flags (Megatron-LM's names; every size, defaults too)."""
+    if not model.multi_latent_attention:
+        return []
+    sizes = [("--q-lora-rank", model.q_lora_rank), ("--kv-lora-rank", model.kv_lora_rank),
+             ("--qk-head-dim", model.qk_head_dim),
+             ("--qk-pos-emb-head-dim", model.qk_pos_emb_head_dim),
+             ("--v-head-dim", model.v_head_dim)]
+    return ["--multi-latent-attention"] + [w for flag, value in sizes if value is not None
+                                           for w in (flag, str(value))]
 
 
 CONTEXT_PARALLEL_MODEL_FLAGS = ["--attention-dropout", "0"]

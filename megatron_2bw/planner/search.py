@@ -128,12 +128,15 @@ def tensor_parallel_sizes(cm: CostModel, num_gpus: int) -> list[int]:
     MLP width of the model's dense layers and of its experts (expert tensor parallelism
     is TP; a model whose every layer is an MoE layer has no dense MLP to split); the
     key/value heads are a multiple or a divisor of it (megatron-core replicates them
-    below TP)."""
+    below TP); multi-latent attention's down projections, split over TP, divide too."""
     per_node = min(cm.hardware.devices_per_node, num_gpus)
     groups = cm.model.query_groups
     layers, experts = cm.model.num_layers, cm.experts
     widths = ([cm.model.ffn_size] if experts is None or experts.moe_layers(0, layers) < layers
               else []) + ([experts.ffn_size(cm.model)] if experts is not None else [])
+    if cm.model.multi_latent_attention:  # the trainer's mla_split_problem
+        widths += [cm.model.kv_lora_rank + cm.model.qk_pos_emb_head_dim,
+                   cm.model.q_lora_rank or per_node]
     return [t for t in divisors(per_node) if num_gpus % t == 0
             and cm.model.num_attention_heads % t == 0 and all(f % t == 0 for f in widths)
             and (groups % t == 0 or t % groups == 0)]
@@ -155,7 +158,7 @@ def context_parallel_sizes(model: ModelShape, devices: int,
     dividing `devices` with the sequence divisible by 2 CP (megatron-core's load-balanced
     causal split: 2 CP chunks, rank i holding chunks i and 2 CP - 1 - i)."""
     options = [1] if allowed is None or 1 in allowed else []
-    if model.model != "gpt":
+    if model.model != "gpt" or model.multi_latent_attention:  # the trainer has no MLA CP
         return options
     if allowed is None:
         if model.seq_length < CONTEXT_PARALLEL_MIN_SEQ_LENGTH:

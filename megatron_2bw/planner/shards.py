@@ -107,7 +107,8 @@ def stage_matrices(model: ModelShape, t: int, stage: int, depth: int, layers: in
     layer's QKV, projection and the MLP's two matrices, the learned position table (and
     BERT's token types) on the first stage, BERT's LM-head dense, pooler and binary head on
     the last. Of the `layers`, `moe_layers` have, instead of the MLP's matrices, the
-    router's [E, h] and the rank's experts (`expert_matrices`)."""
+    router's [E, h], the shared experts' two matrices if any, and the rank's experts
+    (`expert_matrices`)."""
     h, f = model.hidden_size, model.ffn_size
     q = model.num_attention_heads * model.head_dim
     kv = model.query_groups * model.head_dim
@@ -116,7 +117,9 @@ def stage_matrices(model: ModelShape, t: int, stage: int, depth: int, layers: in
     layer = attention + (gates * f * h // t, f * h // t)
     found = layer * (layers - moe_layers)
     if moe_layers:
-        found += (attention + (experts.num_experts * h,)) * moe_layers
+        fs = experts.shared_size
+        shared = (gates * fs * h // t, fs * h // t) if fs else ()
+        found += (attention + (experts.num_experts * h,) + shared) * moe_layers
         found += expert_matrices(model, t, experts, moe_layers, ep)
     if stage == 0:
         found += (model.seq_length * h,) + ((2 * h,) if model.model == "bert" else ())

@@ -151,6 +151,10 @@ class PipelineExecutor:
         (the training loop's timers) sees every action without the executor knowing it."""
         self._handlers = {kind: wrap(kind, h) for kind, h in self._handlers.items()}
 
+    def minibatch_of(self, microbatch: int) -> int:
+        """The running schedule's minibatch of `microbatch` (for handler wrappers)."""
+        return microbatch // self._m
+
     # --- driver ---------------------------------------------------------------------
     def run(self, schedule: Schedule, data: Iterator[dict], on_step: StepCallback | None = None
             ) -> RunResult:

@@ -183,6 +183,10 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's logging flags (LoggerConfig at core_v0.16.1) that change what the log
     line, TensorBoard or wandb get (docs/training.md, "Log line and TensorBoard")."""
     g = p.add_argument_group("logging (Megatron-LM's)")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="write each layer's router losses to TensorBoard and wandb as "
+                        "moe/<loss>_layer_<i> (every layer, 0-based; a dense layer's are 0) "
+                        "and to the metrics file; the log line keeps the mean over MoE layers")
     g.add_argument("--log-throughput", action="store_true",
                    help="print Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' field (in its "
                         "place, after the iteration time) instead of the TFLOP/s/GPU extra")
@@ -449,7 +453,7 @@ def _logging_config(args: argparse.Namespace) -> dict:
              "tensorboard_log_interval", "tensorboard_queue_size", "wandb_project",
              "wandb_exp_name", "wandb_save_dir", "wandb_entity", "log_params_norm",
              "log_num_zeros_in_grad", "log_memory_to_tensorboard", "timing_log_level",
-             "timing_log_option")
+             "timing_log_option", "moe_per_layer_logging")
     return {name: getattr(args, name) for name in names}
 
 

@@ -158,6 +158,7 @@ class TrainConfig:
     timing_log_level: int = 0                        # --timing-log-level (timers.py)
     timing_log_option: str = "minmax"                # --timing-log-option
     tensorboard_log_interval: int = 1                # --tensorboard-log-interval
+    moe_per_layer_logging: bool = False              # --moe-per-layer-logging
     tensorboard_queue_size: int = 1000               # --tensorboard-queue-size
     wandb_project: Optional[str] = None              # --wandb-project
     wandb_exp_name: Optional[str] = None             # --wandb-exp-name

@@ -23,7 +23,7 @@ different experts, and the token dispatcher brings every token to its expert. So
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from megatron.core import parallel_state as ps
@@ -100,7 +100,7 @@ def aux_losses(model: ModelConfig, per_token: bool, device: torch.device
         return None
     cp = 1 if per_token else ps.get_context_parallel_world_size()
     return AuxLosses(take_aux_losses, lambda s: set_aux_loss_scale(s * cp, device),
-                     aux_loss_names(model), model.num_layers,
+                     aux_loss_names(model), model.num_layers + (model.mtp_num_layers or 0),
                      ps.get_model_parallel_group(), device)
 
 
@@ -109,57 +109,115 @@ class ExpertBias:
     each MoE layer's expert bias moves by the update rate towards even loads.
 
     megatron-core's TopKRouter adds the bias to the scores for the top-k choice and counts,
-    in its `local_tokens_per_expert` buffer, the tokens each expert received in training
-    forwards (with recomputation, in the recomputed forward only: the first runs without
-    grad). Megatron-LM updates the bias in finalize_model_grads, after the minibatch's last
-    backward and before the optimizer step: the counts summed over the tensor x context x
-    data-parallel group (`get_updated_expert_bias`), then bias += rate x sign(mean - count)
-    per layer, and the counts cleared. `update` does the same at the same point, at the
-    minibatch's optimizer-step action: under Flush and GPipe every forward of minibatch k
-    has run on this stage and none of k + 1, so the counts are exactly k's, summed over its
-    microbatches, and k + 1 routes with the updated bias as in Megatron-LM. (2BW, whose
-    stages run k + 1's forwards before k's step, is refused: validation.py.) The bias is a
-    persistent buffer, so both checkpoint formats hold it with the weights.
+    in its `local_tokens_per_expert` buffer, the tokens each expert received in forwards
+    run with grad (with recomputation, in the recomputed forward only: the first runs
+    without grad). Megatron-LM updates the bias in finalize_model_grads, after the
+    minibatch's last backward and before the optimizer step: the counts summed over the
+    tensor x context x data-parallel group (`get_updated_expert_bias`), then
+    bias += rate x sign(mean - count) per layer.
+
+    Here the bias is versioned like a weight. Every weight buffer is its own module, so it
+    holds its own routers' bias: a microbatch routes (forward, recompute and backward) with
+    the bias of the weight version it runs, and the step S(k) that makes weight version
+    k + 1 also makes its bias, bias(k + 1) = bias(k) + rate x sign(mean - counts(k)), where
+    counts(k) are the tokens of minibatch k's own microbatches. Under Flush and GPipe
+    version k + 1 overwrites version k in the one buffer: Megatron-LM's update exactly.
+    Under 2BW minibatch k ran on version k - 1 (its counts come from that bias, as its
+    gradient comes from those weights), and the stage has already run some of minibatch
+    k + 1's forwards on version k when S(k) comes, so the counts are taken per action
+    (after each F and B, moved out of the router into minibatch k's sum) rather than read
+    from the router at the step. The bias is a persistent buffer of each weight buffer's
+    module, so a checkpoint holds it for every version it holds (2BW: the shadow's too).
     """
 
-    def __init__(self, module: torch.nn.Module, rate: float, group) -> None:
-        self.routers = [m for m in module.modules()
-                        if getattr(m, "expert_bias", None) is not None]
+    def __init__(self, buffers: list[torch.nn.Module], rate: float, group,
+                 minibatch_of: Callable[[int], int], buffer_of: Callable[[int], int]
+                 ) -> None:
+        self.routers = [[m for m in module.modules()
+                         if getattr(m, "expert_bias", None) is not None]
+                        for module in buffers]
         self.rate, self.group = rate, group
+        self.minibatch_of, self.buffer_of = minibatch_of, buffer_of
+        self.counts: dict[int, torch.Tensor] = {}  # minibatch -> [layers, experts]
 
-    def update(self) -> None:
-        """Move every layer's bias from the counts since the last update, and clear them."""
-        if not self.routers:  # a stage of dense layers only: its group has none either
+    def take_counts(self, minibatch: int, buffer: int) -> None:
+        """Move the tokens that weight buffer `buffer`'s routers counted in one F or B (one
+        microbatch) into `minibatch`'s sum, and clear them (no host sync: the sum stays
+        on the device until the step)."""
+        routers = self.routers[buffer]
+        if not routers:
             return
         with torch.no_grad():
-            tokens = torch.stack([r.local_tokens_per_expert for r in self.routers])
+            tokens = torch.stack([r.local_tokens_per_expert for r in routers])
+            held = self.counts.get(minibatch)
+            self.counts[minibatch] = tokens if held is None else held + tokens
+            for r in routers:
+                r.local_tokens_per_expert.zero_()
+
+    def update(self, minibatch: int, source: int, target: int) -> None:
+        """Make the bias of weight buffer `target` from buffer `source`'s and `minibatch`'s
+        counts summed over the group; drop those counts."""
+        if not self.routers[0]:  # a stage of dense layers only: its group has none either
+            return
+        with torch.no_grad():
+            old = torch.stack([r.expert_bias for r in self.routers[source]])
+            tokens = self.counts.pop(minibatch, None)
+            tokens = torch.zeros_like(old) if tokens is None else tokens
             if comm.runs(self.group):
                 comm.all_reduce(tokens, self.group)
             mean = tokens.sum(dim=-1, keepdim=True) / tokens.shape[-1]
-            step = torch.sign(mean - tokens) * self.rate
-            for router, delta in zip(self.routers, step):
-                router.expert_bias.copy_(router.expert_bias + delta)
-                router.local_tokens_per_expert.zero_()
+            new = old + torch.sign(mean - tokens) * self.rate
+            for router, bias in zip(self.routers[target], new):
+                router.expert_bias.copy_(bias)
+        # counts of minibatches already stepped cannot come back (a stop cut's leftovers)
+        self.counts = {k: v for k, v in self.counts.items() if k > minibatch}
 
     def wrap(self, kind, handler):
-        """An executor handler wrapper (`PipelineExecutor.wrap_handlers`): the bias moves
-        at the start of each optimizer-step action, before the step and its callbacks (a
-        checkpoint saved there holds the updated bias)."""
+        """An executor handler wrapper (`PipelineExecutor.wrap_handlers`): F and B hand
+        their counts to their minibatch; each optimizer-step action first makes the new
+        version's bias (so a checkpoint saved after the step holds it). The new version's
+        buffer is free then: the step is about to overwrite its weights too."""
+        if kind in (K.FORWARD, K.BACKWARD):
+            def count_after(action) -> None:
+                handler(action)
+                self.take_counts(self.minibatch_of(action.microbatch),
+                                 self.buffer_of(action.version))
+            return count_after
         if kind != K.OPTIMIZER_STEP:
             return handler
 
         def step_then(action) -> None:
-            self.update()
+            k = action.minibatch
+            self.update(k, self.buffer_of(action.version - 1), self.buffer_of(action.version))
             handler(action)
         return step_then
 
 
-def expert_bias(model: ModelConfig, module: torch.nn.Module) -> Optional[ExpertBias]:
-    """The expert-bias updater of this stage's module (None without the expert bias)."""
+def expert_bias(model: ModelConfig, store, minibatch_of: Callable[[int], int]
+                ) -> Optional[ExpertBias]:
+    """The expert-bias updater of this stage's weight buffers (None without the expert
+    bias); `minibatch_of(microbatch)` is the running schedule's minibatch of a microbatch."""
     if not (model.is_moe and model.moe_router_enable_expert_bias):
         return None
     group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    return ExpertBias(module, model.moe_router_bias_update_rate, group)
+    return ExpertBias(store.modules, model.moe_router_bias_update_rate, group, minibatch_of,
+                      store.buffer_of)
+
+
+def per_layer_log_values(per_layer: dict[str, torch.Tensor], model: ModelConfig,
+                         microbatches: int) -> dict[str, float]:
+    """--moe-per-layer-logging: each layer's router losses under Megatron-LM's TensorBoard
+    tags, `moe/<name>_layer_<i>` for every layer i (0-based; a dense layer's are 0), each
+    over the microbatches and not over the layers, as `track_moe_metrics` writes them;
+    scaled over the ranks as `log_values` (which they sum to, times the MoE layers)."""
+    tp = ps.get_tensor_model_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()
+    values = {}
+    for name, v in per_layer.items():
+        scale = 1 / tp if name == "z_loss" else cp
+        for i, value in enumerate((v.double() / microbatches).tolist()):
+            values[f"moe/{name}_layer_{i}"] = value * scale
+    return values
 
 
 def log_values(per_layer: dict[str, torch.Tensor], model: ModelConfig,
@@ -171,6 +229,7 @@ def log_values(per_layer: dict[str, torch.Tensor], model: ModelConfig,
     mean over DP x CP) and reads the z-loss of its logging rank alone; here the z-loss is
     the mean over the tensor-parallel and data-parallel ranks."""
     layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    layers += model.mtp_num_layers or 0  # the MTP layers count as MoE layers there too
     tp = ps.get_tensor_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()  # the caller averages over DP x CP
     values = {}

@@ -22,7 +22,10 @@ project builds, so the two logs compare number for number:
   `--moe-shared-expert-intermediate-size`, and nothing for the router or the shared
   experts' gate;
 - the logits h V (V padded), once; BERT's LM-head transform, pooler and binary head are
-  not counted.
+  not counted;
+- multi-token prediction (--mtp-num-layers D): D more layers of attention and of the
+  decoder's last layer's MLP (dense or MoE), D more logits, and per MTP layer its
+  projection 2 h h and its three norms 3 h (`mtp_flops_per_token`).
 
 The planner's cost model keeps its own count (`ModelShape.training_flops`: the whole
 score matrix, recomputation included), which models the time the hardware spends; the
@@ -67,10 +70,14 @@ def mla_flops_per_token(model: ModelConfig) -> int:
 
 
 def mlp_flops_per_token(model: ModelConfig) -> int:
-    """Every layer's MLP (dense or routed experts), forward and backward, per token."""
+    """Every layer's MLP (dense or routed experts), forward and backward, per token; the
+    MTP layers' MLPs are the decoder's last layer's."""
     gemms = 3 if model.swiglu else 2
+    depth = model.mtp_num_layers or 0
+    last_is_moe = model.is_moe_layer(model.num_layers - 1)
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
-    dense = (model.num_layers - moe_layers) * model.ffn_size
+    moe_layers += depth * last_is_moe
+    dense = (model.num_layers + depth - moe_layers) * model.ffn_size
     routed = moe_layers * model.moe_router_topk * model.moe_ffn_size if model.is_moe else 0
     shared = moe_layers * (model.moe_shared_expert_intermediate_size or 0)
     return (FORWARD_BACKWARD * MULTIPLY_ADD * model.hidden_size * gemms
@@ -82,9 +89,19 @@ def logits_flops_per_token(model: ModelConfig) -> int:
     return FORWARD_BACKWARD * MULTIPLY_ADD * model.hidden_size * model.vocab_size
 
 
+def mtp_flops_per_token(model: ModelConfig) -> int:
+    """The MTP layers' own work, forward and backward, per token: each layer's
+    projection of [hidden; embedding] (2 h x h), its norms (3 h, as Megatron-LM counts
+    them) and one more logits (its attention and MLP count with the layers')."""
+    depth, h = model.mtp_num_layers or 0, model.hidden_size
+    return (FORWARD_BACKWARD * MULTIPLY_ADD * depth * (3 * h + 2 * h * h)
+            + depth * logits_flops_per_token(model))
+
+
 def megatron_flops(model: ModelConfig, batch_size: int) -> float:
     """FLOPs of one iteration over `batch_size` samples (the global batch), as
     Megatron-LM's num_floating_point_operations counts them (module docstring)."""
-    per_token = (model.num_layers * attention_flops_per_token(model)
-                 + mlp_flops_per_token(model) + logits_flops_per_token(model))
+    layers = model.num_layers + (model.mtp_num_layers or 0)
+    per_token = (layers * attention_flops_per_token(model) + mlp_flops_per_token(model)
+                 + logits_flops_per_token(model) + mtp_flops_per_token(model))
     return float(batch_size * model.seq_length * per_token)

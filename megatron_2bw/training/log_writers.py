@@ -75,10 +75,13 @@ class ScalarWriters:
         self._pair("learning-rate", rec["lr"], it, samples)
         self._pair("batch-size", rec["global_batch_size"], it, samples)
         for tag, value in losses.items():
-            if tag in ROUTER_LOSSES:
+            if tag in ROUTER_LOSSES or tag.startswith("mtp_"):
                 self._scalar(tag, value, it)
             else:
                 self._pair(tag, value, it, samples)
+        for tag, value in rec.items():  # --moe-per-layer-logging (experts.py)
+            if tag.startswith("moe/"):
+                self._scalar(tag, value, it)
         if self.t.log_loss_scale_to_tensorboard:
             self._pair("loss-scale", rec["loss_scale"], it, samples)
         if self.t.log_world_size_to_tensorboard:

@@ -35,7 +35,7 @@ from ..checkpointing.save_load import (SaveOptions, prepare_resume, read_checkpo
                             save_checkpoint)
 from .config import RunConfig
 from .data_sources import DataSources
-from . import experts
+from . import experts, mtp
 from .distributed import DistEnv
 from .errors import describe
 from .args_dump import log_arguments, parameter_count_lines
@@ -253,10 +253,10 @@ class Trainer:
             count_tokens=module.num_tokens if run.model.per_token_loss else None,
             make_copy=self._build_stage, num_chunks=schedule.num_chunks, reducer=reducer,
             grad_numel=layout.padded if layout is not None else 0,
-            aux_losses=experts.aux_losses(run.model, run.model.per_token_loss,
-                                          self.env.device))
-        bias = experts.expert_bias(run.model, module)
-        if bias is not None:  # the bias moves at every optimizer-step action
+            aux_losses=mtp.aux_losses(run.model, experts.aux_losses(
+                run.model, run.model.per_token_loss, self.env.device), self.env.device))
+        bias = experts.expert_bias(run.model, executor.weights, executor.minibatch_of)
+        if bias is not None:  # counts per F / B; each step makes its version's bias
             executor.wrap_handlers(bias.wrap)
         return executor, updater
 
@@ -354,8 +354,9 @@ class Trainer:
         """Whether the tied embedding's gradient is summed over the embedding group: a
         tied model with more than one stage (first and last stage sum; the middle ones
         are in no embedding group), or with one stage whose group of one the comm layer
-        says runs."""
-        if not self.run.model.tie_embeddings:
+        says runs. Multi-token prediction's copy of the embedding on the last stage is
+        summed the same way, tied or not."""
+        if not (self.run.model.tie_embeddings or self.run.model.mtp_num_layers):
             return False
         if self.run.parallel.pipeline_parallel > 1:
             return True
@@ -628,7 +629,11 @@ class Trainer:
             return {}
         run = self.run
         m = run.batch_sizes.size(k) // (run.train.micro_batch_size * run.parallel.data_parallel)
-        values = experts.log_values(per_layer, run.model, m)
+        per_layer, values = mtp.split_values(per_layer, m)
+        if per_layer:
+            values.update(experts.log_values(per_layer, run.model, m))
+        if per_layer and run.train.moe_per_layer_logging:
+            values.update(experts.per_layer_log_values(per_layer, run.model, m))
         return dict(zip(values, self._dp_mean(list(values.values()))))
 
     def _stop_learning_after(self, iteration: int, step: dict) -> bool:

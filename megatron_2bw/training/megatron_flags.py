@@ -129,7 +129,8 @@ FP8_WHY = ("fp8 needs Transformer Engine on a GPU, which this build does not use
 
 # Megatron-LM's mixture-of-experts features that models/moe.py does not build, one reason
 # per feature (its flags are named together)
-MTP_WHY = "multi-token prediction (extra MTP layers and their loss) is not implemented"
+MTP_WHY = ("MTP layers on a pipeline stage of their own (a custom pipeline layout) are not "
+           "implemented; the MTP layers sit on the last pipeline stage")
 FSDP_WHY = ("Megatron FSDP (parameters, gradients and optimizer state sharded over the "
             "data-parallel ranks, with its fsdp_dtensor checkpoints) is not implemented, and "
             "these flags act only with it; drop them and use --use-distributed-optimizer "
@@ -169,9 +170,6 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
      "deprecated in Megatron-LM, which accepts it only with rotary embeddings (where it "
      "changes nothing); use --position-embedding-type none"),
     # mixture of experts
-    (_value("--mtp-num-layers", int), lambda a, w: _mtp(a), MTP_WHY),
-    (_value("--mtp-loss-scaling-factor", float),
-     lambda a, w: a.mtp_loss_scaling_factor is not None and _mtp(a), MTP_WHY),
     (_switch("--mtp-standalone"), lambda a, w: a.mtp_standalone and _mtp(a), MTP_WHY),
     (_switch("--moe-enable-deepep"), lambda a, w: a.moe_enable_deepep, FLEX_WHY),
     (_switch("--moe-router-padding-for-quantization"),
@@ -190,8 +188,6 @@ REFUSED: tuple[tuple[Flag, Callable[[argparse.Namespace, int], bool], str], ...]
     (_switch("--moe-apply-probs-on-input"), lambda a, w: a.moe_apply_probs_on_input,
      "scaling the experts' input by the routing probabilities is not implemented (they "
      "scale the experts' output)"),
-    (_switch("--moe-per-layer-logging"), lambda a, w: a.moe_per_layer_logging,
-     "logging the MoE losses of each layer is not implemented"),
     (_value("--moe-latent-size", int), lambda a, w: a.moe_latent_size is not None,
      "latent projections around the experts are not implemented"),
     (_switch("--moe-use-upcycling"), lambda a, w: a.moe_use_upcycling,

@@ -104,7 +104,8 @@ def _cost_model(run: RunConfig, cuda: bool) -> CostModel:
                   reserved_memory_gb=1.0 if cuda else 0.0)
     base = FP32 if run.precision == "fp32" else Precision()
     experts = (Experts(m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size,
-                       m.moe_layer_freq, m.moe_token_dispatcher_type)
+                       m.moe_layer_freq, m.moe_shared_expert_intermediate_size,
+                       moe_token_dispatcher_type=m.moe_token_dispatcher_type)
                if m.is_moe else None)
     return CostModel(m, FlopsCompute(m, hw), hw,
                      optimizer_precision(opt.optimizer, opt.delay_compensation, base), experts)

@@ -50,6 +50,8 @@ def megatron_losses(rec: dict, prefix: str = "") -> dict[str, float]:
         losses["sop loss"] = rec[prefix + "sop_loss"]
     losses.update({name: rec[prefix + name] for name in ROUTER_LOSSES
                    if rec.get(prefix + name) is not None})
+    if not prefix:  # multi-token prediction's "mtp_1 loss", ... (training only)
+        losses.update({k: v for k, v in rec.items() if k.startswith("mtp_")})
     return losses
 
 

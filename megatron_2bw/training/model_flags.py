@@ -18,11 +18,12 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..models.config import (ATTENTION_BACKENDS, MOE_DISPATCHERS, RECOMPUTE_MODULES,
-                             SOFTMAX_TYPES, ModelConfig, stage_layer_counts)
+from ..models.config import (ATTENTION_BACKENDS, MEGATRON_RECOMPUTE_MODULES, MOE_DISPATCHERS,
+                             RECOMPUTE_MODULES, SOFTMAX_TYPES, ModelConfig, stage_layer_counts)
 from ..shape import parse_layer_freq, swiglu_ffn_size
 from .errors import UserError
 from .mla_flags import mla_config, mla_flags, mla_problem
+from .mtp_flags import mtp_config, mtp_flags, mtp_problem
 
 ROTARY_DEFAULTS = {"rotary_base": 10000, "rotary_percent": 1.0,
                    "rotary_seq_len_interpolation_factor": None, "rotary_interleaved": False,
@@ -55,6 +56,7 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     _moe_flags(p)
     _gpt_oss_flags(p)
     mla_flags(p)
+    mtp_flags(p)
 
 
 def _architecture_flags(p: argparse.ArgumentParser) -> None:
@@ -150,8 +152,12 @@ def _recompute_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int,
                    help="full only: layers per chunk (uniform) or per stage (block); the "
                         "paper's per-layer recomputation is uniform with 1")
-    g.add_argument("--recompute-modules", nargs="+", choices=list(RECOMPUTE_MODULES),
-                   help="selective only: what to recompute (default core_attn)")
+    g.add_argument("--recompute-modules", nargs="+", choices=list(MEGATRON_RECOMPUTE_MODULES),
+                   help="selective only: what to recompute in backward (default core_attn): "
+                        "core_attn (attention scores, softmax, dropout), mlp (dense layers' "
+                        "MLP), moe (whole MoE layers), shared_experts, layernorm (the "
+                        "norms before attention and MLP), mla_up_proj (MLA's up "
+                        "projections and rope); moe_act is refused")
 
 
 def window_size_type(text: str) -> tuple[int, ...]:
@@ -302,7 +308,7 @@ def _router_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="aux-loss-free balancing: a per-expert bias on the scores for the "
                         "top-k choice, moved after every step towards even loads (needs "
-                        "sigmoid scores; not under 2BW)")
+                        "sigmoid scores; under 2BW versioned with the weights)")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
                    help="how far each step moves the expert bias (default 1e-3)")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
@@ -682,6 +688,21 @@ ARCH_RULES: tuple[ArchRule, ...] = (
              lambda a, m: a.recompute_modules is None or granularity(a) == "selective",
              "--recompute-modules act only with selective recomputation",
              "add --recompute-granularity selective (or --recompute-activations), or drop it"),
+    ArchRule("--recompute-modules", lambda a, m: not set(a.recompute_modules or ())
+             - set(RECOMPUTE_MODULES),
+             "--recompute-modules moe_act is not implemented: megatron-core recomputes the "
+             "expert activation only inside GroupedMLP's forward, which a torch grouped GEMM "
+             "replaces here", "drop moe_act (moe recomputes the whole MoE layer, its "
+             "activations included)"),
+    ArchRule("--recompute-modules, --multi-latent-attention", lambda a, m: (
+        "mla_up_proj" not in (a.recompute_modules or ()) or a.multi_latent_attention),
+        "--recompute-modules mla_up_proj needs --multi-latent-attention (megatron-core's "
+        "rule)", "add --multi-latent-attention, or drop mla_up_proj"),
+    ArchRule("--recompute-modules, --moe-shared-expert-overlap", lambda a, m: (
+        "shared_experts" not in (a.recompute_modules or ()) or not a.moe_shared_expert_overlap
+        or _shared_size(a) is None),
+        "--recompute-modules shared_experts cannot work with --moe-shared-expert-overlap "
+        "(Megatron-LM's rule)", "drop one of them"),
     ArchRule("--recompute-num-layers", lambda a, m: _uniform_chunks_fit(a),
              "--recompute-num-layers {a.recompute_num_layers} does not divide the layers of "
              "every pipeline stage; uniform recomputation checkpoints whole chunks",
@@ -781,7 +802,7 @@ def check_arch_rules(args: argparse.Namespace, model: str) -> None:
 
 def model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfig:
     check_arch_rules(args, model)
-    problem = mla_problem(args, model)
+    problem = mla_problem(args, model) or mtp_problem(args, model)
     if problem:
         raise problem
     return ModelConfig(
@@ -812,7 +833,7 @@ def model_config(args, model: str, dtype: torch.dtype, vocab: int) -> ModelConfi
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         **moe_config(args), **kernel_config(args), **gpt_oss_config(args),
-        **mla_config(args))
+        **mla_config(args), **mtp_config(args))
 
 
 def kernel_config(args: argparse.Namespace) -> dict:

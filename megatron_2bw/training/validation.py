@@ -580,14 +580,6 @@ MOE_RULES: tuple[Rule, ...] = (
          "{f.layer_freq_problem}", "give an integer N >= 1 (every N-th layer from the first "
          "is a MoE layer), or one 0 / 1 per layer"),
     Rule("{f.moe_where}", lambda f: f.moe_problem is None, "{f.moe_what}", "{f.moe_fix}"),
-    Rule("--moe-router-enable-expert-bias, --pipeline-schedule",
-         lambda f: (f.experts is None or not f.args.moe_router_enable_expert_bias
-                    or f.spec.weight_versions == 1),
-         "the expert bias is routing state updated after every step, and "
-         "{f.spec.display_name} keeps two weight versions in flight: a bias version per "
-         "weight version is not implemented",
-         "use --pipeline-schedule flush (or gpipe), or balance with --moe-aux-loss-coeff "
-         "instead"),
     Rule("--num-experts, --expert-model-parallel-size",
          lambda f: f.experts is None or f.experts % f.ep == 0,
          "{f.experts} experts do not split over --expert-model-parallel-size {f.ep}",
