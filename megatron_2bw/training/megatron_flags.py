@@ -231,21 +231,8 @@ class RefusedValue:
     def shown(self, args: argparse.Namespace) -> str:
         """The flag with the value the command line gave it."""
         value = getattr(args, self.name.lstrip("-").replace("-", "_"))
-        if self.name == "--moe-layer-freq":
-            return f"{self.name} {pattern_text(value)}"
         values = value if isinstance(value, list) else [value]
         return f"{self.name} {' '.join(str(v) for v in values)}"
-
-
-def pattern_text(pattern: list[int]) -> str:
-    """A 0/1 layer pattern in Megatron-LM's notation, by runs: [0]*3+[1]*58."""
-    runs: list[list[int]] = []
-    for v in pattern:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return "+".join(f"[{v}]*{n}" for v, n in runs)
 
 
 def _several(value) -> bool:
