@@ -255,7 +255,11 @@ def test_mcore_topk_routing_is_mixtrals() -> None:
      "--moe-router-load-balancing-type sinkhorn"),
     ([f for f in MIXTRAL if f != "--disable-bias-linear"], "--disable-bias-linear"),
     (["--num-experts", "4", "--train-iters", "1"], "--num-experts"),
-], ids=["layer-freq-2", "capacity-factor", "sinkhorn", "biases", "learned-positions"])
+    (MIXTRAL + ["--moe-router-pre-softmax"], "--moe-router-pre-softmax"),
+    (MIXTRAL + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
+     "--moe-router-score-function"),
+], ids=["layer-freq-2", "capacity-factor", "sinkhorn", "biases", "learned-positions",
+        "pre-softmax", "sigmoid-bias"])
 def test_what_mixtral_does_not_compute_is_refused(flags, named) -> None:
     """One line naming the flag, before anything is built."""
     import torch

@@ -135,10 +135,26 @@ def _refuse_mixtral(m: ModelConfig) -> None:
                "inference too; Mixtral is dropless, so the logits would differ)"),
               (m.moe_shared_expert_intermediate_size is not None,
                "--moe-shared-expert-intermediate-size",
-               "shared experts (Mixtral has routed experts only)"))
+               "shared experts (Mixtral has routed experts only)"),
+              *_mixtral_routing_checks(m))
     for bad, flag, what in checks:
         if bad:
             raise _no_class(what, flag)
+
+
+def _mixtral_routing_checks(m: ModelConfig) -> tuple:
+    """Router options under which Mixtral's routing (softmax over the top-k logits, every
+    expert eligible, no bias) would pick or weigh experts differently than ours."""
+    return ((m.moe_router_score_function != "softmax", "--moe-router-score-function",
+             f"{m.moe_router_score_function} router scores (Mixtral's are a softmax)"),
+            (m.moe_router_pre_softmax, "--moe-router-pre-softmax",
+             "a softmax over all experts before the top-k (Mixtral renormalises the top-k)"),
+            (m.moe_router_topk_scaling_factor is not None, "--moe-router-topk-scaling-factor",
+             "scaled top-k weights (Mixtral's sum to 1)"),
+            (m.moe_router_num_groups is not None, "--moe-router-num-groups",
+             "group-limited routing (Mixtral may route to any expert)"),
+            (m.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias",
+             "a routing bias per expert (Mixtral's router has none)"))
 
 
 def _refuse_bert(m: ModelConfig) -> None:
@@ -167,6 +183,10 @@ def hf_family(m: ModelConfig) -> str:
         raise _no_class("query/key normalization", "--qk-layernorm")
     if m.layernorm_zero_centered_gamma:
         raise _no_class("zero-centred norms", "--apply-layernorm-1p")
+    if m.mtp_num_layers:
+        logger.warning(f"the {m.mtp_num_layers} multi-token prediction layer(s) are not "
+                       "exported (the Hugging Face classes here have none); the exported "
+                       "model is the main model, its logits the main head's")
     if m.is_moe:
         _refuse_mixtral(m)
         return MIXTRAL
