@@ -2656,10 +2656,33 @@ def summary(rows: list) -> dict:
     return out
 
 
+def merged(path: str, rows: list, ran: set) -> tuple[list, dict]:
+    """An earlier full run's rows (the JSON at `path`) with the classes in `ran` replaced
+    by this run's `rows`, in the matrix's order, and the earlier counts' time and note."""
+    with open(path) as f:
+        earlier = json.load(f)
+    order = {p.name: i for i, p in enumerate(all_probes())}
+    kept = [r for r in earlier["rows"] if r["klass"] not in ran]
+    both = sorted(kept + rows, key=lambda r: (r["klass"], order.get(r["probe"], len(order))))
+    return both, earlier["counts"]
+
+
 def write(args: argparse.Namespace, rows: list, start: float, complete: bool) -> dict:
+    seconds = round(time.monotonic() - start, 1)
+    if args.update:  # this run's classes replace those of an earlier full run
+        ran = {r["klass"] for r in rows}
+        rows, earlier = merged(args.update, rows, ran)
+        only = " ".join(f"--only {c}" for c in sorted(ran))
+        word = "class" if len(ran) == 1 else "classes"
+        note = f"{word} {', '.join(map(str, sorted(ran)))} from {only} ({seconds} s)"
+        if earlier.get("note") and f"--only {min(ran)} " not in earlier["note"] + " ":
+            note = f"{earlier['note']}; {note}"  # earlier partial reruns stay named
+        seconds = earlier["seconds"]
     counts = summary(rows)
-    counts["seconds"] = round(time.monotonic() - start, 1)
+    counts["seconds"] = seconds
     counts["complete"] = complete
+    if args.update:
+        counts["note"] = note
     if args.markdown:
         os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as f:
@@ -2680,6 +2703,9 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--markdown", help="write the table here")
     ap.add_argument("--jobs", type=int, default=1, choices=[1], help="probes run one at a time")
     ap.add_argument("--list", action="store_true", help="list the probes and exit")
+    ap.add_argument("--update", metavar="JSON",
+                    help="an earlier full run's JSON: the classes run now replace its rows of "
+                         "those classes, and --json / --markdown get the whole matrix")
     args = ap.parse_args(argv)
     probes = [p for p in all_probes() if (not args.only or p.klass in args.only)
               and (not args.probe or any(s in p.name for s in args.probe))]
