@@ -87,6 +87,11 @@ class ModelShape:
     """Per head: query / key channels that rotate."""
     v_head_dim: int = 128
     """Per head: value channels."""
+    mtp_num_layers: Optional[int] = None
+    """GPT: multi-token prediction layers (--mtp-num-layers; DeepSeek-V3; None: none),
+    all on the last pipeline stage, as megatron-core 0.16.1 places them: each one
+    (`mtp_layer_params`) a transformer layer like the decoder's last (dense or MoE) plus
+    its norms and projection, and one more logits pass (models/mtp.py)."""
 
     vocab_is_padded: ClassVar[bool] = False
     """Whether `vocab_size` already is the padded size (a built model's)."""
@@ -99,7 +104,17 @@ class ModelShape:
     def _problems(self) -> list[str]:
         """Everything wrong with the values (empty: valid); subclasses add theirs."""
         problems = self._shape_problems()
-        return problems or self._latent_problems()
+        return problems or self._latent_problems() + self._mtp_shape_problems()
+
+    def _mtp_shape_problems(self) -> list[str]:
+        """Multi-token prediction's depth (a planner's shape; ModelConfig has its own)."""
+        depth = self.mtp_num_layers
+        if depth is None:
+            return []
+        if not isinstance(depth, int) or depth < 1 or self.model != "gpt":
+            return [f"mtp_num_layers={depth!r} needs GPT and a positive integer "
+                    "(--mtp-num-layers)"]
+        return []
 
     def _latent_problems(self) -> list[str]:
         """Multi-latent attention's sizes (a planner's shape; ModelConfig has its own)."""
@@ -238,17 +253,39 @@ class ModelShape:
 
         Megatron ties the output layer to the word embedding; with pp > 1 the last stage
         keeps its own copy, kept equal by an all-reduce over the first and last stage.
+        With multi-token prediction at pp > 1 it also holds a copy of the word embedding
+        for the MTP layers' inputs (megatron-core builds both there).
         """
         h = self.hidden_size
         vocab = self.padded_vocab(tp) // tp
-        params = 2 * h + (vocab * h if pp > 1 else 0)
+        copies = (pp > 1) * (1 + bool(self.mtp_depth))
+        params = 2 * h + copies * vocab * h
         if self.model == "bert":  # LM-head dense + LayerNorm + output bias, pooler, binary head
             params += h * h + h + 2 * h + vocab + h * h + h + 2 * h + 2
         return params
 
+    @property
+    def mtp_depth(self) -> int:
+        """MTP layers (0 without multi-token prediction)."""
+        return self.mtp_num_layers or 0
+
+    def mtp_layer_params(self) -> int:
+        """One MTP layer without its transformer layer (megatron-core's
+        MultiTokenPredictionLayer): the embedding's and the hidden state's norms (enorm,
+        hnorm, 2h each), the projection of their concatenation eh_proj (2h x h, no bias)
+        and the final norm (2h)."""
+        h = self.hidden_size
+        return 2 * 2 * h + 2 * h * h + 2 * h
+
+    def mtp_params(self) -> int:
+        """The MTP block, dense layers (a planner adds its experts): D x (a transformer
+        layer + `mtp_layer_params`); the last stage's copy of the word embedding it
+        needs at pp > 1 counts in `output_params`."""
+        return self.mtp_depth * (self.layer_params() + self.mtp_layer_params())
+
     def total_params(self) -> int:
         return (self.num_layers * self.layer_params() + self.embedding_params(1)
-                + self.output_params(1, 1))
+                + self.output_params(1, 1) + self.mtp_params())
 
     # ---- FLOPs: Narayanan et al., SC21, "Efficient Large-Scale Language Model Training
     # on GPU Clusters Using Megatron-LM", Section 5.1: a layer's forward is
@@ -299,6 +336,18 @@ class ModelShape:
     def logits_forward_flops(self, b: int, tp: int = 1) -> float:
         """The output layer's logits, 2bshV (V padded at `tp`, all ranks together)."""
         return float(2 * b * self.seq_length * self.hidden_size * self.padded_vocab(tp))
+
+    def mtp_forward_flops(self, b: int, moe: Optional[MoeShape] = None) -> float:
+        """The MTP block's forward (no recomputation: megatron-core does not recompute
+        it here): per MTP layer the decoder's last layer (MoE when that one is), its
+        projection eh_proj 2bs(2h)h and one more logits pass."""
+        if not self.mtp_depth:
+            return 0.0
+        last_moe = moe is not None and moe.is_moe_layer(self.num_layers - 1)
+        layer = (self.moe_layer_forward_flops(b, moe) if last_moe
+                 else self.layer_forward_flops(b))
+        proj = float(2 * b * self.seq_length * 2 * self.hidden_size * self.hidden_size)
+        return self.mtp_depth * (layer + proj + self.logits_forward_flops(b))
 
     def output_forward_flops(self, b: int, tp: int = 1) -> float:
         """Logits 2bshV (+ BERT's LM-head transform 2bsh^2)."""
@@ -426,13 +475,14 @@ class ModelShape:
         transform), the whole score matrix; "full" recomputation adds a forward of the
         layers, "selective" one of their core attention. A mixture of experts (`moe`, by
         default `routed_experts()`) counts its MoE layers' k routed experts, shared experts and
-        router (`moe_layer_forward_flops`). For a standard GPT it is Narayanan et al.'s eq. 3,
+        router (`moe_layer_forward_flops`); the MTP block adds 3 forwards of its own
+        (`mtp_forward_flops`). For a standard GPT it is Narayanan et al.'s eq. 3,
         72 B s l h^2 (1 + s/6h + V/12lh); Megatron-LM's count for the log
         (training/flops.py) halves the causal scores and adds nothing for recomputation."""
         moe = moe if moe is not None else self.routed_experts()
         passes = 4 if recompute_granularity == "full" else 3
         flops = (passes * self.layers_forward_flops(b, moe)
-                 + 3 * self.logits_forward_flops(b))
+                 + 3 * self.logits_forward_flops(b) + 3 * self.mtp_forward_flops(b, moe))
         if recompute_granularity == "selective":
             flops += self.num_layers * self.attention_core_forward_flops(b)
         return flops

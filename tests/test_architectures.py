@@ -185,7 +185,7 @@ REFUSED = [  # (extra flags, model, flag named, part of the message)
     (["--recompute-num-layers", "1"], "gpt", "--recompute-num-layers", "only with"),
     (["--recompute-modules", "mlp"], "gpt", "--recompute-modules", "selective"),
     (["--recompute-activations", "--recompute-modules", "moe_act"], "gpt",
-     "--recompute-modules", "moe_act is not implemented"),
+     "--moe-grouped-gemm", "moe_act needs"),
     (["--recompute-activations", "--recompute-modules", "mla_up_proj"], "gpt",
      "--multi-latent-attention", "mla_up_proj needs"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",

@@ -560,6 +560,16 @@ def test_theoretical_memory_is_megatrons_estimate() -> None:
     activations = (s * b * h * 34 * l + 8 * s * b * 2 + s * b * h * 2) * 1.05 / 2**20
     assert got[-2] == (f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
                        f"activation={activations:.2f} MB, total={weights + activations:.2f} MB")
+    # --mtp-num-layers 2: Megatron-LM's "mtp block" line, on the most loaded (last) shard
+    mtp = ModelConfig(model="gpt", num_layers=l, hidden_size=h, num_attention_heads=16,
+                      seq_length=s, vocab_size=v, position_embedding_type="rope",
+                      mtp_num_layers=2)
+    got = theoretical_memory_lines(mtp, MemoryInputs(ParallelConfig(world_size=2,
+                                                                    pipeline_parallel=2), b, 8))
+    block_mtp = 2 * (12 * h * h + 4 * h)
+    assert got[1] == f"Number of parameters in mtp block in billions: {block_mtp / 1e9: .2f}"
+    assert got[4] == ("Number of parameters in most loaded shard in billions: "
+                      f"{(block / 2 + block_mtp + h * v) / 1e9:.4f}")
 
 
 def test_arguments_block_is_megatrons() -> None:

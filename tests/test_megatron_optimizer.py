@@ -14,7 +14,8 @@ Megatron-LM's three optimizer layouts of a torch_dist checkpoint.
   (tests/fixtures/megatron_lm/torch_dist_adam*, tools/checkpoint/megatron_fixtures.py)
   load with Adam's moments, step and fp32 main weights equal to what Megatron-LM's
   optimizer held (adam_reference/), resharded to another DP or TP; a dp_reshardable one
-  at another TP is refused in one line;
+  at another TP is refused in one line; its --ckpt-format torch file (torch_adam: the
+  non-distributed optimizer's index-keyed Adam state) resumes likewise;
 - our dp_reshardable saves, which hold Adam's state in the buckets only: their index
   reads it back at another tensor-parallel size exactly; one written with a per-parameter
   copy too (tests/fixtures/megatron_2bw/) still resumes.
@@ -323,6 +324,52 @@ def test_dp_reshardable_at_another_tp_is_refused_in_one_line() -> None:
                         "was saved at: resume with --tensor-model-parallel-size 1 (any "
                         "data-parallel size), or pass --no-load-optim, or save it in "
                         "Megatron-LM with --dist-ckpt-optim-fully-reshardable"), line
+
+
+def _resume_torch_fixture(rank: int, world: int) -> dict:
+    """Resume Megatron-LM's --ckpt-format torch fixture (bf16, non-distributed optimizer)
+    into a stage and an Adam updater as restore does; compare what the updater then holds
+    with adam_reference."""
+    from megatron.core import parallel_state as ps
+    from megatron_2bw.checkpointing.reading import read_checkpoint
+    from megatron_2bw.checkpointing.restoring import read_megatron_torch_optimizer
+    from megatron_2bw.models import apply_cpu_shims, build_stage, model_parallel_manual_seed
+    from megatron_2bw.models.config import ModelConfig
+    from megatron_2bw.optim.updater import MegatronUpdater, OptimizerConfig, ParamInfo
+    ps.initialize_model_parallel(1, 1)
+    apply_cpu_shims("cpu")
+    model_parallel_manual_seed(77)
+    stage = build_stage(ModelConfig(**ADAM_MODEL, params_dtype=torch.bfloat16), 0, 1)
+    named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    updater = MegatronUpdater(params, [ParamInfo(n, p.dim() > 1, True, False)
+                                       for n, p in named], OptimizerConfig(lr=1e-2))
+    loaded = read_checkpoint(os.path.join(FIXTURES, "torch_adam"))
+    read_megatron_torch_optimizer(loaded, _Weights(stage, 3).checkpoint_state(), updater)
+    saved = loaded.state["optimizer"]
+    updater.restore_checkpoint(saved, params, "checkpoint", saved["masters"])
+    state = updater.state_dict()
+    reference = torch.load(os.path.join(FIXTURES, "adam_reference", "torch_adam.pt"))
+    places = {id(st.data): st for st in stage.sharded_state_dict().values()
+              if isinstance(getattr(st, "data", None), torch.nn.Parameter)}
+    mine = {"exp_avg": state["adam"]["exp_avg"], "exp_avg_sq": state["adam"]["exp_avg_sq"],
+            "param": state["masters"]}
+    equal = {k: sum(torch.equal(t.float(), _reference_piece(reference, places[id(p)], k))
+                    for t, p in zip(tensors, params)) for k, tensors in mine.items()}
+    return {"equal": equal, "params": len(named), "step": state["adam"]["step"],
+            "reference_step": reference["step"]}
+
+
+@pytest.mark.slow
+def test_megatron_lm_torch_format_resumes_with_its_adam_state() -> None:
+    """The torch fixture's Adam moments, fp32 main weights and step, every parameter
+    matched to its saved index; the distributed optimizer's file is refused in one line."""
+    r = run_distributed(_resume_torch_fixture, 1)[0]
+    assert r["equal"] == {k: r["params"] for k in r["equal"]}, r
+    assert r["step"] == r["reference_step"] == 3, r
+    with pytest.raises(mlo.LayoutError, match="distrib_optim.pt .* --no-load-optim"):
+        mlo.torch_optimizer_state({"optimizer": {}}, [],
+                                  SimpleNamespace(use_distributed_optimizer=True))
 
 
 # ------------------------------------------------------------------ our bucket index

@@ -106,10 +106,11 @@ def test_torch_dist_checkpoint_resumes_at_pp2(tmp_path, small_corpus, pp1) -> No
 
 
 # every module megatron-core recomputes here, on a model that has each: MLA (its up
-# projections), RMSNorm, one dense and one MoE layer with shared experts, and dropout
+# projections), RMSNorm, one dense and one MoE layer with shared and grouped experts
+# (moe_act), and dropout
 RECOMPUTE_EVERY_MODULE = ["--recompute-granularity", "selective", "--recompute-modules",
                           "core_attn", "layernorm", "mla_up_proj", "mlp", "moe",
-                          "shared_experts"]
+                          "shared_experts", "moe_act"]
 
 
 @pytest.mark.slow
@@ -119,8 +120,8 @@ def test_selective_recompute_of_every_module_keeps_the_numbers(tmp_path) -> None
     masks); the per-layer router losses of --moe-per-layer-logging sum to the total."""
     flags = (["--num-layers", "2", "--train-iters", "3", "--global-batch-size", "4",
               "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--moe-layer-freq", "2",
-              "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2"]
-             + MLA)
+              "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2",
+              "--moe-grouped-gemm"] + MLA)
     plain = launch("gpt", 1, flags, str(tmp_path / "plain.jsonl"))
     tb = str(tmp_path / "tb")
     recomputed = launch("gpt", 1, flags + RECOMPUTE_EVERY_MODULE + ["--moe-per-layer-logging",

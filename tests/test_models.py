@@ -271,6 +271,8 @@ def test_selective_recompute_matches_no_recompute_with_dropout(runs):
     (dict(recompute_granularity="full"), "needs recompute_method"),
     (dict(recompute_granularity="selective", recompute_method="uniform"), "only apply to full"),
     (dict(recompute_modules=("core_attn",)), "only apply to selective"),
+    (dict(recompute_granularity="selective", recompute_modules=("moe_act",)),
+     "moe_act needs moe_grouped_gemm"),
     (dict(num_query_groups=3), "not divisible by num_query_groups=3"),
     (dict(position_embedding_type="rope", rotary_percent=0.2), "positive even number"),
     (dict(swiglu=True, hidden_size=16), "give ffn_hidden_size"),
@@ -339,25 +341,33 @@ out = []
 with _single_process_megatron():
     for fields in json.loads(sys.argv[1]):
         config = ModelConfig(**fields)
-        layer = build_stage(config, 0, 1).model.decoder.layers[0]
+        model = build_stage(config, 0, 1).model
+        layer = model.decoder.layers[0]
         out.append([sum(p.numel() for p in layer.parameters()), config.layer_params()])
+        if config.mtp_num_layers:  # the MTP block (models/mtp.py), built on this stage
+            out.append([sum(p.numel() for p in model.mtp.parameters()), config.mtp_params()])
 print(json.dumps(out))
 """
 
 
 def test_shape_counts_a_built_layers_parameters():
     """`layer_params` (grouped-query attention, kv-channels, SwiGLU, multi-latent
-    attention) against the numel of a megatron-core layer built from the same config, in
+    attention) against the numel of a megatron-core layer built from the same config, and
+    `mtp_params` against a built MTP block's (what the planner adds to the last stage), in
     a child process (the CPU shims and the process group stay out of this one)."""
     base = dict(model="gpt", num_layers=1, hidden_size=64, num_attention_heads=4,
                 seq_length=8, vocab_size=128)
     mla = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
                qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True)
     variants = [base, {**base, "num_query_groups": 2, "swiglu": True, "ffn_hidden_size": 96},
-                {**base, "kv_channels": 8, "num_query_groups": 1}, {**base, **mla}]
+                {**base, "kv_channels": 8, "num_query_groups": 1}, {**base, **mla},
+                {**base, "num_query_groups": 2, "swiglu": True, "ffn_hidden_size": 96,
+                 "position_embedding_type": "rope", "mtp_num_layers": 2}]
     done = subprocess.run([sys.executable, "-c", _BUILT_LAYER, json.dumps(variants)],
                           capture_output=True, text=True, timeout=300, check=True)
-    for built, counted in json.loads(done.stdout.strip().splitlines()[-1]):
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(counts) == len(variants) + 1  # the MTP block's pair too
+    for built, counted in counts:
         assert built == counted
 
 

@@ -15,8 +15,10 @@ weights' gradients are per rank, as before any data-parallel reduction).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _moe_worker  # noqa: E402
 
 from megatron_2bw.models.config import ModelConfig  # noqa: E402
-from megatron_2bw.models.moe import grouped_matmul, is_expert_parameter  # noqa: E402
+from megatron_2bw.models.moe import (TorchGroupedMLP, activate_then_project,  # noqa: E402
+                                     grouped_matmul, is_expert_parameter)
 
 HIDDEN = _moe_worker.BASE["hidden_size"]
 EXPERTS = _moe_worker.BASE["num_experts"]
@@ -170,6 +173,40 @@ def test_grouped_matmul_is_one_matmul_per_expert() -> None:
     out.sum().backward()
     assert torch.equal(weights.grad[1], torch.zeros(6, 7))  # no tokens: a zero gradient
     torch.testing.assert_close(weights.grad[0], tokens[0:3].detach().t() @ torch.ones(3, 7))
+
+
+def _kept_bytes(run) -> int:
+    """The bytes autograd still holds for backward once `run()` has returned."""
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = run()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    return out, sum(storages.values())
+
+
+def test_moe_act_recompute_keeps_the_gradients_and_frees_the_activation() -> None:
+    """--recompute-modules moe_act: the grouped experts' gradients are bit-equal, and the
+    activation's output [tokens, ffn] is not held for backward."""
+    from megatron_2bw.models import apply_cpu_shims
+
+    apply_cpu_shims()  # megatron-core's checkpoint saves RNG states, CUDA's among them
+    config = SimpleNamespace(gated_linear_unit=True, activation_func=F.silu,
+                             activation_func_clamp_value=None, glu_linear_offset=0.0)
+    activate = functools.partial(TorchGroupedMLP._activate, SimpleNamespace(config=config))
+    g = torch.Generator().manual_seed(0)
+    sizes, ffn = [3, 0, 5], 16
+    inputs = [torch.randn(8, 2 * ffn, generator=g), torch.rand(8, generator=g),
+              torch.randn(3, ffn, 6, generator=g)]
+    results = []
+    for recompute in (False, True):
+        fc1, probs, w2 = [t.clone().requires_grad_() for t in inputs]
+        out, kept = _kept_bytes(lambda: activate_then_project(
+            activate, lambda h: grouped_matmul(h, w2, sizes), fc1, probs, recompute))
+        out.square().sum().backward()
+        results.append((kept, [out, fc1.grad, probs.grad, w2.grad]))
+    (plain_kept, plain), (kept, recomputed) = results
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed))
+    assert plain_kept - kept >= 8 * ffn * 4, (plain_kept, kept)
 
 
 def test_expert_parameters_are_the_routed_experts_only() -> None:

@@ -705,6 +705,20 @@ def test_cli_bad_flag_is_one_line_naming_it(change, flag, capsys):
     assert err.count("\n") == 1 and flag in err
 
 
+@pytest.mark.parametrize("change, works", [
+    (["--tensor-parallel-sizes", "16,3"], "--tensor-parallel-sizes 1,2,4,8 would"),
+    (["--micro-batch-sizes", "64"], "--micro-batch-sizes 1,2,4,8,16,32 would"),
+])
+def test_cli_restriction_that_leaves_nothing_names_what_works(change, works, capsys):
+    """A flag whose every value the model or job rules out is named with the values that
+    work (TP: the 8 heads and 8 devices per node allow 1, 2, 4, 8; a micro-batch divides
+    the batch of 32), not reported as "no configuration of 0 fits" in memory."""
+    assert cli_main(SMALL_FLAGS + change + ["--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{change[0]} {change[1]} leaves no" in err
+    assert works in err and "fits" not in err
+
+
 def test_cli_missing_flag_and_profile_mismatch(tmp_path, capsys):
     assert cli_main(["--hidden-size", "512"]) == 2
     assert "--num-layers" in capsys.readouterr().err

@@ -105,14 +105,15 @@ def from_megatron_names(weights: dict) -> dict:
 
 def complete_megatron_state(state: dict) -> dict:
     """A --ckpt-format torch file written by Megatron-LM has one weight version, no loss
-    scales and its own optimizer layout: the engine's view of it (the optimizer is not
-    read: --finetune or --no-load-optim, which restore asks for)."""
+    scales and its own optimizer layout: the engine's view of it. Its optimizer entry is
+    kept as `megatron_optimizer` (restoring.py translates it once the model exists)."""
     if "weight_versions" in state or "model" not in state:  # ours, or no weights at all
         return state
     iteration = state.get("iteration", 0)
     return {**state, "weight_versions": {iteration: state["model"]},
             "newest_version": iteration, "loss_scale_of": {iteration: 1.0},
-            "pipeline_schedule": None, "optimizer": None}
+            "pipeline_schedule": None, "optimizer": None,
+            "megatron_optimizer": state.get("optimizer")}
 
 
 def megatron_engine_state(common: dict) -> dict:

@@ -8,6 +8,7 @@ the optimizer state and the true weights through `updater.restore_checkpoint`
 """
 from __future__ import annotations
 
+import argparse
 import logging
 
 import torch
@@ -15,11 +16,13 @@ from torch import nn
 
 from ..optim.checkpoint import CheckpointedOptimizer, OptimizerCheckpoint
 from ..runtime.checkpoint import CheckpointedRuntime, WeightsCheckpoint
+from . import megatron_optim as mlo
 from .contents import MODULE_PREFIX, from_megatron_names, restore_rng
 from .files import CheckpointError
 from .ranks import warn_once
 from .reading import LoadedCheckpoint
 from .resume import continuation_line, scheduler_source
+from .sharded import engine_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,8 @@ def restore(loaded: LoadedCheckpoint, executor: CheckpointedRuntime,
         _restore_finetune(loaded, weights, updater)
         return
     newest = state["newest_version"]
+    if not (t.no_load_optim or t.skip_train or t.converting):
+        read_megatron_torch_optimizer(loaded, weights, updater)
     optim = _loads_optimizer(loaded, t.no_load_optim, t.skip_train, t.converting)
     if optim and not loaded.sharded:
         check_optimizer_kind(loaded, updater.checkpoint_state())
@@ -68,6 +73,25 @@ def _restore_finetune(loaded: LoadedCheckpoint, weights: WeightsCheckpoint,
     logger.info(f"--finetune: the weights of {loaded.path} (iteration {loaded.iteration}, "
                 f"weight version {newest}); the iteration count, optimizer, learning-rate "
                 "schedule and random state start fresh")
+
+
+def read_megatron_torch_optimizer(loaded: LoadedCheckpoint, weights: WeightsCheckpoint,
+                                  updater: CheckpointedOptimizer) -> None:
+    """A torch file Megatron-LM wrote with its non-distributed optimizer: its Adam state
+    translated into this engine's nested `optimizer` state, indexed by this rank's
+    parameters (the file loads only at the layout it was saved at, so they are the
+    saved ones). A layout not read here is one line naming what works."""
+    saved = loaded.state.get("megatron_optimizer")
+    if saved is None or loaded.state.get("optimizer") is not None:
+        return
+    specs = mlo.param_specs(weights.module(weights.newest), weights.params(weights.newest))
+    try:
+        found, scalars = mlo.torch_optimizer_state(saved, specs,
+                                                   argparse.Namespace(**loaded.args))
+    except mlo.LayoutError as err:
+        raise CheckpointError(f"the checkpoint ({loaded.path}): {err}") from err
+    loaded.state["optimizer"] = engine_optimizer_state(
+        loaded.state, updater, updater.per_parameter_state(), found, scalars)
 
 
 def _loads_optimizer(loaded: LoadedCheckpoint, no_load_optim: bool,

@@ -491,8 +491,9 @@ def _by_index(loaded: dict, names: Sequence[str]) -> dict[str, dict[int, torch.T
     return {kind: {index[name]: t for name, t in per.items()} for kind, per in loaded.items()}
 
 
-def _optimizer_state(common: dict, updater: CheckpointedOptimizer, tensors: PerParameter,
-                     found: dict[str, dict[int, torch.Tensor]], saved: dict) -> dict:
+def engine_optimizer_state(common: dict, updater: CheckpointedOptimizer,
+                           tensors: PerParameter, found: dict[str, dict[int, torch.Tensor]],
+                           saved: dict) -> dict:
     """The nested optimizer state `updater.restore_checkpoint` reads (the torch format's
     `optimizer`): this run's state with the loaded tensors (`found`, by parameter index)
     and the saved scalars (`saved`: the engine's, completed from the load) in it."""
@@ -515,15 +516,15 @@ def _optimizer_state(common: dict, updater: CheckpointedOptimizer, tensors: PerP
 def _loaded_optimizer(common: dict, updater: CheckpointedOptimizer, names: Sequence[str],
                       tensors: PerParameter, loaded: dict,
                       buckets: Optional[BucketSource]) -> dict:
-    """`_optimizer_state` from what the load returned: per-parameter tensors, and where
-    `buckets` read some, those (a Megatron-LM checkpoint's with the scalars of its
+    """`engine_optimizer_state` from what the load returned: per-parameter tensors, and
+    where `buckets` read some, those (a Megatron-LM checkpoint's with the scalars of its
     param groups)."""
     saved = dict(common["pipedream_2bw"])
     found = _by_index(loaded.get("optimizer_tensors") or {}, names)
     if buckets is not None:
         found.update(buckets.found(loaded["optimizer_buckets"]))
         saved.update(buckets.scalars(loaded["optimizer_buckets"]))
-    return _optimizer_state(common, updater, tensors, found, saved)
+    return engine_optimizer_state(common, updater, tensors, found, saved)
 
 
 def load_sharded(root: str, iteration: int, common: dict, executor: CheckpointedRuntime,

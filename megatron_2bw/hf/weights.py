@@ -28,6 +28,7 @@ The layouts that differ:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -66,36 +67,35 @@ def _layers(m: ModelConfig) -> range:
 # ----------------------------------------------------------------------------- GPT-2
 
 
-def _gpt2_layer(src: State, m: ModelConfig, i: int) -> State:
+# Layer i's tensors that map one to one (our module, GPT-2's, whether GPT-2 stores it as a
+# `Conv1D`, whose weight is the transpose of a `Linear`'s); each has a weight and a bias.
+_GPT2_LAYER = (("input_layernorm", "ln_1", False), ("pre_mlp_layernorm", "ln_2", False),
+               ("self_attention.linear_proj", "attn.c_proj", True),
+               ("mlp.linear_fc1", "mlp.c_fc", True), ("mlp.linear_fc2", "mlp.c_proj", True))
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _gpt2_layer(src: State, m: ModelConfig, i: int, to_hf: bool) -> State:
+    """Layer i in the other naming (`to_hf`: ours -> GPT-2's). One function for both
+    directions: the renames and transposes are their own inverses, only the QKV layout
+    (grouped per query group in ours, [all Q; all K; all V] in `c_attn`) differs."""
     a, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
     out = {}
     for part in ("weight", "bias"):
-        q, k, v = split_qkv(src[a + f"self_attention.linear_qkv.{part}"], m)
-        qkv = torch.cat([q, k, v])
-        out[h + f"attn.c_attn.{part}"] = qkv.t() if part == "weight" else qkv
-        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-            out[h + f"{theirs}.{part}"] = src[a + f"{ours}.{part}"]
-        for ours, theirs in (("self_attention.linear_proj", "attn.c_proj"),
-                             ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
-            t = src[a + f"{ours}.{part}"]
-            out[h + f"{theirs}.{part}"] = t.t() if part == "weight" else t
-    return out
-
-
-def _gpt2_layer_back(src: State, m: ModelConfig, i: int) -> State:
-    a, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
-    hidden, out = m.hidden_size, {}
-    for part in ("weight", "bias"):
-        qkv = src[h + f"attn.c_attn.{part}"]
-        qkv = qkv.t() if part == "weight" else qkv
-        q, k, v = torch.split(qkv, [hidden, hidden, hidden])
-        out[a + f"self_attention.linear_qkv.{part}"] = merge_qkv(q, k, v, m)
-        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-            out[a + f"{ours}.{part}"] = src[h + f"{theirs}.{part}"]
-        for ours, theirs in (("self_attention.linear_proj", "attn.c_proj"),
-                             ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
-            t = src[h + f"{theirs}.{part}"]
-            out[a + f"{ours}.{part}"] = t.t() if part == "weight" else t
+        turn = Tensor.t if part == "weight" else _same  # Conv1D's weight <-> Linear's
+        ours_qkv, hf_qkv = a + f"self_attention.linear_qkv.{part}", h + f"attn.c_attn.{part}"
+        if to_hf:
+            out[hf_qkv] = turn(torch.cat(split_qkv(src[ours_qkv], m)))
+        else:
+            q, k, v = torch.split(turn(src[hf_qkv]), [m.hidden_size] * 3)
+            out[ours_qkv] = merge_qkv(q, k, v, m)
+        for ours, theirs, conv1d in _GPT2_LAYER:
+            s, d = (a + ours, h + theirs) if to_hf else (h + theirs, a + ours)
+            t = src[f"{s}.{part}"]
+            out[f"{d}.{part}"] = turn(t) if conv1d else t
     return out
 
 
@@ -249,7 +249,8 @@ class _Decoder:
 
 
 _DECODERS = {
-    GPT2: _Decoder(_GPT2_TOP, (_gpt2_layer,), (_gpt2_layer_back,)),
+    GPT2: _Decoder(_GPT2_TOP, (partial(_gpt2_layer, to_hf=True),),
+                   (partial(_gpt2_layer, to_hf=False),)),
     LLAMA: _Decoder(_LLAMA_TOP, (_attention_to_hf, _swiglu_to_hf),
                     (_attention_from_hf, _swiglu_from_hf)),
     MIXTRAL: _Decoder(_LLAMA_TOP, (_attention_to_hf, _moe_to_hf),

@@ -144,8 +144,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.tensor_parallel.random.CheckpointWithoutOutput.__init__",
           "import of megatron_2bw.models.compat", "Transformer Engine is not installed",
           "sets `fp8 = fp8 is not None`, True even for fp8=False, so every selective "
-          "recomputation through it (layernorm, mla_up_proj) reads Transformer Engine's "
-          "FP8 state: a NameError without it, on CPU and CUDA alike"),
+          "recomputation through it (layernorm, mla_up_proj, moe_act) reads Transformer "
+          "Engine's FP8 state: a NameError without it, on CPU and CUDA alike"),
     Patch("megatron.core.transformer.moe.grouped_gemm_util.grouped_gemm",
           "models.moe.TorchGroupedMLP.__init__",
           "while one is built without the grouped_gemm package",
@@ -270,8 +270,8 @@ def _checkpoint_without_output_without_te() -> None:
     forward and recompute then call Transformer Engine's FP8 state and autocast, names
     that exist only when Transformer Engine imports. Without it no FP8 can run, so False
     is the only value that means anything; selective recomputation of the norms
-    (`--recompute-modules layernorm`) and of MLA's up projections (`mla_up_proj`) goes
-    through this class.
+    (`--recompute-modules layernorm`), of MLA's up projections (`mla_up_proj`) and of the
+    grouped experts' activation (`moe_act`) goes through this class.
     """
     if importlib.util.find_spec("transformer_engine") is not None:
         return

@@ -33,12 +33,11 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 # megatron-core's selective-recompute modules (Megatron-LM's --recompute-modules choices)
 MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                               "shared_experts")
-# those that recompute here: "mlp" leaves MoE layers alone and "moe" recomputes a whole MoE
+# all recompute here: "mlp" leaves MoE layers alone and "moe" recomputes a whole MoE
 # layer, "shared_experts" only its shared experts (both no-ops without experts), as
-# upstream; "layernorm" and "mla_up_proj" need compat.py's fix of CheckpointWithoutOutput.
-# Not "moe_act": megatron-core recomputes the expert activation only inside GroupedMLP's
-# own forward, which models/moe.py replaces with a torch grouped GEMM.
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+# upstream; "layernorm", "mla_up_proj" and "moe_act" (the grouped experts' activation,
+# models/moe.py's activate_then_project) need compat.py's fix of CheckpointWithoutOutput.
+RECOMPUTE_MODULES = MEGATRON_RECOMPUTE_MODULES
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # see models/attention.py
 CP_COMM_TYPES = ("p2p", "all_gather")  # see models/context_parallel.py
 # mixture of experts (models/moe.py): megatron-core 0.16.1's choices that run here
@@ -166,9 +165,7 @@ class ModelConfig(ModelShape):
     """GPT only (Megatron-LM's --calculate-per-token-loss): the last stage returns the sum
     of its masked token losses, not their mean, so that the step can divide by the token
     count of the whole global batch (`PipelineStage.num_tokens` counts them)."""
-    mtp_num_layers: Optional[int] = None
-    """GPT: multi-token prediction layers after the decoder, all on the last pipeline
-    stage (DeepSeek-V3; None: none; models/mtp.py)."""
+    # mtp_num_layers: the shape's (`ModelShape.mtp_num_layers`)
     mtp_loss_scaling_factor: float = 0.1
     """The MTP loss's weight, split evenly over the MTP layers."""
     task: Optional[str] = None
@@ -417,6 +414,9 @@ class ModelConfig(ModelShape):
                             f"{RECOMPUTE_MODULES}")
         if modules and "mla_up_proj" in modules and not self.multi_latent_attention:
             problems.append("recompute_modules mla_up_proj needs multi_latent_attention "
+                            "(megatron-core's rule)")
+        if modules and "moe_act" in modules and not self.moe_grouped_gemm:
+            problems.append("recompute_modules moe_act needs moe_grouped_gemm "
                             "(megatron-core's rule)")
         return problems
 

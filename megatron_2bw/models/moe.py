@@ -23,18 +23,21 @@ spots of it run over gloo. What lives here:
   expert `local_expert_indices[j]` (its fc1 weight, transposed); likewise
   `weight2.view(E_local, -1, hidden)[j]` (fc2, transposed). So at EP = n the parameter is
   the n-th part along that leading expert axis of the EP = 1 one, under the same name.
+- `activate_then_project`: --recompute-modules moe_act for `TorchGroupedMLP`, as
+  megatron-core's GroupedMLP does it (the activation's output is not kept for backward).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import re
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
 from megatron.core.transformer.moe.experts import GroupedMLP
@@ -237,8 +240,31 @@ class TorchGroupedMLP(GroupedMLP):
         w1 = self.weight1.view(self.num_local_experts, hidden, -1)
         w2 = self.weight2.view(self.num_local_experts, -1, hidden)
         fc1_output = grouped_matmul(permuted_local_hidden_states, w1, sizes)
-        intermediate = self._activate(fc1_output, permuted_probs)
-        return grouped_matmul(intermediate, w2, sizes), None
+        # GroupedMLP.__init__ sets activation_recompute: selective with "moe_act"
+        return activate_then_project(self._activate, lambda h: grouped_matmul(h, w2, sizes),
+                                     fc1_output, permuted_probs,
+                                     self.activation_recompute), None
+
+
+def activate_then_project(activate: Callable[[Tensor, Tensor], Tensor],
+                          project: Callable[[Tensor], Tensor], fc1_output: Tensor,
+                          probs: Tensor, recompute: bool) -> Tensor:
+    """`project(activate(fc1_output, probs))`; with `recompute` (--recompute-modules
+    moe_act) the activation's output is freed once `project` has used it and recomputed
+    from the saved `fc1_output` and `probs` when backward reaches `project`'s output.
+
+    Why: that output is the widest tensor an expert keeps for backward (fc2 saves its
+    input), and the activation is cheap to redo; this is megatron-core GroupedMLP's
+    moe_act, through its CheckpointWithoutOutput (compat.py makes fp8=False mean no FP8
+    without Transformer Engine). The recomputation replays the same operations on the same
+    inputs, so gradients are the same numbers.
+    """
+    if not recompute:
+        return project(activate(fc1_output, probs))
+    checkpoint = CheckpointWithoutOutput(fp8=False)
+    output = project(checkpoint.checkpoint(activate, fc1_output, probs))
+    checkpoint.discard_output_and_register_recompute(output)
+    return output
 
 
 # Megatron-LM's names of the router losses in its log line and TensorBoard, by

@@ -34,7 +34,8 @@ from .hardware import PRESETS, Hardware, LaunchEnv, load_hardware, load_launch_e
 from .launch import (FORMS, Job, LaunchError, add_launch_flags, check_launch_args,
                      default_time, emit, nodes_for, trainer_groups)
 from .report import ENTRY_POINTS, plan_groups, to_json
-from .search import CONTEXT_PARALLEL_MIN_SEQ_LENGTH, SearchResult, SearchSpace, search
+from .search import (CONTEXT_PARALLEL_MIN_SEQ_LENGTH, SearchResult, SearchSpace,
+                     no_configuration_reason, search)
 from .spec import (COMPENSATIONS, DEFAULT_RECOMPUTE_OPTIONS, OPTIMIZERS, SCHEDULES,
                    Recompute, optimizer_precision)
 
@@ -134,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind, default, text in MLA_FLAGS:
         m.add_argument(flag, type=kind, default=default,
                        help=f"with --multi-latent-attention: {text} (default {default})")
+    m.add_argument("--mtp-num-layers", type=int, default=None, metavar="D",
+                   help="GPT: multi-token prediction layers on the last stage (DeepSeek-V3; "
+                        "0 or unset: none); plans without sequence or context parallelism")
     m.add_argument("--seq-length", type=_positive_int, required=True)
     m.add_argument("--vocab-size", type=_positive_int,
                    help="unpadded; default 50257 (GPT-2 BPE) or 30522 (BERT WordPiece)")
@@ -249,7 +253,21 @@ def model_from_args(args: argparse.Namespace) -> ModelShape:
     groups = args.num_query_groups or 1 if args.group_query_attention else None
     return ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
                      args.seq_length, vocab, args.ffn_hidden_size, swiglu=args.swiglu,
-                     num_query_groups=groups, **mla)
+                     num_query_groups=groups, **mla, **_mtp_fields(args))
+
+
+def _mtp_fields(args: argparse.Namespace) -> dict:
+    """The shape's MTP depth (Megatron-LM reads 0 as none); ValueError where the trainer
+    would refuse the plan (a negative depth, context parallelism)."""
+    depth = args.mtp_num_layers
+    if not depth:
+        return {}
+    if depth < 0:
+        raise ValueError(f"--mtp-num-layers {depth}: give 0 (none) or a positive count")
+    if args.context_parallel_sizes and set(args.context_parallel_sizes) != {1}:
+        raise ValueError("--context-parallel-sizes: multi-token prediction has no "
+                         "context-parallel form in the trainer; give 1 or leave it out")
+    return {"mtp_num_layers": depth}
 
 
 MOE_SHAPE_FLAGS = ("--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
@@ -459,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     report = to_json(cm, result)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if result.num_enumerated == 0 and result.space is not None:
+        sys.stderr.write("python -m megatron_2bw.planner: error: "
+                         f"{no_configuration_reason(cm, result.space)}\n")
+        return 1
     if result.best is None:
         sys.stderr.write(f"python -m megatron_2bw.planner: error: no configuration of "
                          f"{result.num_enumerated} fits in {cm.hardware.memory_per_device_gb:g} GB "

@@ -336,7 +336,13 @@ class CostModel:
                       if experts is not None else 0) for j in range(v))
 
     def stage_moe_layers(self, cfg: ParallelConfig, stage: int) -> int:
-        return sum(k for _, k in self.stage_chunks(cfg, stage))
+        """The stage's MoE layers, the last stage's MTP layers among them."""
+        mtp = self.mtp_moe_layers() if stage == cfg.pipeline_depth - 1 else 0
+        return sum(k for _, k in self.stage_chunks(cfg, stage)) + mtp
+
+    def mtp_moe_layers(self) -> int:
+        """MTP layers that are MoE layers (`Experts.mtp_moe_layers`; 0 for a dense model)."""
+        return self.experts.mtp_moe_layers(self.model) if self.experts is not None else 0
 
     def expert_dispatch_s(self, cfg: ParallelConfig) -> float:
         """One MoE layer's token dispatch and combine for one microbatch, one direction
@@ -768,12 +774,42 @@ def _stage_params(model: ModelShape, cfg: ParallelConfig, stage: int, layers: in
     if stage == 0:
         params += model.embedding_params(t)
     if stage == d - 1:
-        params += model.output_params(t, d)
+        params += model.output_params(t, d) + _mtp_params_per_rank(model, cfg, experts)
     if moe_layers:
         params += moe_layers * (_moe_layer_params_per_rank(model, experts, t,
                                                            cfg.expert_parallel)
                                 - _layer_params_per_rank(model, t))
     return params
+
+
+def _mtp_params_per_rank(model: ModelShape, cfg: ParallelConfig,
+                         experts: Experts | None) -> int:
+    """The MTP block on a rank of the last stage (megatron-core 0.16.1 puts it there):
+    per MTP layer the decoder's last layer as this rank holds it (dense or MoE), eh_proj
+    column-parallel (2h x h / t) and its three norms whole (`ModelShape.mtp_layer_params`)."""
+    depth, t, h = model.mtp_depth, cfg.tensor_parallel, model.hidden_size
+    if not depth:
+        return 0
+    if experts is not None and experts.is_moe_layer(model.num_layers - 1):
+        layer = _moe_layer_params_per_rank(model, experts, t, cfg.expert_parallel)
+    else:
+        layer = _layer_params_per_rank(model, t)
+    proj = 2 * h * h
+    return depth * (layer + proj // t + model.mtp_layer_params() - proj)
+
+
+def _mtp_times(cm: CostModel, cfg: ParallelConfig, layer: _LayerTimes,
+               moe: _LayerTimes | None) -> _MicrobatchTimes:
+    """The last stage's MTP block per microbatch: D layers like the decoder's last (under
+    the run's recomputation, as megatron-core recomputes them) and D more logits passes
+    (eh_proj's 2h x h GEMM is left to the layer's overhead)."""
+    depth = cm.model.mtp_depth
+    last = moe if moe is not None and cm.mtp_moe_layers() else layer
+    b, t, c = cfg.micro_batch_size, cfg.tensor_parallel, cfg.context_parallel
+    of, ob = cm.layers.output_s(b, t, c)
+    logits = _MicrobatchTimes(forward=of, backward=ob, compute=of + ob, recompute=0.0,
+                              tensor_parallel=0.0)
+    return _stage_layer_times(last, cfg.recompute, depth) + logits * depth
 
 
 def _moe_layer_params_per_rank(model: ModelShape, experts: Experts, t: int, ep: int) -> int:
@@ -870,7 +906,8 @@ def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, layers: in
     With v model chunks the stash counts (microbatch, chunk) units of n / v layers each;
     the embedding's bytes belong to chunk 0 of the first stage and the output layer's to
     the last chunk of the last stage, so the peak is taken over the schedule's own
-    stash points (`_chunk_peaks`), not the unit count times the largest unit.
+    stash points (`_chunk_peaks`), not the unit count times the largest unit. The MTP
+    block's D layers and D logits count with the output layer's bytes.
     """
     b, t, d, v = cfg.micro_batch_size, cfg.tensor_parallel, cfg.pipeline_depth, cfg.virtual_stages
     sp, c = cfg.sequence_parallel, cfg.context_parallel
@@ -881,8 +918,11 @@ def _activation_bytes(cm: CostModel, cfg: ParallelConfig, stage: int, layers: in
              else 0.0)
     last = cm.model.output_activation_bytes(b, t, sp=sp, cp=c) if stage == d - 1 else 0.0
     rebuilt = _rebuilt_bytes(per, cfg.recompute, n)
-    if cm.experts is not None:  # each chunk its own mix of MoE and dense layers
-        moe = _moe_layer_bytes(cm, cfg, per)
+    moe = _moe_layer_bytes(cm, cfg, per) if cm.experts is not None else None
+    if stage == d - 1 and cm.model.mtp_depth:  # D layers like the last, D more logits
+        mtp = moe if cm.mtp_moe_layers() else per
+        last += cm.model.mtp_depth * (_kept_bytes(mtp, cfg.recompute, 1) + last)
+    if moe is not None:  # each chunk its own mix of MoE and dense layers
         chunks = cm.stage_chunks(cfg, stage)
         unit = max(_kept_bytes(_mixed(per, moe, k, size), cfg.recompute, size)
                    for size, k in chunks)
@@ -976,6 +1016,11 @@ def _stage_costs(cm: CostModel, cfg: ParallelConfig) -> tuple[tuple[StageCost, .
             expert_params = moe_layers * _expert_params_per_rank(
                 cm.model, cm.experts, cfg.tensor_parallel, cfg.expert_parallel)
         ends = _ends_times(cm, cfg, s == 0, s == d - 1)
+        if s == d - 1 and cm.model.mtp_depth:
+            ends = ends + _mtp_times(cm, cfg, layer, moe)
+            if cm.mtp_moe_layers():
+                expert_params += cm.mtp_moe_layers() * _expert_params_per_rank(
+                    cm.model, cm.experts, cfg.tensor_parallel, cfg.expert_parallel)
         params = _stage_params(cm.model, cfg, s, n, cm.experts, moe_layers)
         shard = cm.shard(cfg, s, params, n)
         activations = _activation_bytes(cm, cfg, s, n, declared)

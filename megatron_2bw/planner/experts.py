@@ -102,15 +102,21 @@ class Experts(MoeShape):
     def num_moe_layers(self, model: ModelShape) -> int:
         return self.moe_layers(0, model.num_layers)
 
+    def mtp_moe_layers(self, model: ModelShape) -> int:
+        """MTP layers that are MoE layers: all of them when the decoder's last one is."""
+        return model.mtp_depth if self.is_moe_layer(model.num_layers - 1) else 0
+
     def total_params(self, model: ModelShape) -> int:
-        """`ModelShape.total_params` with the MoE layers' MLPs replaced."""
-        k = self.num_moe_layers(model)
+        """`ModelShape.total_params` with the MoE layers' MLPs replaced (the MTP
+        layers' too)."""
+        k = self.num_moe_layers(model) + self.mtp_moe_layers(model)
         return model.total_params() + k * (self.layer_params(model) - model.layer_params())
 
     def active_params(self, model: ModelShape) -> int:
         """Parameters one token goes through: the MoE layers with k experts, not E."""
         unused = (self.num_experts - self.moe_router_topk) * self.expert_params(model)
-        return self.total_params(model) - self.num_moe_layers(model) * unused
+        k = self.num_moe_layers(model) + self.mtp_moe_layers(model)
+        return self.total_params(model) - k * unused
 
     def mean_layer_params(self, model: ModelShape) -> float:
         """A layer's parameters averaged over the model's dense and MoE layers."""

@@ -27,6 +27,7 @@ def model_flags(model: ModelShape) -> list[str]:
              "--ffn-hidden-size", str(model.ffn_size)]
             + (["--swiglu"] if model.swiglu else [])
             + ["--num-attention-heads", str(model.num_attention_heads)] + gqa + _mla(model)
+            + _mtp(model)
             + ["--seq-length", str(model.seq_length),
                "--max-position-embeddings", str(model.seq_length),
                "--vocab-size", str(model.vocab_size)])
@@ -42,6 +43,14 @@ def _mla(model: ModelShape) -> list[str]:
              ("--v-head-dim", model.v_head_dim)]
     return ["--multi-latent-attention"] + [w for flag, value in sizes if value is not None
                                            for w in (flag, str(value))]
+
+
+def _mtp(model: ModelShape) -> list[str]:
+    """Multi-token prediction's depth, and the rotary positions the trainer requires with
+    it (Megatron-LM's rule)."""
+    if not model.mtp_depth:
+        return []
+    return ["--mtp-num-layers", str(model.mtp_depth), "--position-embedding-type", "rope"]
 
 
 CONTEXT_PARALLEL_MODEL_FLAGS = ["--attention-dropout", "0"]

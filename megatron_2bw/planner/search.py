@@ -147,8 +147,8 @@ def sequence_parallel_option(model: ModelShape, t: int, c: int, allowed: bool) -
     and the sequence splitting into the 2c load-balanced chunks (one chunk at c = 1),
     each over t ranks."""
     chunks = 2 * c if c > 1 else 1
-    return (allowed and t > 1 and model.model == "gpt"
-            and model.seq_length % (chunks * t) == 0)
+    return (allowed and t > 1 and model.model == "gpt" and not model.mtp_depth
+            and model.seq_length % (chunks * t) == 0)  # the trainer's MTP has no SP form
 
 
 def context_parallel_sizes(model: ModelShape, devices: int,
@@ -158,7 +158,8 @@ def context_parallel_sizes(model: ModelShape, devices: int,
     dividing `devices` with the sequence divisible by 2 CP (megatron-core's load-balanced
     causal split: 2 CP chunks, rank i holding chunks i and 2 CP - 1 - i)."""
     options = [1] if allowed is None or 1 in allowed else []
-    if model.model != "gpt" or model.multi_latent_attention:  # the trainer has no MLA CP
+    if model.model != "gpt" or model.multi_latent_attention or model.mtp_depth:
+        # the trainer has no context-parallel MLA or MTP
         return options
     if allowed is None:
         if model.seq_length < CONTEXT_PARALLEL_MIN_SEQ_LENGTH:
@@ -283,6 +284,43 @@ def _configs_at(cm: CostModel, space: SearchSpace, t: int, c: int,
                                                      context_parallel=c,
                                                      sequence_parallel=sp,
                                                      expert_parallel=e)
+
+
+# The restrictions of `SearchSpace` a flag sets: (field, flag, the configuration's value,
+# the rule that decides which values a model and job allow)
+_RESTRICTIONS = (
+    ("tensor_parallel_sizes", "--tensor-parallel-sizes", "tensor_parallel",
+     "TP must divide the devices per node, --num-gpus, the attention heads and the MLP width"),
+    ("micro_batch_sizes", "--micro-batch-sizes", "micro_batch_size",
+     "a micro-batch size must divide the batch of a data-parallel replica"),
+    ("context_parallel_sizes", "--context-parallel-sizes", "context_parallel",
+     "CP must divide the devices left by TP and split the sequence into 2 x CP chunks"),
+    ("virtual_stages", "--virtual-stages", "virtual_stages",
+     "more than 1 needs flush at PP >= 2 with the stages' layers split evenly"),
+    ("expert_parallel_sizes", "--expert-parallel-sizes", "expert_parallel",
+     "EP must divide the experts and the DP x CP ranks"),
+    ("schedules", "--schedules", "schedule",
+     "2bw needs at least PP microbatches, gpipe PP >= 2"))
+
+
+def no_configuration_reason(cm: CostModel, space: SearchSpace) -> str:
+    """Why `space` holds no valid configuration, in one line: the flag whose values left
+    none, the rule they break and the values that would work (the first flag whose removal
+    alone gives configurations), else the job itself. Without it the user reads "no
+    configuration of 0 fits", which blames memory for a flag's values."""
+    for name, flag, attr, rule in _RESTRICTIONS:
+        given = getattr(space, name)
+        wider = SCHEDULES if name == "schedules" else None
+        if not given or given == wider:
+            continue
+        works = sorted({getattr(c, attr) for c in enumerate_configs(
+            cm, replace(space, **{name: wider}))})
+        if works:
+            return (f"{flag} {','.join(map(str, given))} leaves no configuration ({rule}); "
+                    f"{flag} {','.join(map(str, works))} would")
+    return (f"no valid configuration of {space.num_gpus} devices for --global-batch-size "
+            f"{space.global_batch_size} and --num-layers {cm.model.num_layers} with these "
+            "flags together")
 
 
 @dataclass

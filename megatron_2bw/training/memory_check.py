@@ -164,6 +164,8 @@ def drivers(run: RunConfig) -> str:
              f"--num-layers {m.num_layers}", f"--hidden-size {m.hidden_size}"]
     if run.num_microbatches > 1 and par.pipeline_parallel > 1:
         parts.append(f"--global-batch-size {t.global_batch_size}")
+    if m.mtp_num_layers:  # the last stage's MTP block (`planner.cost_model`)
+        parts.append(f"--mtp-num-layers {m.mtp_num_layers}")
     return ", ".join(parts)
 
 

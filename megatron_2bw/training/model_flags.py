@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..models.config import (ATTENTION_BACKENDS, MEGATRON_RECOMPUTE_MODULES, MOE_DISPATCHERS,
-                             RECOMPUTE_MODULES, SOFTMAX_TYPES, ModelConfig, stage_layer_counts)
+                             SOFTMAX_TYPES, ModelConfig, stage_layer_counts)
 from ..shape import parse_layer_freq, swiglu_ffn_size
 from .errors import UserError
 from .mla_flags import mla_config, mla_flags, mla_problem
@@ -157,7 +157,8 @@ def _recompute_flags(p: argparse.ArgumentParser) -> None:
                         "core_attn (attention scores, softmax, dropout), mlp (dense layers' "
                         "MLP), moe (whole MoE layers), shared_experts, layernorm (the "
                         "norms before attention and MLP), mla_up_proj (MLA's up "
-                        "projections and rope); moe_act is refused")
+                        "projections and rope), moe_act (the grouped experts' activation; "
+                        "needs --moe-grouped-gemm)")
 
 
 def window_size_type(text: str) -> tuple[int, ...]:
@@ -688,12 +689,11 @@ ARCH_RULES: tuple[ArchRule, ...] = (
              lambda a, m: a.recompute_modules is None or granularity(a) == "selective",
              "--recompute-modules act only with selective recomputation",
              "add --recompute-granularity selective (or --recompute-activations), or drop it"),
-    ArchRule("--recompute-modules", lambda a, m: not set(a.recompute_modules or ())
-             - set(RECOMPUTE_MODULES),
-             "--recompute-modules moe_act is not implemented: megatron-core recomputes the "
-             "expert activation only inside GroupedMLP's forward, which a torch grouped GEMM "
-             "replaces here", "drop moe_act (moe recomputes the whole MoE layer, its "
-             "activations included)"),
+    ArchRule("--recompute-modules, --moe-grouped-gemm", lambda a, m: (
+        "moe_act" not in (a.recompute_modules or ()) or a.moe_grouped_gemm),
+        "--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core's rule: only "
+        "the grouped experts recompute their activation)",
+        "add --moe-grouped-gemm, or drop moe_act"),
     ArchRule("--recompute-modules, --multi-latent-attention", lambda a, m: (
         "mla_up_proj" not in (a.recompute_modules or ()) or a.multi_latent_attention),
         "--recompute-modules mla_up_proj needs --multi-latent-attention (megatron-core's "

@@ -5,7 +5,9 @@ After its first two log lines Megatron-LM prints, on one rank,
 core_v0.16.1): the parameters of the transformer block, of the embedding layers, in
 total and on the most loaded shard, then the bytes of weights and optimizer state
 (18 per parameter, or 6 + 12 / DP with the distributed optimizer) and of activations
-(Korthikanti et al.'s per-layer estimate), for Megatron-LM's own 1F1B schedule. The
+(Korthikanti et al.'s per-layer estimate), for Megatron-LM's own 1F1B schedule; with
+--mtp-num-layers its "mtp block" line and the MTP layers on the most loaded shard
+(their activations are not in Megatron-LM's estimate, so not here either). The
 same estimate is printed here, from the same inputs, so the lines read as in a
 Megatron-LM log of the same model. It is Megatron-LM's closed form: no biases, every
 expert on the most loaded shard, one weight version (2BW holds two; the measured
@@ -67,14 +69,18 @@ def parameter_lines(m: ModelConfig, par: ParallelConfig) -> tuple[list[str], flo
     embedding = m.hidden_size * m.vocab_size
     embeddings = 2 * embedding if m.untie_embeddings_and_output_weights else embedding
     block = (m.num_layers - moe_layers) * dense + moe_layers * moe + norm * m.hidden_size
+    # the MTP layers: the decoder's last layer's kind, nothing for their norms and eh_proj
+    mtp = (m.mtp_num_layers or 0) * (moe if m.is_moe_layer(m.num_layers - 1) else dense)
     tp, pp = par.tensor_parallel, par.pipeline_parallel
-    most_loaded = (block / pp + embedding) / tp
+    most_loaded = (block / pp + mtp + embedding) / tp
     if m.untie_embeddings_and_output_weights and pp == 1:
         most_loaded += embedding / tp
-    lines = [f"Number of parameters in transformer block in billions: {block / 1e9: .2f}",
-             f"Number of parameters in embedding layers in billions: {embeddings / 1e9:.2f}",
-             f"Total number of parameters in billions: {(block + embeddings) / 1e9:.2f}",
-             f"Number of parameters in most loaded shard in billions: {most_loaded / 1e9:.4f}"]
+    lines = [f"Number of parameters in transformer block in billions: {block / 1e9: .2f}"]
+    if m.mtp_num_layers:
+        lines.append(f"Number of parameters in mtp block in billions: {mtp / 1e9: .2f}")
+    lines += [f"Number of parameters in embedding layers in billions: {embeddings / 1e9:.2f}",
+              f"Total number of parameters in billions: {(block + mtp + embeddings) / 1e9:.2f}",
+              f"Number of parameters in most loaded shard in billions: {most_loaded / 1e9:.4f}"]
     if pp > 1:
         lines.append(f"Number of parameters in other shards in billions: "
                      f"{block / (pp * tp) / 1e9:.4f}")

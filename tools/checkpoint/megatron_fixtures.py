@@ -20,7 +20,10 @@ Megatron-LM's `save_checkpoint` writes:
   of Megatron-LM's DDP, optimizer and scheduler on random tokens, saved at iteration 3;
   beside each, `adam_reference/<name>.pt` holds what Megatron-LM's optimizer held then,
   per parameter and whole ({(key, global offset): {param, exp_avg, exp_avg_sq}}, and
-  `step`), gathered from its shards, for tests/test_megatron_optimizer.py.
+  `step`), gathered from its shards, for tests/test_megatron_optimizer.py;
+- `torch_adam`: the same GPT and steps in --bf16 with the non-distributed optimizer
+  (Float16OptimizerWithFloat16Params), saved with --ckpt-format torch (Adam's state in
+  `model_optim_rng.pt`'s `optimizer` entry), for tests/test_megatron_optimizer.py.
 
 On CPU Megatron-LM's CUDA calls are answered by the CPU (megatron_harness.py says which);
 the model is built with megatron-2bw's CPU shims (megatron_2bw/models/compat.py).
@@ -60,6 +63,7 @@ ADAM_FIXTURES = {  # name: (data-parallel processes, flags)
     "torch_dist_adam_dp": (2, ["--bf16", "--use-distributed-optimizer"]),
     "torch_dist_adam_full": (2, ["--bf16", "--use-distributed-optimizer",
                                  "--dist-ckpt-optim-fully-reshardable"]),
+    "torch_adam": (1, ["--bf16", "--ckpt-format", "torch"]),
 }
 
 
@@ -204,14 +208,17 @@ def main() -> None:
     cli.add_argument("--megatron", required=True, help="Megatron-LM checkout at core_v0.16.1")
     cli.add_argument("--deps", required=True, help="folder with six, triton, pydantic")
     cli.add_argument("--out", default="tests/fixtures/megatron_lm")
-    cli.add_argument("--only", choices=["model", "adam"], help="write only these fixtures")
+    cli.add_argument("--only", choices=["model", "adam", *ADAM_FIXTURES],
+                     help="write only these fixtures (or this one)")
     opts = cli.parse_args()
     harness.add_paths(opts.megatron, opts.deps)
     out, port = os.path.abspath(opts.out), int(os.environ.get("PORT", "29613"))
-    if opts.only != "adam":
+    if opts.only in (None, "model"):
         _model_fixtures(out, port)
-    if opts.only != "model":
+    if opts.only != "model":  # every optimizer fixture, or the one named
         for i, (name, (world, flags)) in enumerate(ADAM_FIXTURES.items()):
+            if opts.only not in (None, "adam", name):
+                continue
             harness.spawn(_adam_fixture, world, name, flags, out, port + 1 + i)
 
 

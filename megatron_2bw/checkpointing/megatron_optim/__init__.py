@@ -31,7 +31,8 @@ The modules, each importing only modules listed before it:
 - `index.py`: this engine's dp_reshardable buckets indexed by those placements, so a
   save writes Adam's state once and a resume reads it at any layout;
 - `save.py`: the `optimizer` entry a save hands dist_checkpointing (and the index);
-- `load.py`: a Megatron-LM checkpoint's optimizer scalars, and its buckets read back.
+- `load.py`: a Megatron-LM checkpoint's optimizer scalars, and its buckets read back;
+- `torch_format.py`: Adam's state in a `--ckpt-format torch` file Megatron-LM wrote.
 """
 from .buckets import BUCKET_KIND, ParamSpec, grad_buffers, owned, param_specs, retyped
 from .formats import (ADAM_KINDS, DP_RESHARDABLE, FULLY_RESHARDABLE, LayoutError,
@@ -40,10 +41,11 @@ from .groups import megatron_scheduler, scaler_to_megatron
 from .index import IndexRead, index_read
 from .load import BucketRead, bucket_template, check_dp_layout, engine_state
 from .save import MegatronState, SaveInputs, megatron_optimizer_state
+from .torch_format import torch_optimizer_state
 
 __all__ = ["ADAM_KINDS", "BUCKET_KIND", "DP_RESHARDABLE", "FULLY_RESHARDABLE", "BucketRead",
            "IndexRead", "LayoutError", "MegatronState", "OptimizerFormat", "ParamSpec",
            "SaveInputs", "bucket_template", "check_dp_layout", "engine_state",
            "grad_buffers", "index_read", "key_of", "megatron_optimizer_state",
            "megatron_scheduler", "owned", "param_specs", "retyped", "save_format",
-           "saved_format", "scaler_to_megatron"]
+           "saved_format", "scaler_to_megatron", "torch_optimizer_state"]
