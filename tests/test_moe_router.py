@@ -198,3 +198,19 @@ def test_2bw_resumed_mid_run_takes_the_uninterrupted_steps_bit_for_bit(tmp_path,
         str(tmp_path / "resumed.jsonl"))
     assert [r["iteration"] for r in resumed] == [4, 5]
     assert losses(resumed) == losses(whole)[3:]
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+@pytest.mark.parametrize("parallel", [["--expert-model-parallel-size", "2"], []],
+                         ids=["ep2-dp2", "dp2"])
+def test_2bw_with_the_expert_bias_over_data_parallel_ranks_equals_the_oracle(
+        tmp_path, parallel) -> None:
+    """PP 2 x DP 2 (and EP 2 within it): each version's counts are summed over the
+    data-parallel ranks before its bias moves, so the run is the one-process oracle's."""
+    got = launch("gpt", 4, ITERS + ROUTER + TWO_BW + parallel, str(tmp_path / "dp2.jsonl"))
+    oracle = run_distributed(_oracle, 1, TINY + ITERS + ROUTER)[0]
+    err = max_rel(losses(got), oracle)
+    print(f"2BW PP2 x DP2 {' '.join(parallel)} with the expert bias vs the delayed oracle: "
+          f"loss max relative error {err:.2e}")
+    assert err < 1e-5
