@@ -497,43 +497,45 @@ class Trainer:
         Megatron."""
         t = self.run.train
         first = (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
-        rec = self.measure(self.sources.valid, first, t.eval_iters, iteration)
-        if rec is None:
-            return
-        self.history.setdefault("valid", {})[iteration] = rec
         # Megatron-LM's label for its validation after the training loop
         final = iteration % t.eval_interval != 0
-        self.sink.validation(rec, f"iteration {iteration} on validation set" if final else None)
+        self._evaluate_split("valid", first, iteration,
+                             f"iteration {iteration} on validation set" if final else None)
 
     def evaluate_test(self, tensorboard: bool = True) -> None:
         """Megatron-LM's test-set evaluation after training (`do_test`: --eval-iters > 0
         and a test split): --eval-iters global batches from the start of the test split,
         printed as `validation loss at iteration N on test set`."""
-        t = self.run.train
-        if self.sources.test is None or not t.eval_iters:
+        if self.sources.test is None or not self.run.train.eval_iters:
             return
-        rec = self.measure(self.sources.test, 0, t.eval_iters, self.iteration)
-        if rec is None:
-            return
-        rec["split"] = "test"
-        self.history.setdefault("test", {})[self.iteration] = rec
-        self.sink.validation(rec, f"iteration {self.iteration} on test set", tensorboard)
+        self._evaluate_split("test", 0, self.iteration,
+                             f"iteration {self.iteration} on test set", tensorboard)
 
     def _skip_train(self) -> None:
         """--skip-train, as Megatron-LM: no step; the model as loaded (iteration N of
         --load, or 0) is validated on the first --eval-iters global batches of the
         validation split, then tested, each printed as after training; nothing is saved
         or written to TensorBoard."""
-        t = self.run.train
         logger.info(f"--skip-train: no training; validating the model of iteration "
                     f"{self.iteration}")
-        if self.sources.valid is not None and t.eval_iters:
-            rec = self.measure(self.sources.valid, 0, t.eval_iters, self.iteration)
-            if rec is not None:
-                self.history.setdefault("valid", {})[self.iteration] = rec
-                self.sink.validation(rec, f"iteration {self.iteration} on validation set",
-                                     tensorboard=False)
+        if self.sources.valid is not None and self.run.train.eval_iters:
+            self._evaluate_split("valid", 0, self.iteration,
+                                 f"iteration {self.iteration} on validation set",
+                                 tensorboard=False)
         self.evaluate_test(tensorboard=False)
+
+    def _evaluate_split(self, split: str, first: int, iteration: int, label: Optional[str],
+                        tensorboard: bool = True) -> None:
+        """--eval-iters global batches of `split` ("valid" or "test") from sample `first`,
+        kept in the history and written as Megatron-LM's validation line `label`."""
+        source = self.sources.valid if split == "valid" else self.sources.test
+        rec = self.measure(source, first, self.run.train.eval_iters, iteration)
+        if rec is None:
+            return
+        if split == "test":
+            rec["split"] = "test"
+        self.history.setdefault(split, {})[iteration] = rec
+        self.sink.validation(rec, label, tensorboard)
 
     def measure(self, dataset, first: int, iters: int, iteration: int) -> Optional[dict]:
         """The loss (and its parts or metrics) of `iters` global batches of `dataset` from
